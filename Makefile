@@ -1,0 +1,48 @@
+# shardlab: the two commands a new user needs are `make demo` and `make test`.
+# Both start with `make setup`, which is idempotent (a stamp file tracks pyproject.toml).
+#
+# TORCH_SPEC picks the torch build. The default is the CPU wheel that lies on this
+# machine's disk; a GPU user sets e.g. TORCH_SPEC="torch==2.13.0 --index-url <their CUDA index>".
+
+PYTHON     ?= python3
+VENV       ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS     ?= dev,plot,infra
+NPROC      ?= 2
+PY         := $(VENV)/bin/python
+STAMP      := $(VENV)/.shardlab-setup
+
+.PHONY: setup demo test test-fast lint bench clean help
+
+help:
+	@echo "make setup   create $(VENV), install torch ($(TORCH_SPEC)) and shardlab[$(EXTRAS)]"
+	@echo "make demo    train the default GPT on the embedded corpus with $(NPROC) worker processes"
+	@echo "make test    the whole test suite (what CI runs)"
+	@echo "make bench   the engine benchmark (docs/benchmarks.md)"
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_SPEC)
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	@touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/shardlab train configs/gpt-tiny.yaml --nproc $(NPROC)
+
+test: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra
+
+test-fast: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -m "not slow"
+
+lint: setup
+	$(VENV)/bin/ruff check src tests
+
+bench: setup
+	$(VENV)/bin/shardlab bench --help >/dev/null && $(PY) -m shardlab.bench
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

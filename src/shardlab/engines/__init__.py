@@ -1,0 +1,88 @@
+"""The engine switch: `parallelize(model, strategy, ...)` and the registry of strategies.
+
+Each strategy lives in its own file; this module only maps names to classes (imported
+lazily, so `single` needs nothing distributed).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardlab.engines.api import (
+    ENGINE_ATTR,
+    Engine,
+    MixedPrecision,
+    attach,
+    engine_of,
+    optimizer_state_bytes,
+    resolve_units,
+)
+
+# name -> "module:Class". The order is the order help texts list them in.
+STRATEGIES: dict[str, str] = {
+    "single": "shardlab.engines.api:LocalEngine",
+    "ddp": "shardlab.engines.ddp:DDPEngine",
+    "zero3": "shardlab.engines.zero3:Zero3Engine",
+    "fsdp": "shardlab.engines.fsdp:FSDPEngine",
+    "torch-ddp": "shardlab.engines.native:TorchDDPEngine",
+    "torch-fsdp": "shardlab.engines.native:TorchFSDPEngine",
+}
+SHARDED_STRATEGIES = frozenset({"zero3", "fsdp", "torch-fsdp"})
+
+__all__ = ["STRATEGIES", "SHARDED_STRATEGIES", "Engine", "MixedPrecision", "parallelize", "engine_class",
+           "engine_of", "optimizer_state_bytes", "ENGINE_ATTR"]
+
+
+def engine_class(strategy: str) -> type[Engine]:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
+    mod, cls = STRATEGIES[strategy].split(":")
+    return getattr(importlib.import_module(mod), cls)
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        import os
+
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def parallelize(model: nn.Module, strategy: str = "fsdp", wrap: Any = None, *,
+                group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
+                activation_checkpointing: bool = False, **options: Any) -> nn.Module:
+    """Wrap `model` with `strategy` and return the module to train.
+
+    model: a plain nn.Module, possibly on the meta device (sharded engines then
+        materialize only what this rank holds; the others materialize it whole).
+    wrap: the units: None (the model's repeated blocks), a set of module classes, or a
+        predicate on modules. The root is always a unit of its own.
+    group: the process group (default: the world). Needs torch.distributed initialized,
+        except for strategy="single".
+    activation_checkpointing: recompute each unit's activations in backward.
+    options: engine options, e.g. reshard_after_forward, mixed_precision, bucket_size_bytes, prefetch.
+    """
+    cls = engine_class(strategy)
+    unknown = sorted(set(options) - set(cls.options))
+    if unknown:
+        raise TypeError(f"strategy {strategy!r} takes no option(s) {unknown}; "
+                        f"its options are: {', '.join(cls.options) or 'none'}")
+    if strategy != "single" and not dist.is_initialized():
+        raise RuntimeError(f"strategy {strategy!r} needs torch.distributed initialized "
+                           "(torch.distributed.init_process_group, or run through `shardlab train`)")
+    if hasattr(model, ENGINE_ATTR):
+        raise ValueError("this model is already parallelized")
+    device = torch.device(device) if device is not None else default_device()
+    units = resolve_units(model, wrap)
+    if activation_checkpointing:
+        from torch.distributed._composable import checkpoint
+
+        for unit in units:
+            checkpoint(unit)
+    engine = cls(model, group=group, device=device, units=units, **options)
+    return attach(engine)

@@ -1,0 +1,258 @@
+"""The engine contract: what every strategy offers the training loop, and the small
+frozen policies that configure it.
+
+An engine takes a plain `nn.Module` (possibly on the meta device) and returns a module
+whose `parameters()` are exactly what this rank holds and updates, so any `torch.optim`
+optimizer works unchanged. The returned module carries its `Engine` (see `engine_of`);
+the public functions in `shardlab` (`no_sync`, `clip_grad_norm_`, `full_state_dict`, ...)
+dispatch to it. The training loop never asks which engine it drives.
+
+Contract every engine keeps (the parity tests check it):
+- forward: `module(*args)` computes what the unwrapped module computes;
+- after `loss.backward()` returns, each local parameter's `.grad` holds the gradient of
+  the *global mean* loss (gradients averaged over ranks, never summed) for the part this
+  rank holds; all communication has completed;
+- inside `no_sync()`, backward accumulates local gradients and communicates nothing; the
+  first backward after leaving it reduces the accumulated gradients;
+- `full_state_dict()` is called by every rank and returns the unwrapped module's
+  `state_dict()` keys (original names, tied names included) with full CPU tensors.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+ENGINE_ATTR = "_shardlab_engine"
+
+WrapSpec = Union[None, set, frozenset, tuple, list, Callable[[nn.Module], bool]]
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """param_dtype: dtype of the gathered parameters used for compute (None: keep fp32).
+    reduce_dtype: dtype gradients are communicated in (None: param_dtype, else fp32).
+    Sharded/local parameters and the optimizer state always stay in fp32."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+    @classmethod
+    def parse(cls, value: Any) -> MixedPrecision | None:
+        """Accept None, a MixedPrecision, a dtype name ("bf16", "fp16", "fp32") or a dict."""
+        if value is None or isinstance(value, MixedPrecision):
+            return value
+        if isinstance(value, str):
+            dt = DTYPES[value]
+            return None if dt == torch.float32 else cls(param_dtype=dt, reduce_dtype=dt)
+        if isinstance(value, Mapping):
+            return cls(**{k: DTYPES[v] if isinstance(v, str) else v for k, v in value.items()})
+        raise TypeError(f"mixed_precision must be None, a dtype name or a dict, not {value!r}")
+
+
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16,
+}
+
+
+def resolve_units(model: nn.Module, wrap: WrapSpec) -> list[nn.Module]:
+    """The wrap units below the root, in module (forward) order.
+
+    wrap=None: the model's repeated blocks (children of every nn.ModuleList, ResNet stages).
+    A set/tuple/list of module classes: every module of those classes (outermost only).
+    A callable: every module for which wrap(module) is true (outermost only).
+    """
+    if wrap is None:
+        from shardlab.models import repeated_blocks
+
+        return repeated_blocks(model)
+    if isinstance(wrap, (set, frozenset, tuple, list)):
+        classes = tuple(wrap)
+        if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+            raise TypeError(f"wrap as a collection must hold nn.Module classes, got {wrap!r}")
+        predicate: Callable[[nn.Module], bool] = lambda m: isinstance(m, classes)  # noqa: E731
+    elif callable(wrap):
+        predicate = wrap
+    else:
+        raise TypeError(f"wrap must be None, a set of module classes or a predicate, not {type(wrap).__name__}")
+    units: list[nn.Module] = []
+    taken: set[int] = set()
+    for name, m in model.named_modules():
+        if m is model or any(id(a) in taken for a in _ancestors(model, name)):
+            continue
+        if predicate(m):
+            units.append(m)
+            taken.add(id(m))
+    return units
+
+
+def _ancestors(model: nn.Module, name: str) -> Iterator[nn.Module]:
+    parts = name.split(".") if name else []
+    m = model
+    for part in parts[:-1]:
+        m = getattr(m, part)
+        yield m
+
+
+class Engine(abc.ABC):
+    """Per-model state of one strategy. Subclasses implement `_setup` and the abstract methods."""
+
+    strategy: ClassVar[str]
+    #: True when each rank's gradients are a disjoint part of the whole (sharded engines),
+    #: False when every rank holds the whole gradient (replicated engines).
+    grads_sharded: ClassVar[bool] = False
+    #: option names this engine accepts, for a clear error on a misspelt one.
+    options: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, module: nn.Module, *, group: dist.ProcessGroup | None, device: torch.device,
+                 units: list[nn.Module]):
+        self.group = group
+        self.device = device
+        self.units = units
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.module = module  # the module returned to the user; subclasses may replace it
+
+    # -- the contract ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def no_sync(self) -> contextlib.AbstractContextManager: ...
+
+    @abc.abstractmethod
+    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    @abc.abstractmethod
+    def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None: ...
+
+    def local_parameters(self) -> list[nn.Parameter]:
+        """What this rank holds and its optimizer updates (deduplicated)."""
+        return list({id(p): p for p in self.module.parameters()}.values())
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale gradients so the global norm is at most max_norm; returns the global norm
+        (before clipping), the same value on every rank."""
+        grads = [p.grad for p in self.local_parameters() if p.grad is not None]
+        total = global_grad_norm(grads, norm_type, self.group if self.grads_sharded else None, self.device)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of parameters and gradients this rank holds now (tensors the engine keeps
+        between steps; transient gathered buffers excluded)."""
+        params = self.local_parameters()
+        return {"params": sum(_nbytes(p) for p in params),
+                "grads": sum(_nbytes(p.grad) for p in params if p.grad is not None)}
+
+    def comm_stats(self) -> dict[str, dict[str, int]] | None:
+        """Bytes per collective kind since wrap, when the engine counts them."""
+        return None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    total = 0
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                local = v.to_local() if hasattr(v, "to_local") else v
+                total += _nbytes(local)
+    return total
+
+
+def global_grad_norm(grads: Iterable[torch.Tensor], norm_type: float, group: dist.ProcessGroup | None,
+                     device: torch.device) -> torch.Tensor:
+    """Norm over all ranks' gradients. group=None: gradients are replicated, no communication."""
+    norm_type = float(norm_type)
+    grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    if norm_type == float("inf"):
+        local = max((g.detach().abs().max().float() for g in grads if g.numel()), default=torch.tensor(0.0))
+        local = torch.as_tensor(local, dtype=torch.float32, device=device)
+        if group is not None:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        return local
+    local = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        if g.numel():
+            local += g.detach().float().norm(norm_type) ** norm_type
+    if group is not None:
+        dist.all_reduce(local, group=group)
+    return local ** (1.0 / norm_type)
+
+
+def engine_of(module: nn.Module) -> Engine:
+    engine = getattr(module, ENGINE_ATTR, None)
+    if engine is None:
+        raise TypeError("this module was not returned by shardlab.parallelize(); wrap it first")
+    return engine
+
+
+def attach(engine: Engine) -> nn.Module:
+    object.__setattr__(engine.module, ENGINE_ATTR, engine)
+    return engine.module
+
+
+def is_meta(module: nn.Module) -> bool:
+    return any(t.device.type == "meta" for t in [*module.parameters(), *module.buffers()])
+
+
+def materialize_whole_(module: nn.Module, device: torch.device) -> nn.Module:
+    """For engines that keep the whole model: give a meta model real storage, initialized
+    exactly as the same model built directly (see shardlab.models.init)."""
+    if is_meta(module):
+        from shardlab.models.init import materialize_
+
+        materialize_(module, device, getattr(module, "init_seed", 0))
+    return module.to(device)
+
+
+@torch.no_grad()
+def broadcast_module_state_(module: nn.Module, group: dist.ProcessGroup | None, src_rank: int = 0) -> None:
+    """Make every rank's parameters and buffers equal to rank src_rank's (global rank)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    seen: set[int] = set()
+    for t in [*module.parameters(), *module.buffers()]:
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        dist.broadcast(t.data, src=src_rank, group=group)
+
+
+def unwrapped_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """state_dict with every tensor detached, cloned to CPU, tied names kept."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict(keep_vars=False).items()}
+
+
+class LocalEngine(Engine):
+    """`single`: one process (or each rank on its own, unsynchronized). The reference."""
+
+    strategy = "single"
+
+    def __init__(self, module: nn.Module, **kw: Any):
+        super().__init__(module, **kw)
+        materialize_whole_(module, self.device)
+        self.world_size = 1
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return unwrapped_state_dict(self.module)
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.module.load_state_dict(state)

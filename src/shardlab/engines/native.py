@@ -1,0 +1,108 @@
+"""PyTorch's own engines behind shardlab's interface, for production use and comparison.
+
+- torch-ddp: `torch.nn.parallel.DistributedDataParallel`.
+- torch-fsdp: FSDP2 `fully_shard` on each unit (transformer block, ResNet stage), then on
+  the root, so parameters outside every unit (embeddings, tied head, final norm) are
+  sharded with the root group. Tied parameters live in the root group, as FSDP2 requires.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardlab.engines.api import Engine, MixedPrecision, materialize_whole_, unwrapped_state_dict
+
+
+class TorchDDPEngine(Engine):
+    strategy = "torch-ddp"
+    options = ("bucket_size_bytes", "find_unused_parameters", "gradient_as_bucket_view")
+
+    def __init__(self, module: nn.Module, *, bucket_size_bytes: int = 25 * 2**20,
+                 find_unused_parameters: bool = False, gradient_as_bucket_view: bool = True, **kw: Any):
+        super().__init__(module, **kw)
+        self.inner = materialize_whole_(module, self.device)
+        self.module = nn.parallel.DistributedDataParallel(
+            self.inner,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            process_group=self.group,
+            bucket_cap_mb=bucket_size_bytes / 2**20,
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+        )
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return self.module.no_sync()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return unwrapped_state_dict(self.inner)
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.inner.load_state_dict(state)
+
+
+class TorchFSDPEngine(Engine):
+    strategy = "torch-fsdp"
+    grads_sharded = True
+    options = ("reshard_after_forward", "mixed_precision")
+
+    def __init__(self, module: nn.Module, *, reshard_after_forward: bool | int = True,
+                 mixed_precision: Any = None, **kw: Any):
+        super().__init__(module, **kw)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        materialize_whole_(module, self.device)
+        if self.group is None or self.group == dist.group.WORLD:
+            mesh = init_device_mesh(self.device.type, (self.world_size,))
+        else:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            mesh = DeviceMesh.from_group(self.group, self.device.type)
+        mp = MixedPrecision.parse(mixed_precision)
+        mp_policy = MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype) if mp else MixedPrecisionPolicy()
+        for unit in self.units:
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+        # The root's own parameters are needed again at once by backward: keep them gathered.
+        fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy)
+        self.module = module
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for k, v in self.module.state_dict().items():
+            full = v.full_tensor() if hasattr(v, "full_tensor") else v
+            out[k] = full.detach().to("cpu", copy=True)
+        return out
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        from torch.distributed.tensor import distribute_tensor
+
+        own = self.module.state_dict()
+        for k, v in own.items():
+            src = state[k].to(self.device)
+            if hasattr(v, "device_mesh"):
+                v.copy_(distribute_tensor(src, v.device_mesh, v.placements))
+            else:
+                v.copy_(src)
+
+    def model_state_bytes(self) -> dict[str, int]:
+        params = self.local_parameters()
+        loc = [p.to_local() for p in params]
+        grads = [p.grad.to_local() for p in params if p.grad is not None]
+        return {"params": sum(t.numel() * t.element_size() for t in loc),
+                "grads": sum(t.numel() * t.element_size() for t in grads)}

@@ -1,0 +1,93 @@
+"""Deterministic, name-keyed parameter initialization.
+
+[Note: why every tensor has its own generator]
+A sharded engine builds the model on the meta device and materializes one unit at a
+time, so no rank ever holds the whole model. For that unit to equal the same unit of a
+model built whole in one process, a tensor's initial values must not depend on the order
+in which tensors are created or on which device they live. So each tensor is drawn from
+a CPU generator seeded by (seed, the tensor's canonical name in the root model). Tied
+parameters resolve to one canonical name (the first under which `named_parameters`
+lists them), so they get one value whichever module reaches them first.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+# Models may set this attribute on a Linear to scale its init (GPT-2's residual projections).
+INIT_STD_ATTR = "_shardlab_init_std"
+DEFAULT_STD = 0.02
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed((int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1))
+    return g
+
+
+def _init_value(module: nn.Module, local_name: str, shape: torch.Size, g: torch.Generator) -> torch.Tensor:
+    if isinstance(module, (nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.GroupNorm)):
+        return torch.ones(shape) if local_name == "weight" else torch.zeros(shape)
+    if local_name == "bias":
+        return torch.zeros(shape)
+    if isinstance(module, (nn.Conv1d, nn.Conv2d)):
+        fan_out = shape[0] * math.prod(shape[2:])  # kaiming normal, fan_out, relu
+        return torch.randn(shape, generator=g) * math.sqrt(2.0 / fan_out)
+    std = getattr(module, INIT_STD_ATTR, DEFAULT_STD)
+    return torch.randn(shape, generator=g) * std
+
+
+def canonical_names(root: nn.Module) -> dict[int, str]:
+    """id(parameter) -> the name `root.named_parameters()` gives it (first owner wins for tied ones)."""
+    return {id(p): n for n, p in root.named_parameters()}
+
+
+@torch.no_grad()
+def init_parameters_(root: nn.Module, seed: int, modules: Iterable[nn.Module] | None = None,
+                     names: dict[int, str] | None = None) -> None:
+    """Initialize (in place) the parameters and buffers of `modules` (default: all of `root`).
+
+    Parameters must already have storage (call `to_empty` first for meta modules). `names`
+    lets an engine pass canonical names computed before it replaced any parameter.
+    """
+    names = names if names is not None else canonical_names(root)
+    wanted = None if modules is None else {id(m) for m in modules}
+    for module in root.modules():
+        if wanted is not None and id(module) not in wanted:
+            continue
+        for local_name, p in module.named_parameters(recurse=False):
+            full = names[id(p)]
+            value = _init_value(module, local_name, p.shape, _generator(seed, full))
+            p.copy_(value.to(dtype=p.dtype))
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
+            module.running_mean.zero_()
+            module.running_var.fill_(1.0)
+            module.num_batches_tracked.zero_()
+
+
+def tied_parameters(root: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Groups of (module, attribute) that share one Parameter, e.g. GPT's embedding and head."""
+    seen: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in root.modules():
+        for local_name, p in module.named_parameters(recurse=False):
+            seen.setdefault(id(p), []).append((module, local_name))
+    return [group for group in seen.values() if len(group) > 1]
+
+
+@torch.no_grad()
+def materialize_(root: nn.Module, device: str | torch.device, seed: int) -> nn.Module:
+    """Give a meta-device model real storage on `device` and initialize it exactly as a
+    model built there directly. `Module.to_empty` unties shared parameters, so ties are
+    restored before initialization."""
+    ties = tied_parameters(root)
+    root.to_empty(device=device)
+    for (m0, n0), *rest in ties:
+        for m, n in rest:
+            setattr(m, n, getattr(m0, n0))
+    init_parameters_(root, seed)
+    return root

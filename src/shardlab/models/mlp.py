@@ -1,0 +1,31 @@
+"""A plain MLP: a stack of Linear layers with GELU between them, for tests and toy runs.
+Shapes like (7, 15) and (15, 3) make some ranks' shards empty, on purpose."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardlab.models.init import init_parameters_
+
+
+class MLPModel(nn.Module):
+    """forward(x, targets=None) -> outputs, or the mean cross-entropy when targets are given."""
+
+    def __init__(self, sizes: tuple[int, ...] = (7, 15, 3), seed: int = 0):
+        super().__init__()
+        if len(sizes) < 2:
+            raise ValueError("an MLP needs at least an input and an output size")
+        self.sizes = tuple(sizes)
+        self.init_seed = seed
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+        if self.layers[0].weight.device.type != "meta":
+            init_parameters_(self, seed)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = F.gelu(x)
+        return x if targets is None else F.cross_entropy(x.float(), targets)

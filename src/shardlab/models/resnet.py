@@ -1,0 +1,58 @@
+"""A small ResNet for 32x32 images (CIFAR-10): a stem, `len(blocks)` stages of basic blocks,
+global pooling and a linear classifier. Depth and width are configurable.
+
+BatchNorm under data parallelism: each rank normalizes with the statistics of its own
+micro batch (as PyTorch's DDP does without SyncBatchNorm), so training matches a single
+process only when the per-rank batch is the same; the parity tests therefore run the
+ResNet in eval-mode BatchNorm (running statistics fixed), where the math is identical.
+Running statistics are buffers: engines broadcast them from rank 0 at wrap time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardlab.models.init import init_parameters_
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, c_in: int, c_out: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    def __init__(self, blocks: tuple[int, ...] = (2, 2, 2), width: int = 16, num_classes: int = 10,
+                 in_channels: int = 3, seed: int = 0):
+        super().__init__()
+        self.init_seed = seed
+        self.stem = nn.Sequential(nn.Conv2d(in_channels, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+        stages, c = [], width
+        for i, n in enumerate(blocks):
+            c_out = width * 2**i
+            stage = [BasicBlock(c, c_out, 1 if i == 0 else 2)] + [BasicBlock(c_out, c_out, 1) for _ in range(n - 1)]
+            stages.append(nn.Sequential(*stage))
+            c = c_out
+        self.stages = nn.ModuleList(stages)
+        self.fc = nn.Linear(c, num_classes)
+        if self.fc.weight.device.type != "meta":
+            init_parameters_(self, seed)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.stem(x)
+        for stage in self.stages:
+            x = stage(x)
+        logits = self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+        return logits if targets is None else F.cross_entropy(logits.float(), targets)
