@@ -103,6 +103,24 @@ def _ancestors(model: nn.Module, name: str) -> Iterator[nn.Module]:
         yield m
 
 
+@dataclass(frozen=True)
+class ShardPiece:
+    """One contiguous piece of an original parameter inside a local (optimizer-visible) Parameter.
+
+    Both offsets count elements of the *flattened* tensors: elements
+    [local_start, local_start + numel) of the local Parameter hold elements
+    [offset, offset + numel) of the full parameter `name` (of shape `full_shape`).
+    The optimizer state of that local Parameter has the same layout, so a checkpoint can
+    save and reshard parameters and optimizer state of any engine from this description.
+    """
+
+    name: str
+    full_shape: torch.Size
+    offset: int
+    local_start: int
+    numel: int
+
+
 class Engine(abc.ABC):
     """Per-model state of one strategy. Subclasses implement `_setup` and the abstract methods."""
 
@@ -153,6 +171,18 @@ class Engine(abc.ABC):
         params = self.local_parameters()
         return {"params": sum(_nbytes(p) for p in params),
                 "grads": sum(_nbytes(p.grad) for p in params if p.grad is not None)}
+
+    def shard_layout(self) -> list[tuple[nn.Parameter, list[ShardPiece]]]:
+        """For each local Parameter, the pieces of original parameters it holds.
+        Default (replicated engines): every local parameter is one whole original parameter.
+        Sharded engines override this; every original parameter's pieces over all ranks
+        cover it exactly once."""
+        names = {id(p): n for n, p in self.unwrapped().named_parameters()}
+        return [(p, [ShardPiece(names[id(p)], p.shape, 0, 0, p.numel())]) for p in self.local_parameters()]
+
+    def unwrapped(self) -> nn.Module:
+        """The user's module (for engines that wrap it in another module, the inner one)."""
+        return getattr(self, "inner", self.module)
 
     def comm_stats(self) -> dict[str, dict[str, int]] | None:
         """Bytes per collective kind since wrap, when the engine counts them."""
