@@ -1,0 +1,3 @@
+from shardlab.launch import main
+
+raise SystemExit(main())

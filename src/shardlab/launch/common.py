@@ -1,0 +1,94 @@
+"""What every renderer shares: argument checks, the resolved config, and writing files.
+
+The order matters: every check runs before the first file is written, so a bad
+request leaves the output directory untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RESOLVED_CONFIG_NAME = "shardlab-config.yaml"
+
+# Kubernetes object names (RFC 1123 labels) are the strictest names we emit; Slurm job
+# names are free text, but keeping one rule for both keeps rendered files comparable.
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+class RenderError(ValueError):
+    """A request that cannot be rendered; the message says what to change."""
+
+
+@dataclass
+class ResolvedRun:
+    """The user's config after overrides, checked for the world size it will run at."""
+
+    config: object            # shardlab.config.Config
+    yaml_text: str            # what dump_config wrote; the rendered files point at this text
+    world_size: int
+    overrides: list[str] = field(default_factory=list)
+
+
+def check_dns_label(value: str, what: str, max_len: int = 63) -> str:
+    if not _DNS_LABEL.match(value) or len(value) > max_len:
+        raise RenderError(
+            f"{what} {value!r} is not a valid name: use lower-case letters, digits and '-', "
+            f"start and end with a letter or digit, at most {max_len} characters")
+    return value
+
+
+def check_positive(value: int, what: str, minimum: int = 1) -> int:
+    if value < minimum:
+        raise RenderError(f"{what} must be >= {minimum}, got {value}")
+    return value
+
+
+def has_override(overrides: list[str], key: str) -> bool:
+    return any(o.split("=", 1)[0].strip() == key for o in overrides)
+
+
+def with_defaults(overrides: list[str], defaults: dict[str, str]) -> list[str]:
+    """Overrides the launcher needs (e.g. resume=auto so a restarted job continues), placed
+    before the user's so an explicit user value still wins."""
+    added = [f"{k}={v}" for k, v in defaults.items() if not has_override(overrides, k)]
+    return added + list(overrides)
+
+
+def resolve_config(config_path: str | None, overrides: list[str], world_size: int) -> ResolvedRun:
+    """Load, override and validate the config for `world_size` ranks; raise RenderError."""
+    try:
+        from shardlab import config as shardlab_config
+    except ImportError as e:  # the lead's module; say so instead of a bare traceback
+        raise RenderError(f"shardlab.config is not available ({e}); cannot resolve the config") from e
+
+    if config_path is not None and not os.path.isfile(config_path):
+        raise RenderError(f"config file {config_path!r} does not exist")
+    try:
+        cfg = shardlab_config.load_config(config_path, list(overrides))
+        shardlab_config.validate_for_world(cfg, world_size)
+    except shardlab_config.ConfigError as e:
+        raise RenderError(f"config: {e}") from e
+    return ResolvedRun(config=cfg, yaml_text=shardlab_config.dump_config(cfg), world_size=world_size,
+                       overrides=list(overrides))
+
+
+def write_files(out_dir: Path, files: dict[str, str], executable: tuple[str, ...] = ()) -> list[Path]:
+    """Write every file (relative path -> text); only called once all checks have passed."""
+    written = []
+    for rel, text in files.items():
+        path = out_dir / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        if rel in executable:
+            path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+        written.append(path)
+    return written
+
+
+def sh_quote(value: str) -> str:
+    return shlex.quote(str(value))

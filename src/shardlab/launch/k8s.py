@@ -1,0 +1,450 @@
+"""`shardlab render k8s`: an Indexed Job + headless Service for any Kubernetes cluster,
+with the GKE pieces (T4 node selector, GCS FUSE bucket, workload identity) on top.
+
+Why an Indexed Job: it is a core API (no operator to install), every pod gets a stable
+hostname `<job>-<index>`, and with `subdomain: <service>` pod 0 is reachable as
+`<job>-0.<service>`, which is where the torchrun agents meet (c10d rendezvous).
+
+The manifests are built here as data, once. `infra/kubernetes/base` and the overlays in
+`infra/kubernetes/overlays` are written by `python -m shardlab.launch.k8s write-infra` from
+the same functions with default values (a test keeps them in sync), and `render k8s`
+writes a self-contained overlay: a copy of the base with the user's values, a
+kustomization that adds the namespace, the image and the config as a ConfigMap, and the
+same thing fully expanded in `manifest.yaml` for clusters applied without kustomize.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from shardlab.launch.common import (
+    RESOLVED_CONFIG_NAME,
+    RenderError,
+    check_dns_label,
+    check_positive,
+    resolve_config,
+    sh_quote,
+    with_defaults,
+    write_files,
+)
+
+IMAGE_NAME = "shardlab"             # the name the kustomization's `images:` entry rewrites
+DEFAULT_IMAGE_TAG = "0.1.0"
+RUN_AS_UID = 10001                 # the Dockerfile's user; > 10000 so it never maps to a host user
+BUCKET_MOUNT = "/mnt/shardlab"
+CONFIG_MOUNT = "/etc/shardlab"
+RDZV_PORT = 29500
+GPU_RESOURCE = "nvidia.com/gpu"
+
+# Checkov findings that do not fit a training pod, skipped in place with the reason.
+CHECKOV_SKIPS = {
+    "CKV_K8S_11": "no CPU limit on purpose: CFS throttling stalls data loaders and collective timeouts",
+    "CKV_K8S_43": "the image is pinned by tag per release; pass --image NAME@sha256:... to pin a digest",
+    "CKV_K8S_8": "a batch job has no liveness endpoint; torchrun's elastic agent restarts hung workers",
+    "CKV_K8S_9": "a batch job serves no traffic, so there is nothing to be ready for",
+}
+
+
+@dataclass
+class K8sRequest:
+    config: str | None
+    overrides: list[str]
+    nodes: int
+    gpus_per_node: int
+    out: Path | None = None
+    name: str = "shardlab-train"
+    namespace: str = "shardlab"
+    image: str = f"{IMAGE_NAME}:{DEFAULT_IMAGE_TAG}"
+    bucket: str = "shardlab-data"
+    service_account: str = "shardlab-trainer"
+    accelerator: str = "nvidia-tesla-t4"
+    cpu_per_node: str = "4"
+    memory_per_node: str = "16Gi"
+    shm_size: str = "8Gi"
+    max_restarts: int = 3
+    backoff_limit: int | None = None      # default: nodes * (max_restarts + 1)
+    create_namespace: bool = True
+    extra_labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def nproc(self) -> int:
+        return max(self.gpus_per_node, 1)
+
+    @property
+    def service(self) -> str:
+        return self.name      # one headless Service per job, named like it
+
+    @property
+    def config_map(self) -> str:
+        return f"{self.name}-config"
+
+
+def _labels(req: K8sRequest) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "shardlab", "app.kubernetes.io/instance": req.name,
+            "app.kubernetes.io/component": "trainer", **req.extra_labels}
+
+
+def _selector(req: K8sRequest) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "shardlab", "app.kubernetes.io/instance": req.name}
+
+
+def _torchrun_script(req: K8sRequest, rdzv_host: str) -> str:
+    # A shell line because pod 0 must be told it hosts the rendezvous store: guessing it from
+    # DNS fails while its own record is not yet published, and then nobody serves the store.
+    return (
+        "exec python -m torch.distributed.run"
+        f" --nnodes={req.nodes} --nproc-per-node={req.nproc}"
+        " --rdzv-backend=c10d"
+        f" --rdzv-endpoint={rdzv_host}:{RDZV_PORT}"
+        ' --rdzv-id="$JOB_UID"'
+        ' --rdzv-conf="is_host=$([ "$JOB_COMPLETION_INDEX" = 0 ] && echo 1 || echo 0)"'
+        ' --local-addr="$POD_IP"'
+        f" --max-restarts={req.max_restarts}"
+        f" -m shardlab train {CONFIG_MOUNT}/config.yaml"
+    )
+
+
+def pod_spec(req: K8sRequest, command: list[str] | None, container_name: str = "trainer",
+             subdomain: str | None = None, restart_policy: str = "Never") -> dict:
+    """The pod every variant runs (Indexed Job, PyTorchJob worker, JobSet replica)."""
+    resources: dict = {"requests": {"cpu": req.cpu_per_node, "memory": req.memory_per_node},
+                       "limits": {"memory": req.memory_per_node}}
+    if req.gpus_per_node:
+        # extended resources: request must equal limit, so set both
+        resources["requests"][GPU_RESOURCE] = req.gpus_per_node
+        resources["limits"][GPU_RESOURCE] = req.gpus_per_node
+    container: dict = {
+        "name": container_name,
+        "image": req.image,
+        "imagePullPolicy": "Always",
+        "env": [
+            {"name": "JOB_UID", "valueFrom": {"fieldRef": {
+                "fieldPath": "metadata.labels['batch.kubernetes.io/controller-uid']"}}},
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            # N1 + T4 has no RDMA: NCCL and gloo both go over TCP on the pod interface.
+            {"name": "NCCL_SOCKET_IFNAME", "value": "eth0"},
+            {"name": "GLOO_SOCKET_IFNAME", "value": "eth0"},
+            {"name": "OMP_NUM_THREADS", "value": str(max(1, int(float(req.cpu_per_node)) // req.nproc))},
+            {"name": "PYTHONUNBUFFERED", "value": "1"},
+            # the root filesystem is read-only: caches (torch, triton, HF) go to the /tmp volume
+            {"name": "HOME", "value": "/tmp"},
+        ],
+        "ports": [{"name": "rdzv", "containerPort": RDZV_PORT, "protocol": "TCP"}],
+        "resources": resources,
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "privileged": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_UID,
+            "runAsGroup": RUN_AS_UID,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "volumeMounts": [
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+            {"name": "bucket", "mountPath": BUCKET_MOUNT},
+        ],
+    }
+    if command is not None:
+        container["command"] = command
+    spec: dict = {
+        "restartPolicy": restart_policy,
+        "serviceAccountName": req.service_account,
+        # nothing in the pod talks to the API server; the GCS FUSE driver gets its own token
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_UID,
+            "runAsGroup": RUN_AS_UID,
+            "fsGroup": RUN_AS_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": [
+            # the default 64 MiB /dev/shm is too small for data-loader workers and NCCL
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": req.shm_size}},
+            {"name": "tmp", "emptyDir": {}},
+            {"name": "config", "configMap": {"name": req.config_map}},
+            # checkpoints and data outlive the pod: they live in the bucket, not in an emptyDir
+            {"name": "bucket", "csi": {"driver": "gcsfuse.csi.storage.gke.io", "volumeAttributes": {
+                "bucketName": req.bucket,
+                "mountOptions": f"implicit-dirs,uid={RUN_AS_UID},gid={RUN_AS_UID}"}}},
+        ],
+    }
+    if subdomain:
+        spec["subdomain"] = subdomain
+    if req.gpus_per_node:
+        spec["nodeSelector"] = {"cloud.google.com/gke-accelerator": req.accelerator}
+        spec["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+    return spec
+
+
+def _pod_template(req: K8sRequest, spec: dict) -> dict:
+    return {"metadata": {"labels": _labels(req), "annotations": {"gke-gcsfuse/volumes": "true"}},
+            "spec": spec}
+
+
+def _checkov_annotations() -> dict[str, str]:
+    return {f"checkov.io/skip{i}": f"{check}={reason}"
+            for i, (check, reason) in enumerate(CHECKOV_SKIPS.items(), start=1)}
+
+
+def job(req: K8sRequest) -> dict:
+    rdzv_host = f"{req.name}-0.{req.service}"
+    spec = pod_spec(req, ["/bin/sh", "-c", _torchrun_script(req, rdzv_host)], subdomain=req.service)
+    backoff = req.backoff_limit if req.backoff_limit is not None else req.nodes * (req.max_restarts + 1)
+    return {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": req.name, "labels": _labels(req), "annotations": _checkov_annotations()},
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": req.nodes,
+            "parallelism": req.nodes,
+            "backoffLimit": backoff,
+            "podFailurePolicy": {"rules": [
+                # a spot preemption or node drain is not the job's fault: replace the pod for free
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+            ]},
+            "template": _pod_template(req, spec),
+        },
+    }
+
+
+def service(req: K8sRequest) -> dict:
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": req.service, "labels": _labels(req)},
+        "spec": {
+            "clusterIP": "None",
+            # pod 0 must resolve before it is Ready, or the rendezvous can never start
+            "publishNotReadyAddresses": True,
+            "selector": _selector(req),
+            "ports": [{"name": "rdzv", "port": RDZV_PORT, "targetPort": RDZV_PORT, "protocol": "TCP"}],
+        },
+    }
+
+
+def service_account(req: K8sRequest) -> dict:
+    # Bound to the bucket by Terraform through workload identity federation (IAM on the
+    # principal ns/<namespace>/sa/<name>), so it needs no annotation here.
+    return {"apiVersion": "v1", "kind": "ServiceAccount",
+            "metadata": {"name": req.service_account, "labels": _labels(req)},
+            "automountServiceAccountToken": False}
+
+
+def network_policy(req: K8sRequest) -> dict:
+    # Only the job's own pods may connect to it (rendezvous, NCCL/gloo). Egress stays open:
+    # the bucket, the metadata server and the image registry are outside the namespace.
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": f"{req.name}-peers", "labels": _labels(req)},
+        "spec": {"podSelector": {"matchLabels": _selector(req)}, "policyTypes": ["Ingress"],
+                 "ingress": [{"from": [{"podSelector": {"matchLabels": _selector(req)}}]}]},
+    }
+
+
+def namespace(req: K8sRequest) -> dict:
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": req.namespace}}
+
+
+BASE_FILES = ("serviceaccount.yaml", "service.yaml", "networkpolicy.yaml", "job.yaml")
+
+
+def base_files(req: K8sRequest, config_yaml: str) -> dict[str, str]:
+    """The kustomize base: the objects above, plus the config as a generated ConfigMap."""
+    objs = {"serviceaccount.yaml": service_account(req), "service.yaml": service(req),
+            "networkpolicy.yaml": network_policy(req), "job.yaml": job(req)}
+    files = {name: dump(obj) for name, obj in objs.items()}
+    files["config.yaml"] = config_yaml
+    files["kustomization.yaml"] = dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": list(BASE_FILES),
+        "configMapGenerator": [{"name": req.config_map, "files": ["config.yaml"]}],
+        # a fixed name: pods reference it, and a re-render should replace it, not add one
+        "generatorOptions": {"disableNameSuffixHash": True},
+    })
+    return files
+
+
+def split_image(image: str) -> tuple[str, dict[str, str]]:
+    """`repo/name:tag` or `repo/name@sha256:...` -> (name, kustomize images fields)."""
+    if "@" in image:
+        name, digest = image.split("@", 1)
+        return name, {"digest": digest}
+    m = re.match(r"^(.*?)(?::([\w][\w.-]{0,127}))?$", image)
+    assert m is not None
+    name, tag = m.group(1), m.group(2)
+    if "/" in (tag or ""):
+        name, tag = image, None
+    return name, ({"newTag": tag} if tag else {})
+
+
+def overlay_files(req: K8sRequest, config_yaml: str) -> dict[str, str]:
+    """What `render k8s` writes: base/ (with the user's values), the overlay kustomization,
+    the resolved config, and manifest.yaml (the same, fully expanded)."""
+    # the base keeps the default image name; the overlay's `images:` entry swaps in the user's
+    # (so `kustomize edit set image shardlab=...` keeps working on the rendered directory)
+    base_req = dataclasses.replace(req, image=f"{IMAGE_NAME}:{DEFAULT_IMAGE_TAG}")
+    files = {f"base/{k}": v for k, v in base_files(base_req, "").items() if k != "config.yaml"}
+    # the base's own generator is replaced by the overlay's, which carries the resolved config
+    base_kust = yaml.safe_load(files["base/kustomization.yaml"])
+    del base_kust["configMapGenerator"], base_kust["generatorOptions"]
+    files["base/kustomization.yaml"] = dump(base_kust)
+    new_name, image_fields = split_image(req.image)
+    resources = (["namespace.yaml"] if req.create_namespace else []) + ["base"]
+    kust = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "namespace": req.namespace,
+        "resources": resources,
+        "images": [{"name": IMAGE_NAME, "newName": new_name, **image_fields}],
+        "configMapGenerator": [{"name": req.config_map, "files": [f"config.yaml={RESOLVED_CONFIG_NAME}"]}],
+        "generatorOptions": {"disableNameSuffixHash": True},
+    }
+    if req.create_namespace:
+        files["namespace.yaml"] = dump(namespace(req))
+    files["kustomization.yaml"] = dump(kust)
+    files[RESOLVED_CONFIG_NAME] = config_yaml
+    return files
+
+
+def dump(obj: dict) -> str:
+    return yaml.safe_dump(obj, sort_keys=False, default_flow_style=False, width=1000)
+
+
+def dump_all(objs: list[dict]) -> str:
+    return yaml.safe_dump_all(objs, sort_keys=False, default_flow_style=False, width=1000,
+                              explicit_start=True)
+
+
+def k8s_overrides(req: K8sRequest, overrides: list[str]) -> list[str]:
+    # checkpoints and outputs go to the bucket so they survive the pod; resume=auto so a
+    # replaced pod (or a resubmitted job) continues from the newest complete checkpoint
+    return with_defaults(overrides, {
+        "checkpoint.resume": "auto",
+        "checkpoint.dir": f"{BUCKET_MOUNT}/checkpoints/{req.name}",
+        "output.dir": f"{BUCKET_MOUNT}/runs",
+    })
+
+
+def check_request(req: K8sRequest) -> None:
+    check_positive(req.nodes, "--nodes")
+    check_positive(req.gpus_per_node, "--gpus-per-node", minimum=0)
+    check_positive(req.max_restarts, "--max-restarts", minimum=0)
+    # the job name becomes pod hostnames `<name>-<index>` (63 max) and label values
+    check_dns_label(req.name, "--name", max_len=63 - 1 - len(str(req.nodes - 1)))
+    check_dns_label(req.namespace, "--namespace")
+    check_dns_label(req.service_account, "--service-account")
+    if not re.match(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$", req.bucket):
+        raise RenderError(f"--bucket {req.bucket!r} is not a valid Cloud Storage bucket name")
+    if not req.image or any(c.isspace() for c in req.image):
+        raise RenderError(f"--image {req.image!r} is not an image reference")
+
+
+def render(req: K8sRequest) -> tuple[list[Path], str]:
+    check_request(req)
+    assert req.out is not None
+    run = resolve_config(req.config, k8s_overrides(req, req.overrides), req.nodes * req.nproc)
+    files = overlay_files(req, run.yaml_text)
+    from shardlab.launch.kustomize import build
+
+    out = req.out.resolve()
+    # expand in memory first so a kustomize-level problem also fails before writing
+    manifest = dump_all(build(files))
+    files["manifest.yaml"] = manifest
+    written = write_files(out, files)
+    return written, f"kubectl apply -k {sh_quote(str(out))}   # or: kubectl apply -f {sh_quote(str(out / 'manifest.yaml'))}"
+
+
+# ---------------------------------------------------------------- infra/kubernetes (write-infra)
+
+def _pytorchjob_overlay(req: K8sRequest) -> dict[str, str]:
+    # Kubeflow's training operator sets PET_* variables (nnodes, rdzv endpoint and id, max
+    # restarts) from elasticPolicy, and torchrun reads them as defaults.
+    spec = pod_spec(req, ["python", "-m", "torch.distributed.run", "-m", "shardlab", "train",
+                          f"{CONFIG_MOUNT}/config.yaml"], container_name="pytorch", restart_policy="OnFailure")
+    spec["containers"][0]["env"] = [e for e in spec["containers"][0]["env"]
+                                    if e["name"] not in ("JOB_UID", "POD_IP")]
+    pj = {
+        "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+        "metadata": {"name": req.name, "labels": _labels(req), "annotations": _checkov_annotations()},
+        "spec": {
+            "nprocPerNode": str(req.nproc),
+            "elasticPolicy": {"rdzvBackend": "c10d", "minReplicas": req.nodes, "maxReplicas": req.nodes,
+                              "maxRestarts": req.max_restarts},
+            "pytorchReplicaSpecs": {"Worker": {"replicas": req.nodes, "restartPolicy": "OnFailure",
+                                               "template": _pod_template(req, spec)}},
+        },
+    }
+    return {"pytorchjob.yaml": dump(pj), "kustomization.yaml": dump(_replace_job_kustomization(req, "pytorchjob.yaml"))}
+
+
+def _jobset_overlay(req: K8sRequest) -> dict[str, str]:
+    # JobSet names pods <jobset>-<replicatedJob>-<jobIndex>-<podIndex> under the subdomain
+    # <jobset>; pod 0 of job 0 hosts the rendezvous.
+    rdzv_host = f"{req.name}-workers-0-0.{req.name}"
+    spec = pod_spec(req, ["/bin/sh", "-c", _torchrun_script(req, rdzv_host)])
+    js = {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+        "metadata": {"name": req.name, "labels": _labels(req), "annotations": _checkov_annotations()},
+        "spec": {
+            "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
+            "failurePolicy": {"maxRestarts": req.max_restarts},
+            "replicatedJobs": [{"name": "workers", "replicas": 1, "template": {"spec": {
+                "completionMode": "Indexed", "completions": req.nodes, "parallelism": req.nodes,
+                "backoffLimit": 0,
+                "template": _pod_template(req, spec)}}}],
+        },
+    }
+    return {"jobset.yaml": dump(js), "kustomization.yaml": dump(_replace_job_kustomization(req, "jobset.yaml"))}
+
+
+def _replace_job_kustomization(req: K8sRequest, new_resource: str) -> dict:
+    # Both controllers create their own headless Service, so the base's Job and Service go.
+    deletes = [{"patch": dump({"$patch": "delete", "apiVersion": api, "kind": kind,
+                                "metadata": {"name": name}})}
+               for api, kind, name in (("batch/v1", "Job", req.name), ("v1", "Service", req.service))]
+    return {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+            "resources": ["../../base", new_resource], "patches": deletes}
+
+
+def infra_files(config_yaml: str) -> dict[str, str]:
+    """infra/kubernetes: base with default values (2 T4 nodes x 1 GPU) and the two overlays."""
+    req = K8sRequest(config=None, overrides=[], nodes=2, gpus_per_node=1)
+    files = {f"base/{k}": v for k, v in base_files(req, config_yaml).items()}
+    files.update({f"overlays/pytorchjob/{k}": v for k, v in _pytorchjob_overlay(req).items()})
+    files.update({f"overlays/jobset/{k}": v for k, v in _jobset_overlay(req).items()})
+    return files
+
+
+DEFAULT_INFRA_CONFIG = "configs/gpt-tiny.yaml"
+
+
+def default_infra_config_yaml() -> str:
+    req = K8sRequest(config=None, overrides=[], nodes=2, gpus_per_node=1)
+    return resolve_config(DEFAULT_INFRA_CONFIG, k8s_overrides(req, []), req.nodes * req.nproc).yaml_text
+
+
+def _main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m shardlab.launch.k8s")
+    p.add_argument("command", choices=["write-infra"])
+    p.add_argument("--dir", default="infra/kubernetes")
+    args = p.parse_args(argv)
+    out = Path(args.dir)
+    for path in write_files(out, infra_files(default_infra_config_yaml())):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -1,0 +1,169 @@
+"""`shardlab render slurm`: one sbatch file that runs one torchrun agent per node.
+
+Layout (the usual multi-node recipe): Slurm starts one task per node, each task is a
+torchrun elastic agent that starts `nproc_per_node` workers, and the agents meet through a
+c10d rendezvous on the allocation's first host. The agent count is read from SLURM_NTASKS,
+not SLURM_NNODES, so the same file also runs several agents on one host (the local test
+cluster submits it with `--nodes=1 --ntasks-per-node=2`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardlab.launch.common import (
+    RESOLVED_CONFIG_NAME,
+    RenderError,
+    check_dns_label,
+    check_positive,
+    resolve_config,
+    sh_quote,
+    with_defaults,
+    write_files,
+)
+from shardlab.launch.templating import fill
+
+SBATCH_NAME = "shardlab.sbatch"
+
+SBATCH_TEMPLATE = r"""#!/bin/bash
+# Rendered by `shardlab render slurm`; submit with: sbatch @sbatch_path
+# @nodes node(s) x @nproc process(es) = world size @world_size.
+#SBATCH --job-name=@job_name
+#SBATCH --nodes=@nodes
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=@cpus_per_task
+#SBATCH --time=@time_limit
+#SBATCH --chdir=@workdir
+#SBATCH --output=@log_dir/%x-%j.out
+#SBATCH --open-mode=append
+@optional_directives
+set -euo pipefail
+
+# The resolved config written next to this file (checkpoint.resume=auto, so an agent
+# restart or a requeue continues from the newest complete checkpoint).
+CONFIG=@config_path
+
+# One agent per Slurm task; in the canonical layout that is one per node.
+NUM_AGENTS="${SLURM_NTASKS:?run this file with sbatch}"
+# Every agent must name the same rendezvous host: the allocation's first host.
+HEAD_HOST="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"
+RDZV_PORT=@rdzv_port
+
+# Which interface the collectives use. NCCL accepts an exclusion list; gloo needs a name.
+@socket_env
+# One math thread per worker unless the user asked otherwise: cores are per task.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-@omp_threads}"
+
+@setup
+echo "shardlab: job $SLURM_JOB_ID, $NUM_AGENTS agent(s), rendezvous $HEAD_HOST:$RDZV_PORT, config $CONFIG"
+
+# --kill-on-bad-exit: if one agent gives up (restarts used up), stop the others too
+# instead of leaving them waiting in the rendezvous until the time limit.
+srun --kill-on-bad-exit=1 --label --ntasks="$NUM_AGENTS" \
+    @python -m torch.distributed.run \
+    --nnodes="$NUM_AGENTS" \
+    --nproc-per-node=@nproc \
+    --rdzv-id="$SLURM_JOB_ID" \
+    --rdzv-backend=c10d \
+    --rdzv-endpoint="$HEAD_HOST:$RDZV_PORT" \
+    --max-restarts=@max_restarts \
+    -m shardlab train "$CONFIG"
+"""
+
+
+@dataclass
+class SlurmRequest:
+    config: str | None
+    overrides: list[str]
+    nodes: int
+    gpus_per_node: int
+    out: Path
+    nproc_per_node: int | None = None     # default: gpus_per_node, or 1 on CPU nodes
+    cpus_per_task: int | None = None      # default: 4 per GPU, 2 on CPU nodes
+    job_name: str = "shardlab"
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time_limit: str = "01:00:00"
+    mem: str | None = None
+    max_restarts: int = 3
+    rdzv_port: int = 29500
+    socket_ifname: str | None = None
+    python: str = "python3"
+    setup: str = ""
+    workdir: str | None = None
+    requeue: bool = False
+
+
+def _procs(req: SlurmRequest) -> int:
+    return req.nproc_per_node if req.nproc_per_node is not None else max(req.gpus_per_node, 1)
+
+
+def render(req: SlurmRequest) -> tuple[list[Path], str]:
+    """Check everything, then write the sbatch file, the resolved config and the log dir.
+    Returns (written files, submit hint)."""
+    check_positive(req.nodes, "--nodes")
+    check_positive(req.gpus_per_node, "--gpus-per-node", minimum=0)
+    nproc = check_positive(_procs(req), "--nproc-per-node")
+    if req.gpus_per_node and nproc > req.gpus_per_node:
+        raise RenderError(f"--nproc-per-node {nproc} exceeds --gpus-per-node {req.gpus_per_node}: "
+                          "each worker needs its own GPU")
+    cpus = req.cpus_per_task if req.cpus_per_task is not None else (4 * req.gpus_per_node or 2)
+    check_positive(cpus, "--cpus-per-task")
+    check_positive(req.max_restarts, "--max-restarts", minimum=0)
+    if not 1 <= req.rdzv_port <= 65535:
+        raise RenderError(f"--rdzv-port must be a TCP port (1-65535), got {req.rdzv_port}")
+    check_dns_label(req.job_name, "--job-name")
+    world = req.nodes * nproc
+    run = resolve_config(req.config, with_defaults(req.overrides, {"checkpoint.resume": "auto"}), world)
+
+    out = req.out.resolve()
+    config_path = out / RESOLVED_CONFIG_NAME
+    log_dir = out / "logs"
+    optional = []
+    if req.gpus_per_node > 0:   # never ask for GPUs on a CPU cluster: no gres.conf -> rejected job
+        optional.append(f"#SBATCH --gpus-per-node={req.gpus_per_node}")
+    for flag, value in (("partition", req.partition), ("account", req.account), ("qos", req.qos),
+                        ("mem", req.mem)):
+        if value:
+            optional.append(f"#SBATCH --{flag}={value}")
+    if req.requeue:
+        optional.append("#SBATCH --requeue")
+    if req.socket_ifname:
+        socket_env = (f"export NCCL_SOCKET_IFNAME={sh_quote(req.socket_ifname)}\n"
+                      f"export GLOO_SOCKET_IFNAME={sh_quote(req.socket_ifname)}")
+    else:
+        socket_env = ('export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-^lo,docker0}"\n'
+                      '# GLOO_SOCKET_IFNAME is left to the environment (gloo takes no exclusion list).')
+    text = fill(
+        SBATCH_TEMPLATE,
+        sbatch_path=sh_quote(str(out / SBATCH_NAME)),
+        nodes=req.nodes, nproc=nproc, world_size=world, job_name=req.job_name, cpus_per_task=cpus,
+        time_limit=req.time_limit, workdir=req.workdir or os.getcwd(), log_dir=log_dir,
+        optional_directives="\n".join(optional), config_path=sh_quote(str(config_path)),
+        rdzv_port=req.rdzv_port, socket_env=socket_env, omp_threads=max(1, cpus // nproc),
+        setup=req.setup or "# (no environment setup requested: --setup 'source venv/bin/activate')",
+        python=sh_quote(req.python), max_restarts=req.max_restarts,
+    )
+    log_dir.mkdir(parents=True, exist_ok=True)    # Slurm does not create the --output directory
+    written = write_files(out, {SBATCH_NAME: text, RESOLVED_CONFIG_NAME: run.yaml_text},
+                          executable=(SBATCH_NAME,))
+    return written, f"sbatch {sh_quote(str(out / SBATCH_NAME))}"
+
+
+def submit(sbatch_file: Path, extra_args: list[str], timeout_s: float = 60.0) -> str:
+    """Run sbatch on a rendered file and return the job id."""
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise RenderError("sbatch is not on PATH: run `shardlab submit slurm` on a Slurm login node")
+    cmd = [sbatch, "--parsable", *extra_args, str(sbatch_file)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr)
+        raise RenderError(f"sbatch failed with exit code {proc.returncode}")
+    return proc.stdout.strip().split(";")[0]
