@@ -1,0 +1,221 @@
+"""`ddp`: data parallelism from scratch, every rank holding the whole model.
+
+Algorithm
+---------
+At wrap: give a meta model real storage (initialized as a direct build would be), then
+broadcast every parameter and buffer from rank 0, so all replicas start identical.
+
+Each step, every rank runs forward and backward on its own slice of the global batch. The
+parameters are split into buckets of about `bucket_size_bytes`, in *reverse* registration
+order (roughly the order backward produces gradients). A hook on each parameter fires when
+its gradient is final for this backward; it copies the gradient into its bucket's flat
+buffer, and when a bucket is full it is all-reduced asynchronously (averaged), so the
+communication of late layers overlaps the backward of early layers. Before backward returns,
+a callback waits for every bucket and copies the averaged gradients back into `p.grad`.
+The optimizer then takes the same step on every rank, which keeps the replicas identical.
+
+Memory per rank (fp32 AdamW, Ψ parameters): 4Ψ params + 4Ψ grads + 8Ψ Adam moments = 16Ψ
+bytes, plus the bucket buffers (another 4Ψ, or 2Ψ with a bf16 reduce dtype).
+Traffic per step: one all-reduce of all gradients, payload Ψ x 4 bytes; a ring sends
+2(N-1)/N of that per rank, i.e. about 2Ψ elements.
+
+Options
+-------
+bucket_size_bytes: target bucket size (default 25 MiB, as PyTorch's DDP).
+mixed_precision: only its `reduce_dtype` applies here: gradients are communicated in that
+    dtype and cast back. Parameters, compute and gradients stay in their own dtype (a
+    low-precision compute copy is what `zero3`/`fsdp` offer; use torch.autocast for DDP).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardlab.engines import collectives as C
+from shardlab.engines.api import Engine, MixedPrecision, materialize_whole_, unwrapped_state_dict
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass
+class _Bucket:
+    """A run of parameters whose gradients travel in one all-reduce."""
+
+    params: list[nn.Parameter]
+    offsets: list[int]                    # element offset of each parameter in `buffer`
+    buffer: torch.Tensor                  # flat, in the reduce dtype
+    ready: set[int] = field(default_factory=set)   # indices (into params) whose grad is copied in
+    handle: Any = None                    # the async all-reduce's Work, once launched
+    launched: bool = False
+
+    def slot(self, i: int) -> torch.Tensor:
+        p = self.params[i]
+        return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()].view(p.shape)
+
+
+class DDPEngine(Engine):
+    strategy = "ddp"
+    grads_sharded = False
+    options = ("bucket_size_bytes", "mixed_precision")
+
+    def __init__(self, module: nn.Module, *, bucket_size_bytes: int = DEFAULT_BUCKET_BYTES,
+                 mixed_precision: Any = None, **kw: Any):
+        super().__init__(module, **kw)
+        self.counter = C.CommCounter()
+        self.mixed_precision = MixedPrecision.parse(mixed_precision)
+        self.reduce_dtype = self.mixed_precision.reduce_dtype if self.mixed_precision else None
+        materialize_whole_(module, self.device)
+        self._broadcast_state_from_rank0()
+
+        params = [p for p in self.local_parameters() if p.requires_grad]
+        self.buckets = self._make_buckets(list(reversed(params)), int(bucket_size_bytes))
+        self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._sync = True
+        self._next_to_launch = 0          # buckets launch strictly in index order (see Note)
+        self._callback_queued = False
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    # -- setup ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _broadcast_state_from_rank0(self) -> None:
+        seen: set[int] = set()
+        for t in [*self.module.parameters(), *self.module.buffers()]:
+            if id(t) not in seen:
+                seen.add(id(t))
+                C.broadcast(t.data, src=0, group=self.group, counter=self.counter)
+
+    def _make_buckets(self, params: list[nn.Parameter], cap: int) -> list[_Bucket]:
+        """Greedy runs of consecutive parameters (same dtype and device) up to `cap` bytes.
+        A parameter larger than `cap` gets a bucket of its own."""
+        runs: list[list[nn.Parameter]] = []
+        size = 0
+        for p in params:
+            nbytes = p.numel() * torch.empty((), dtype=self.reduce_dtype or p.dtype).element_size()
+            fits = bool(runs) and size + nbytes <= cap
+            same_kind = bool(runs) and runs[-1][0].dtype == p.dtype and runs[-1][0].device == p.device
+            if not (fits and same_kind):
+                runs.append([])
+                size = 0
+            runs[-1].append(p)
+            size += nbytes
+        buckets = []
+        for run in runs:
+            offsets, total = [], 0
+            for p in run:
+                offsets.append(total)
+                total += p.numel()
+            buffer = torch.zeros(total, dtype=self.reduce_dtype or run[0].dtype, device=run[0].device)
+            buckets.append(_Bucket(run, offsets, buffer))
+        return buckets
+
+    # -- backward -------------------------------------------------------------------------------
+    # [Note: when the hooks fire]
+    # `register_post_accumulate_grad_hook` runs after autograd has written the gradient of
+    # this backward into `p.grad`. Autograd sums all contributions to a leaf before it runs
+    # the leaf's AccumulateGrad node, so the hook fires once per backward even for a tied
+    # parameter used twice (GPT's embedding and head are one Parameter) or a parameter
+    # inside a unit that runs several times. With activation checkpointing the recomputed
+    # forward builds a throwaway graph that is never backpropagated, so it fires no hooks.
+    # Inside `no_sync` the hook does nothing: `p.grad` simply keeps accumulating, and the
+    # first synced backward all-reduces the accumulated sum, which is what we want.
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if not self._sync:
+            return
+        if not self._callback_queued:
+            # The first hook of this backward: arrange to wait for everything at its end.
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._callback_queued = True
+        bucket, i = self._where[id(p)]
+        if bucket.launched:
+            raise RuntimeError("ddp: a gradient arrived for a bucket already reduced in this backward "
+                               "(reentrant backward inside forward is not supported)")
+        if p.grad.is_sparse:
+            raise RuntimeError("ddp: sparse gradients are not supported")
+        bucket.slot(i).copy_(p.grad)
+        bucket.ready.add(i)
+        self._launch_ready_buckets()
+
+    # [Note: why buckets launch in index order]
+    # Collectives must be issued in the same order on every rank, or ranks pair up the
+    # wrong tensors (or hang). Autograd's order of finishing gradients is the same on every
+    # rank only if the graphs are the same; a data-dependent branch could make bucket 3
+    # fill before bucket 2 on one rank. Launching strictly in bucket order (a full bucket
+    # waits for the ones before it) makes the sequence of all-reduces identical everywhere.
+
+    def _launch_ready_buckets(self) -> None:
+        while self._next_to_launch < len(self.buckets):
+            bucket = self.buckets[self._next_to_launch]
+            if len(bucket.ready) < len(bucket.params):
+                return
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        # [Note: why average] Each rank's loss is the mean over its own micro batch; with
+        # equal micro batches the global mean loss is the mean of the ranks' losses, so its
+        # gradient is the mean of the ranks' gradients, not their sum. Summing would scale
+        # the effective learning rate by N (and Adam's epsilon balance with it).
+        bucket.handle = C.all_reduce(bucket.buffer, self.group, average=True, async_op=True, counter=self.counter)
+        bucket.launched = True
+        self._next_to_launch += 1
+
+    # [Note: why we wait where we wait]
+    # The contract says communication is complete when backward returns, so the optimizer
+    # step right after it sees final gradients. A callback queued on the autograd engine
+    # runs once the whole graph task has finished, still inside `loss.backward()`: the
+    # latest point that keeps the contract, so the last buckets overlap as much compute as
+    # possible. Parameters that got no gradient in this backward (unused in this forward)
+    # still have a slot in a bucket the other ranks may be reducing: their slot is zeroed
+    # and the bucket is reduced here, so every rank issues the same all-reduces. Afterwards
+    # they hold the average of the ranks that did use them (zeros if none did).
+
+    @torch.no_grad()
+    def _finish_backward(self) -> None:
+        self._callback_queued = False
+        for bucket in self.buckets[self._next_to_launch:]:
+            for i in range(len(bucket.params)):
+                if i not in bucket.ready:
+                    bucket.slot(i).zero_()
+            self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.handle is not None:
+                bucket.handle.wait()
+            for i, p in enumerate(bucket.params):
+                reduced = bucket.slot(i)
+                if p.grad is None:
+                    p.grad = torch.empty_like(p)
+                p.grad.copy_(reduced)
+            bucket.ready.clear()
+            bucket.handle = None
+            bucket.launched = False
+        self._next_to_launch = 0
+
+    # -- the rest of the contract ---------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return unwrapped_state_dict(self.module)
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.module.load_state_dict(state)
+
+    def comm_stats(self) -> dict[str, dict[str, int]]:
+        return self.counter.snapshot()
+
+    def bucket_sizes(self) -> list[int]:
+        """Bytes per bucket, in launch order (for tests and the benchmark)."""
+        return [b.buffer.numel() * b.buffer.element_size() for b in self.buckets]

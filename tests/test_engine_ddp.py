@@ -1,0 +1,181 @@
+"""`ddp` equals single-process training on the same global batch.
+
+One spawn per world size (1, 2, 3, 4); every case runs inside it: parity for the three
+parity cases with SGD and AdamW (models start on meta), no_sync accumulation, activation
+checkpointing, bf16 gradient reduction, gradient clipping, an eval forward after training,
+and the all-reduce traffic. `train_custom`/`reference_custom` are shared with the zero3 tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardlab
+from shardlab.engines import engine_of, optimizer_state_bytes
+from shardlab.testing import run_workers
+from tests.parity import (
+    CASES,
+    GLOBAL_BATCH,
+    PARAM_ATOL,
+    _set_mode,
+    assert_parity,
+    make_optimizer,
+    train_engine,
+    train_reference,
+)
+
+OPTIMIZERS = ("sgd", "adamw")
+MAX_NORM = 0.05  # small enough that every step of every case is clipped
+
+
+def accumulation_steps(world: int) -> int:
+    """Micro batches per step that divide this rank's slice of the global batch."""
+    b = GLOBAL_BATCH // world
+    return 2 if b % 2 == 0 else 3
+
+
+def _eval_batch(case_name: str) -> torch.Tensor:
+    return CASES[case_name].batch(99)[0]
+
+
+def train_custom(rank: int, world: int, case_name: str, strategy: str, opt_name: str, steps: int = 3,
+                 max_norm: float = MAX_NORM, **options) -> dict:
+    """Train with gradient clipping, then run an eval forward (no backward) on the whole eval
+    batch; report what the engine measured (traffic of the training steps, model-state bytes)."""
+    case = CASES[case_name]
+    model = shardlab.parallelize(case.build("meta"), strategy, device="cpu", **options)
+    engine = engine_of(model)
+    _set_mode(model, case)
+    opt = make_optimizer(opt_name, model.parameters())
+    b = GLOBAL_BATCH // world
+    comm_before = engine.comm_stats() or {}
+    losses, norms = [], []
+    for step in range(steps):
+        x, y = case.batch(step)
+        opt.zero_grad(set_to_none=True)
+        loss = model(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b])
+        loss.backward()
+        norms.append(shardlab.clip_grad_norm_(model, max_norm).item())
+        opt.step()
+        t = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(t)
+        losses.append(t.item() / world)
+    comm_after = engine.comm_stats() or {}
+    state_bytes = engine.model_state_bytes()
+    opt_bytes = optimizer_state_bytes(opt)
+    model.eval()
+    with torch.no_grad():
+        eval_out = model(_eval_batch(case_name))
+    # a second training-mode forward without backward, then eval again: nothing stale may remain
+    _set_mode(model, case)
+    model(*[t[:2] for t in case.batch(0)])
+    model.eval()
+    with torch.no_grad():
+        eval_again = model(_eval_batch(case_name))
+    grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    return {"losses": losses, "norms": norms, "eval": eval_out, "eval_again": eval_again,
+            "state": shardlab.full_state_dict(model),
+            "comm": _comm_delta(comm_before, comm_after),
+            "model_state_bytes": sum(state_bytes.values()) + opt_bytes, "grad_bytes": grad_bytes,
+            "engine_info": engine_info(engine)}
+
+
+def _comm_delta(before: dict, after: dict) -> dict:
+    """Traffic between two comm_stats() snapshots, kinds with no calls left out."""
+    delta = {k: {f: v[f] - before.get(k, {}).get(f, 0) for f in v} for k, v in after.items()}
+    return {k: v for k, v in delta.items() if v["calls"]}
+
+
+def engine_info(engine) -> dict:
+    info = {}
+    for name in ("owned_bytes", "unit_param_bytes"):
+        if hasattr(engine, name):
+            info[name] = getattr(engine, name)
+    if hasattr(engine, "ownership_imbalance"):
+        info["imbalance"] = engine.ownership_imbalance()
+    return info
+
+
+def reference_custom(case_name: str, opt_name: str, steps: int = 3, max_norm: float = MAX_NORM) -> dict:
+    case = CASES[case_name]
+    model = case.build("cpu")
+    _set_mode(model, case)
+    opt = make_optimizer(opt_name, model.parameters())
+    losses, norms = [], []
+    for step in range(steps):
+        x, y = case.batch(step)
+        opt.zero_grad(set_to_none=True)
+        loss = model(x, y)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        opt.step()
+        losses.append(loss.item())
+    model.eval()
+    with torch.no_grad():
+        eval_out = model(_eval_batch(case_name))
+    return {"losses": losses, "norms": norms, "eval": eval_out,
+            "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def check_custom(ref: dict, got: dict, label: str, atol: float) -> None:
+    assert_parity((ref["losses"], ref["state"]), (got["losses"], got["state"]), label, atol=atol)
+    assert ref["norms"][0] > MAX_NORM, f"{label}: the test must actually clip"
+    torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(ref["norms"]), rtol=1e-5, atol=0.0,
+                               msg=lambda m: f"{label}: clip_grad_norm_ returned another norm\n{m}")
+    # outputs sum many parameters: allow 10x the parameter tolerance; a stale parameter
+    # (one missed update of size lr=1e-2) would be off by orders of magnitude more
+    for key in ("eval", "eval_again"):
+        torch.testing.assert_close(got[key], ref["eval"], rtol=1e-5, atol=10 * atol,
+                                   msg=lambda m, key=key: f"{label}: {key} forward differs from single's\n{m}")
+
+
+def check_same_on_every_rank(results: list[dict], label: str) -> None:
+    for r in range(1, len(results)):
+        for key, got in results[0].items():
+            if isinstance(got, tuple):  # (losses, state) from train_engine
+                assert_parity(got, results[r][key], f"{label}{key} rank {r} vs rank 0", rtol=0, atol=0)
+            elif isinstance(got, dict) and "state" in got:
+                assert_parity((got["losses"], got["state"]), (results[r][key]["losses"], results[r][key]["state"]),
+                              f"{label}{key} rank {r} vs rank 0", rtol=0, atol=0)
+
+
+def _ddp_cases(rank: int, world: int) -> dict:
+    out: dict = {}
+    for c in CASES:
+        for o in OPTIMIZERS:
+            out[("parity", c, o)] = train_engine(rank, world, c, "ddp", o)
+        out[("accumulate", c)] = train_engine(rank, world, c, "ddp", "sgd", accumulate=accumulation_steps(world))
+        out[("checkpointing", c)] = train_engine(rank, world, c, "ddp", "adamw", activation_checkpointing=True)
+        out[("bf16", c)] = train_engine(rank, world, c, "ddp", "adamw", mixed_precision="bf16")
+        # tiny buckets: many async all-reduces in flight at once, launched in bucket order
+        out[("small_buckets", c)] = train_engine(rank, world, c, "ddp", "sgd", bucket_size_bytes=512)
+        out[("custom", c)] = train_custom(rank, world, c, "ddp", "adamw")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ddp_matches_single(world):
+    results = run_workers(world, _ddp_cases)
+    got = results[0]
+    for c in CASES:
+        for o in OPTIMIZERS:
+            assert_parity(train_reference(c, o), got[("parity", c, o)], f"ddp/{c}/{o}/N={world}", atol=PARAM_ATOL[o])
+        assert_parity(train_reference(c, "sgd"), got[("accumulate", c)], f"ddp/{c}/no_sync/N={world}",
+                      atol=PARAM_ATOL["sgd"])
+        assert_parity(train_reference(c, "adamw"), got[("checkpointing", c)], f"ddp/{c}/checkpointing/N={world}",
+                      atol=PARAM_ATOL["adamw"])
+        assert_parity(train_reference(c, "sgd"), got[("small_buckets", c)], f"ddp/{c}/small buckets/N={world}",
+                      atol=PARAM_ATOL["sgd"])
+        torch.testing.assert_close(torch.tensor(got[("bf16", c)][0]), torch.tensor(train_reference(c, "adamw")[0]),
+                                   rtol=0, atol=1e-2, msg=lambda m, c=c: f"ddp/{c}/bf16 losses drift\n{m}")
+        custom = got[("custom", c)]
+        check_custom(reference_custom(c, "adamw"), custom, f"ddp/{c}/clip+eval/N={world}", PARAM_ATOL["adamw"])
+        # the all-reduce payload is exactly the gradients, once per step
+        all_reduce = custom["comm"].get("all_reduce", {})
+        assert all_reduce.get("payload_bytes") == 3 * custom["grad_bytes"], (c, custom["comm"])
+        assert set(custom["comm"]) == {"all_reduce"}, custom["comm"]
+    check_same_on_every_rank(results, f"ddp/N={world}/")
