@@ -95,8 +95,9 @@ def _set_mode(model: nn.Module, case: Case) -> None:
                 m.eval()
 
 
-def train_reference(case_name: str, opt_name: str, steps: int = 3, accumulate: int = 1) -> tuple[list[float], dict]:
-    """One process, the whole global batch per step."""
+def train_reference(case_name: str, opt_name: str, steps: int = 3, accumulate: int = 1,
+                    clip: float | None = None) -> tuple[list[float], dict]:
+    """One process, the whole global batch per step. clip: max global grad norm (None = off)."""
     case = CASES[case_name]
     model = case.build("cpu")
     _set_mode(model, case)
@@ -107,13 +108,16 @@ def train_reference(case_name: str, opt_name: str, steps: int = 3, accumulate: i
         opt.zero_grad(set_to_none=True)
         loss = model(x, y)
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def train_engine(rank: int, world: int, case_name: str, strategy: str, opt_name: str, steps: int = 3,
-                 accumulate: int = 1, meta: bool = True, **options) -> tuple[list[float], dict]:
+                 accumulate: int = 1, meta: bool = True, clip: float | None = None,
+                 **options) -> tuple[list[float], dict]:
     """Each rank takes its slice of the global batch; with accumulate=k the slice is split in
     k micro batches, the first k-1 backward passes inside no_sync. Returns the global mean
     loss per step and the final full state dict."""
@@ -135,6 +139,8 @@ def train_engine(rank: int, world: int, case_name: str, strategy: str, opt_name:
                 loss = model(x[i * mb:(i + 1) * mb], y[i * mb:(i + 1) * mb]) / accumulate
                 loss.backward()
             total += loss.item()
+        if clip is not None:
+            shardlab.clip_grad_norm_(model, clip)
         opt.step()
         t = torch.tensor([total])
         if world > 1:

@@ -10,9 +10,21 @@ STRATEGIES = ("torch-ddp", "torch-fsdp")
 OPTIMIZERS = ("sgd", "adamw")
 
 
+CLIP = 0.05  # small enough that every step clips: a wrong global norm changes the update
+
+
 def _all_cases(rank, world):
-    return {(s, c, o): train_engine(rank, world, c, s, o)
-            for s in STRATEGIES for c in CASES for o in OPTIMIZERS}
+    out = {(s, c, o): train_engine(rank, world, c, s, o) for s in STRATEGIES for c in CASES for o in OPTIMIZERS}
+    for s in STRATEGIES:  # global-norm clipping, and gradient accumulation under no_sync
+        out[(s, "gpt", "sgd", "clip")] = train_engine(rank, world, "gpt", s, "sgd", clip=CLIP)
+        out[(s, "mlp", "sgd", "accumulate")] = train_engine(rank, world, "mlp", s, "sgd", accumulate=2)
+    return out
+
+
+def _reference(key):
+    _, case, opt, *variant = key
+    kw = {"clip": CLIP} if variant == ["clip"] else {}
+    return train_reference(case, opt, **kw)
 
 
 @pytest.mark.slow
@@ -20,7 +32,7 @@ def _all_cases(rank, world):
 def test_native_engines_match_single(world):
     results = run_workers(world, _all_cases)
     for key, got in results[0].items():
-        strategy, case, opt = key
-        assert_parity(train_reference(case, opt), got, f"{strategy}/{case}/{opt}/N={world}", atol=PARAM_ATOL[opt])
+        label = "/".join(key) + f"/N={world}"
+        assert_parity(_reference(key), got, label, atol=PARAM_ATOL[key[2]])
         for r in range(1, world):  # every rank reports the same losses and full parameters
-            assert_parity(got, results[r][key], f"{strategy}/{case}/{opt} rank {r} vs rank 0", rtol=0, atol=0)
+            assert_parity(got, results[r][key], f"{label} rank {r} vs rank 0", rtol=0, atol=0)

@@ -159,7 +159,7 @@ class Engine(abc.ABC):
         """Scale gradients so the global norm is at most max_norm; returns the global norm
         (before clipping), the same value on every rank."""
         grads = [p.grad for p in self.local_parameters() if p.grad is not None]
-        total = global_grad_norm(grads, norm_type, self.group if self.grads_sharded else None, self.device)
+        total = global_grad_norm(grads, norm_type, self.group, self.device, sharded=self.grads_sharded)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef.to(g.dtype))
@@ -204,21 +204,23 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def global_grad_norm(grads: Iterable[torch.Tensor], norm_type: float, group: dist.ProcessGroup | None,
-                     device: torch.device) -> torch.Tensor:
-    """Norm over all ranks' gradients. group=None: gradients are replicated, no communication."""
+                     device: torch.device, *, sharded: bool) -> torch.Tensor:
+    """Norm over all ranks' gradients. sharded=False: every rank holds the whole gradient, so
+    the local norm is the global one and nothing is communicated. (group=None means the
+    default WORLD group, as everywhere in torch.distributed, never "no group".)"""
     norm_type = float(norm_type)
     grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
     if norm_type == float("inf"):
         local = max((g.detach().abs().max().float() for g in grads if g.numel()), default=torch.tensor(0.0))
         local = torch.as_tensor(local, dtype=torch.float32, device=device)
-        if group is not None:
+        if sharded and dist.is_initialized():
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
         return local
     local = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
         if g.numel():
             local += g.detach().float().norm(norm_type) ** norm_type
-    if group is not None:
+    if sharded and dist.is_initialized():
         dist.all_reduce(local, group=group)
     return local ** (1.0 / norm_type)
 

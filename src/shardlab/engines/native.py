@@ -101,6 +101,13 @@ class TorchFSDPEngine(Engine):
                 v.copy_(src)
 
     def model_state_bytes(self) -> dict[str, int]:
+        from torch.distributed.fsdp import FSDPModule
+
+        # A forward without backward (evaluation) leaves groups with reshard_after_forward=False
+        # unsharded; measure the state the engine keeps between steps.
+        for m in self.module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
         params = self.local_parameters()
         loc = [p.to_local() for p in params]
         grads = [p.grad.to_local() for p in params if p.grad is not None]

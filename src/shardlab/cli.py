@@ -1,0 +1,126 @@
+"""The `shardlab` command.
+
+  shardlab train [CONFIG.yaml] [key=value ...] [--nproc N] [--max-restarts R] [--print-config]
+  shardlab render {slurm,k8s,accelerate} CONFIG.yaml ...   (see shardlab render --help)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+TRAIN_EPILOG = """\
+examples:
+  shardlab train configs/gpt-tiny.yaml --nproc 2
+  shardlab train configs/gpt-tiny.yaml --nproc 4 parallel.strategy=zero3 train.steps=50
+  shardlab train configs/resnet-cifar10.yaml data.path=~/data --nproc 2
+  shardlab train configs/gpt-tiny.yaml --print-config
+
+strategies (parallel.strategy): single, ddp, zero3, fsdp (shardlab's own, from scratch),
+  torch-ddp (DistributedDataParallel), torch-fsdp (FSDP2 fully_shard).
+Without --nproc, shardlab runs as one worker of a job started elsewhere (torchrun, srun,
+a Kubernetes pod), taking RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT or the
+SLURM_* variables from the environment; with none of them, as a single process.
+Outputs: <output.dir>/<output.run_name>/{run_args.json,metrics.json,config.yaml,tensorboard/}.
+"""
+
+
+def _train(args: argparse.Namespace) -> int:
+    from shardlab.config import ConfigError, dump_config, load_config, validate_for_world
+    from shardlab.runtime import env_world, in_launched_worker
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.print_config:
+            print(dump_config(cfg), end="")
+            return 0
+        if args.nproc is not None:
+            if args.nproc < 1:
+                raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+            if in_launched_worker():
+                raise ConfigError("--nproc starts local workers, but this process already is a worker "
+                                  "(RANK/WORLD_SIZE are set); drop --nproc under torchrun/srun")
+            validate_for_world(cfg, args.nproc)
+        else:
+            validate_for_world(cfg, env_world()[2])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    if args.nproc is not None:
+        from shardlab.launcher import launch_local
+        from shardlab.train import default_run_name
+
+        if not cfg.output.run_name:
+            cfg.output.run_name = default_run_name(cfg)
+        _prepare_data(cfg)
+        return launch_local(cfg, args.nproc, args.max_restarts)
+    from shardlab.train import worker_main
+
+    return worker_main(cfg)
+
+
+def _prepare_data(cfg) -> None:
+    """Work every worker would repeat (building the embedded corpus) is done once, before they start."""
+    if cfg.data.source == "builtin":
+        from shardlab.data.corpus import corpus_path
+
+        corpus_path()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import shardlab
+
+    parser = argparse.ArgumentParser(
+        prog="shardlab",
+        description="Sharded data-parallel training on PyTorch: DDP, ZeRO-3 and FSDP written from scratch, "
+                    "beside PyTorch's DDP and FSDP2, behind one config.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Run `shardlab COMMAND --help` for a command's options.")
+    parser.add_argument("--version", action="version", version=f"shardlab {shardlab.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    tr = sub.add_parser("train", help="train a model on N local workers, or as one worker of a launched job",
+                        description="Train a model. Config: YAML file plus dotted key=value overrides.",
+                        epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    tr.add_argument("config", nargs="?", help="YAML config file (default: built-in defaults)")
+    tr.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.steps=100")
+    tr.add_argument("--nproc", type=int, default=None, metavar="N",
+                    help="start N local worker processes through torchrun's elastic agent")
+    tr.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                    help="with --nproc: restart the worker group up to R times when a worker fails")
+    tr.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    tr.set_defaults(func=_train)
+
+    try:
+        from shardlab.launch import add_render_parser, add_submit_parser
+    except ImportError:
+        pass
+    else:
+        add_render_parser(sub)
+        add_submit_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    if args.command == "train":
+        # key=value overrides may come after options; argparse leaves them in `extra`
+        bad = [e for e in extra if "=" not in e or e.startswith("-")]
+        if bad:
+            parser.error(f"unrecognized arguments: {' '.join(bad)}")
+        if args.config is not None and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
+            args.overrides.insert(0, args.config)
+            args.config = None
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

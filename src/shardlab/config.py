@@ -1,0 +1,400 @@
+"""Typed configuration: dataclasses loaded from YAML, with dotted `key=value` overrides.
+
+Every error is found here, before any worker process starts, and the message names the
+key and the fix: unknown keys (with a "did you mean"), wrong types, values out of range,
+unknown strategy/model/data source (listing the valid ones), a batch that does not divide
+over the workers, a missing data path, a YAML syntax error (file and line).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import glob
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem a user can fix; the message says how."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "gpt"                      # gpt | resnet | mlp
+    preset: str = "gpt-tiny"               # gpt: a key of shardlab.models.GPT_PRESETS
+    n_layer: Optional[int] = None          # gpt: overrides of the preset (null = the preset's)
+    n_head: Optional[int] = None
+    n_embd: Optional[int] = None
+    block_size: Optional[int] = None
+    vocab_size: Optional[int] = None       # null: from the data (256 for byte-level text)
+    dropout: float = 0.0
+    resnet_blocks: list[int] = field(default_factory=lambda: [2, 2, 2])
+    resnet_width: int = 16
+    num_classes: int = 10
+    mlp_sizes: list[int] = field(default_factory=lambda: [32, 64, 10])
+
+
+@dataclass
+class DataConfig:
+    source: str = "builtin"                # builtin | text | cifar10 | synthetic
+    path: Optional[str] = None             # text: file, directory or glob; cifar10: folder with cifar-10-batches-py
+    tokenizer: Optional[str] = None        # text: a local directory with tokenizer.json (null = bytes)
+    seq_len: int = 128                     # text: tokens per sample
+    val_fraction: float = 0.05
+    synthetic_samples: int = 4096
+    shuffle: bool = True
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 20
+    global_batch_size: int = 16
+    micro_batch_size: int = 4
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1              # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 2
+    optimizer: str = "adamw"               # adamw | sgd
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    momentum: float = 0.0                  # sgd
+    grad_clip: float = 1.0                 # 0 = off
+    precision: str = "fp32"                # fp32 | bf16 (autocast)
+    activation_checkpointing: bool = False
+    eval_every: int = 0                    # 0 = only at the end
+    eval_batches: int = 4
+    log_every: int = 1
+
+
+@dataclass
+class ParallelConfig:
+    strategy: str = "fsdp"                 # single | ddp | zero3 | fsdp | torch-ddp | torch-fsdp
+    reshard_after_forward: bool = True     # fsdp, zero3, torch-fsdp
+    mixed_precision: str = "fp32"          # fp32 | bf16 | fp16: engine compute/communication dtype
+    bucket_size_mb: float = 25.0           # ddp, torch-ddp
+    prefetch: bool = True                  # fsdp
+    backend: str = "auto"                  # auto (nccl on CUDA, else gloo) | gloo | nccl
+    timeout_s: float = 300.0               # every collective; a dead rank fails the others within it
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0                   # 0 = off
+    keep_last: int = 2
+    dir: Optional[str] = None              # null = <run dir>/checkpoints
+    resume: str = "auto"                   # auto | none | a checkpoint path
+    async_save: bool = False               # YAML key: checkpoint.async
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "runs"
+    run_name: Optional[str] = None         # null = <model>-<strategy>-<timestamp>
+    tensorboard: bool = True
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_dict(self)
+
+
+# YAML keys that are not valid Python names map to fields here.
+_ALIASES = {("checkpoint", "async"): "async_save"}
+_ALIASES_BACK = {(sec, fld): key for (sec, key), fld in _ALIASES.items()}
+
+STRATEGY_CHOICES = ("single", "ddp", "zero3", "fsdp", "torch-ddp", "torch-fsdp")
+MODEL_CHOICES = ("gpt", "resnet", "mlp")
+DATA_CHOICES = ("builtin", "text", "cifar10", "synthetic")
+
+
+def _to_dict(obj: Any, section: str = "") -> Any:
+    if dataclasses.is_dataclass(obj):
+        out = {}
+        for f in dataclasses.fields(obj):
+            key = _ALIASES_BACK.get((section, f.name), f.name)
+            out[key] = _to_dict(getattr(obj, f.name), f.name)
+        return out
+    if isinstance(obj, list):
+        return list(obj)
+    return obj
+
+
+def dump_config(cfg: Config) -> str:
+    """The resolved config as YAML, loadable by load_config."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+# ---------------------------------------------------------------------------------------- loading
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load YAML (or defaults when path is None), apply `a.b=value` overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path!r} not found; give a path to a YAML file (see configs/)")
+        with open(path) as f:
+            text = f.read()
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+            problem = getattr(e, "problem", None) or str(e)
+            raise ConfigError(f"{where}: YAML syntax error: {problem}; fix the YAML at that line") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, train:, ...), "
+                              f"not a {type(loaded).__name__}")
+        raw = loaded
+    for item in overrides:
+        key, value = _parse_override(item)
+        _set_dotted(raw, key, value)
+    cfg = _build(Config, raw, "")
+    validate(cfg)
+    return cfg
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key=value, e.g. train.steps=100")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {item!r} has no key before '='")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text  # an unparseable value is taken as a plain string; type checks follow
+    return key, value
+
+
+def _set_dotted(raw: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override {key}=...: {part!r} is a value, not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def _known_keys(cls: type, prefix: str = "") -> list[str]:
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        name = _ALIASES_BACK.get((prefix.rstrip("."), f.name), f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys += _known_keys(hints[f.name], prefix + name + ".")
+        else:
+            keys.append(prefix + name)
+    return keys
+
+
+def _unknown_key_error(full_key: str) -> ConfigError:
+    known = _known_keys(Config)
+    close = difflib.get_close_matches(full_key, known, n=1, cutoff=0.6)
+    if not close:  # try the last component alone: "train.step" vs "train.steps", "lr" vs "train.lr"
+        last = full_key.split(".")[-1]
+        close = [k for k in known if difflib.get_close_matches(last, [k.split(".")[-1]], cutoff=0.75)][:1]
+    hint = f"; did you mean {close[0]!r}?" if close else "; run `shardlab train --print-config` to see every key"
+    return ConfigError(f"unknown config key {full_key!r}{hint}")
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    section = prefix.rstrip(".")
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{section or 'config'} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    by_key = {_ALIASES_BACK.get((section, f.name), f.name): f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        full = f"{prefix}{key}"
+        if key not in by_key:
+            raise _unknown_key_error(full)
+        f = by_key[key]
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[f.name] = _build(tp, value, full + ".")
+        else:
+            kwargs[f.name] = _coerce(value, tp, full)
+    return cls(**kwargs)
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in args) + " or null"
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, args[0], key)
+    bad = ConfigError(f"{key} must be {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    if origin is list:
+        if not isinstance(value, list):
+            raise bad
+        return [_coerce(v, typing.get_args(tp)[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise bad
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise bad
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise bad
+    return value
+
+
+# ------------------------------------------------------------------------------------- validation
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    _check(value in choices, f"{key}: unknown value {value!r}; valid: {', '.join(choices)}")
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no knowledge of the world size."""
+    from shardlab.models import GPT_PRESETS
+
+    m, d, t, p, c = cfg.model, cfg.data, cfg.train, cfg.parallel, cfg.checkpoint
+    _check(cfg.seed >= 0, f"seed must be >= 0, got {cfg.seed}")
+    _choice("model.name", m.name, MODEL_CHOICES)
+    if m.name == "gpt":
+        _choice("model.preset", m.preset, tuple(GPT_PRESETS))
+        for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+            v = getattr(m, k)
+            _check(v is None or v >= 1, f"model.{k} must be >= 1 (or null for the preset's), got {v}")
+        n_embd = m.n_embd or GPT_PRESETS[m.preset].n_embd
+        n_head = m.n_head or GPT_PRESETS[m.preset].n_head
+        _check(n_embd % n_head == 0, f"model.n_embd ({n_embd}) must be divisible by model.n_head ({n_head})")
+    _check(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
+    _check(len(m.resnet_blocks) >= 1 and all(b >= 1 for b in m.resnet_blocks),
+           f"model.resnet_blocks must be a non-empty list of integers >= 1, got {m.resnet_blocks}")
+    _check(m.resnet_width >= 1 and m.num_classes >= 2, "model.resnet_width must be >= 1 and model.num_classes >= 2")
+    _check(len(m.mlp_sizes) >= 2 and all(s >= 1 for s in m.mlp_sizes),
+           f"model.mlp_sizes must list at least an input and an output size (>= 1), got {m.mlp_sizes}")
+
+    _choice("data.source", d.source, DATA_CHOICES)
+    if d.source == "text":
+        _check(d.path is not None, "data.source=text needs data.path (a file, directory or glob of text files)")
+        _check(bool(_text_files(d.path)), f"data.path {d.path!r}: no such file, directory or glob match; "
+               "point it at existing text files")
+    if d.source == "cifar10":
+        _check(d.path is not None, "data.source=cifar10 needs data.path (the folder holding cifar-10-batches-py)")
+        _check(_cifar_dir(d.path) is not None, f"data.path {d.path!r}: no cifar-10-batches-py folder with "
+               "data_batch_1 there; download CIFAR-10 (python version) and point data.path at it")
+        _check(m.name == "resnet" or m.name == "mlp", f"data.source=cifar10 needs an image model; set model.name=resnet (got {m.name})")
+    if d.source in ("text", "builtin"):
+        _check(m.name == "gpt", f"data.source={d.source} is text and needs model.name=gpt (got {m.name})")
+    if d.tokenizer is not None:
+        _check(os.path.isfile(os.path.join(d.tokenizer, "tokenizer.json")),
+               f"data.tokenizer {d.tokenizer!r}: no tokenizer.json in that directory")
+    _check(d.seq_len >= 2, f"data.seq_len must be >= 2, got {d.seq_len}")
+    _check(0.0 <= d.val_fraction < 0.5, f"data.val_fraction must be in [0, 0.5), got {d.val_fraction}")
+    _check(d.synthetic_samples >= 1, "data.synthetic_samples must be >= 1")
+
+    _check(t.steps >= 1, f"train.steps must be >= 1, got {t.steps}")
+    _check(t.global_batch_size >= 1, f"train.global_batch_size must be >= 1, got {t.global_batch_size}")
+    _check(t.micro_batch_size >= 1, f"train.micro_batch_size must be >= 1, got {t.micro_batch_size}")
+    _check(t.global_batch_size % t.micro_batch_size == 0,
+           f"train.global_batch_size ({t.global_batch_size}) must be a multiple of train.micro_batch_size "
+           f"({t.micro_batch_size})")
+    _check(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+    _check(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    _check(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
+    _choice("train.optimizer", t.optimizer, ("adamw", "sgd"))
+    _check(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
+    _check(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1)")
+    _check(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 = off), got {t.grad_clip}")
+    _choice("train.precision", t.precision, ("fp32", "bf16"))
+    _check(t.eval_every >= 0 and t.eval_batches >= 1 and t.log_every >= 1,
+           "train.eval_every must be >= 0, train.eval_batches and train.log_every >= 1")
+    if m.name == "gpt" and d.source in ("text", "builtin", "synthetic"):
+        block = m.block_size or GPT_PRESETS[m.preset].block_size
+        _check(d.seq_len <= block, f"data.seq_len ({d.seq_len}) exceeds the model's block_size ({block}); "
+               f"lower data.seq_len or set model.block_size >= {d.seq_len}")
+
+    _choice("parallel.strategy", p.strategy, STRATEGY_CHOICES)
+    _choice("parallel.mixed_precision", p.mixed_precision, ("fp32", "bf16", "fp16"))
+    _choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
+    _check(p.bucket_size_mb > 0, f"parallel.bucket_size_mb must be > 0, got {p.bucket_size_mb}")
+    _check(p.timeout_s > 0, f"parallel.timeout_s must be > 0, got {p.timeout_s}")
+
+    _check(c.every_steps >= 0, f"checkpoint.every_steps must be >= 0 (0 = off), got {c.every_steps}")
+    _check(c.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {c.keep_last}")
+    _check(c.resume in ("auto", "none") or os.path.exists(c.resume),
+           f"checkpoint.resume must be auto, none or an existing checkpoint path; {c.resume!r} does not exist")
+
+
+def validate_for_world(cfg: Config, world_size: int) -> None:
+    """Checks that need the number of workers; run before they start."""
+    t = cfg.train
+    _check(world_size >= 1, f"the number of workers must be >= 1, got {world_size}")
+    if cfg.parallel.strategy == "single":
+        _check(world_size == 1, f"parallel.strategy=single runs one process, but {world_size} workers were asked for; "
+               "use --nproc 1 or a distributed strategy (ddp, zero3, fsdp, torch-ddp, torch-fsdp)")
+    per_step = world_size * t.micro_batch_size
+    _check(t.global_batch_size % per_step == 0,
+           f"train.global_batch_size ({t.global_batch_size}) must be divisible by world size x "
+           f"train.micro_batch_size ({world_size} x {t.micro_batch_size} = {per_step}); "
+           f"e.g. train.global_batch_size={per_step * max(1, round(t.global_batch_size / per_step))}")
+
+
+def _text_files(path: str) -> list[str]:
+    if os.path.isdir(path):
+        return sorted(os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs)
+    if os.path.isfile(path):
+        return [path]
+    return sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+
+
+def _cifar_dir(path: str) -> str | None:
+    for cand in (os.path.join(path, "cifar-10-batches-py"), path):
+        if os.path.isfile(os.path.join(cand, "data_batch_1")):
+            return cand
+    return None

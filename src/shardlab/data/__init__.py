@@ -1,0 +1,76 @@
+"""Data sources behind `data.source`: builtin (the embedded corpus), text, cifar10, synthetic.
+
+`build_datasets(cfg)` returns the train and validation datasets and what the model needs
+to know about them (vocab size); `GlobalBatchSampler` decides which samples each rank
+reads at each step (disjoint slices of one global batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardlab.data.sampler import GlobalBatchSampler
+
+__all__ = ["GlobalBatchSampler", "Datasets", "build_datasets", "collate"]
+
+
+@dataclass
+class Datasets:
+    train: torch.utils.data.Dataset
+    val: torch.utils.data.Dataset | None
+    vocab_size: int | None = None       # text sources
+    tokens_per_sample: int | None = None
+    info: dict[str, Any] | None = None  # goes to run_args.json (e.g. corpus hash)
+
+
+def build_datasets(cfg) -> Datasets:
+    d, m = cfg.data, cfg.model
+    if d.source in ("builtin", "text"):
+        from shardlab.data import corpus, text
+
+        tok = text.Tokenizer(d.tokenizer)
+        info: dict[str, Any] = {}
+        if d.source == "builtin":
+            path = corpus.corpus_path()
+            raw = path.read_text(encoding="utf-8")
+            info = {"corpus": "python stdlib docstrings", "corpus_path": str(path),
+                    "corpus_sha256": corpus.corpus_sha256(path), "corpus_bytes": path.stat().st_size}
+        else:
+            raw = text.read_text_files(d.path)
+        tokens = tok.encode(raw)
+        train_t, val_t = text.split_tokens(tokens, d.val_fraction, d.seq_len)
+        info["tokens"] = int(tokens.numel())
+        return Datasets(text.TokenWindows(train_t, d.seq_len),
+                        text.TokenWindows(val_t, d.seq_len) if val_t.numel() > d.seq_len else None,
+                        vocab_size=tok.vocab_size, tokens_per_sample=d.seq_len, info=info)
+    if d.source == "cifar10":
+        from shardlab.config import _cifar_dir
+        from shardlab.data.cifar import CIFAR10
+
+        folder = _cifar_dir(d.path)
+        train = CIFAR10(folder, train=True)
+        try:
+            val = CIFAR10(folder, train=False)
+        except FileNotFoundError:
+            val = None
+        return Datasets(train, val, info={"cifar10": folder, "train_samples": len(train)})
+    if d.source == "synthetic":
+        from shardlab.data.synthetic import SyntheticDataset
+
+        kind = {"gpt": "tokens", "resnet": "images", "mlp": "vectors"}[m.name]
+        vocab = m.vocab_size or 256
+        kw = dict(seq_len=d.seq_len, vocab_size=vocab, in_features=m.mlp_sizes[0], num_classes=m.num_classes
+                  if m.name == "resnet" else m.mlp_sizes[-1])
+        train = SyntheticDataset(kind, d.synthetic_samples, cfg.seed, **kw)
+        val = SyntheticDataset(kind, max(64, d.synthetic_samples // 20), cfg.seed + 7919, **kw)
+        return Datasets(train, val, vocab_size=vocab if kind == "tokens" else None,
+                        tokens_per_sample=d.seq_len if kind == "tokens" else None, info={"synthetic": kind})
+    raise ValueError(d.source)
+
+
+def collate(dataset: torch.utils.data.Dataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    xs, ys = zip(*(dataset[int(i)] for i in indices))
+    return torch.stack(xs), torch.stack(ys)

@@ -1,0 +1,69 @@
+"""Text as fixed windows of token ids: byte-level by default (vocab 256), or a tokenizer
+loaded from a local directory (tokenizer.json, via the `tokenizers` package) when given."""
+
+from __future__ import annotations
+
+import torch
+
+from shardlab.config import _text_files
+
+
+def read_text_files(path: str) -> str:
+    parts = []
+    for p in _text_files(path):
+        with open(p, "rb") as f:
+            parts.append(f.read().decode("utf-8", errors="replace"))
+    return "\n".join(parts)
+
+
+class Tokenizer:
+    """Bytes (vocab 256) unless a local tokenizer directory is given."""
+
+    def __init__(self, directory: str | None = None):
+        self._tok = None
+        if directory is not None:
+            try:
+                from tokenizers import Tokenizer as HFTokenizer
+            except ImportError as e:
+                raise RuntimeError("data.tokenizer needs the `tokenizers` package: pip install tokenizers") from e
+            import os
+
+            self._tok = HFTokenizer.from_file(os.path.join(directory, "tokenizer.json"))
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 if self._tok is None else self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> torch.Tensor:
+        if self._tok is None:
+            return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).to(torch.int64)
+        return torch.tensor(self._tok.encode(text).ids, dtype=torch.int64)
+
+    def decode(self, ids: list[int]) -> str:
+        if self._tok is None:
+            return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
+        return self._tok.decode(ids)
+
+
+class TokenWindows(torch.utils.data.Dataset):
+    """Non-overlapping windows: sample i is (tokens[iT : iT+T], tokens[iT+1 : iT+T+1])."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int):
+        if tokens.numel() < seq_len + 1:
+            raise ValueError(f"the text has {tokens.numel()} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
+                             "give more text or lower data.seq_len")
+        self.tokens = tokens.to(torch.int32)  # 4 bytes a token is enough for any vocab here
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return (self.tokens.numel() - 1) // self.seq_len
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = self.tokens[i * self.seq_len: i * self.seq_len + self.seq_len + 1].long()
+        return chunk[:-1], chunk[1:]
+
+
+def split_tokens(tokens: torch.Tensor, val_fraction: float, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n_val = int(tokens.numel() * val_fraction)
+    n_val = max(n_val, seq_len + 1) if val_fraction > 0 else 0
+    return tokens[: tokens.numel() - n_val], tokens[tokens.numel() - n_val:]

@@ -1,0 +1,107 @@
+"""The process-level runtime: where this worker sits in the job, its device, its process
+group (with a timeout on every collective), and seeding.
+
+Rank and world come from the environment the worker finds: torchrun / the elastic agent
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), Kubernetes pods started by
+torchrun (the same), or a bare `srun` (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, with
+MASTER_ADDR/MASTER_PORT exported by the batch script). No variables: one process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import socket
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str | None        # None: no process group (one process)
+    restart_count: int = 0     # how often the elastic agent restarted this group
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+
+def env_world() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from torchrun's or Slurm's variables; (0, 0, 1) if none."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"])
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "MASTER_ADDR" in env:
+        return int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), int(env["SLURM_NTASKS"])
+    return 0, 0, 1
+
+
+def in_launched_worker() -> bool:
+    """True when some launcher (torchrun, srun, a pod spec) already set rank and world."""
+    return env_world()[2] > 1 or "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ
+
+
+def init_runtime(backend: str = "auto", timeout_s: float = 300.0, force_group: bool = False) -> Runtime:
+    """Set up device and process group from the environment. A world of one gets no process
+    group unless force_group (the distributed engines need one even at N=1)."""
+    rank, local_rank, world = env_world()
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise RuntimeError("parallel.backend=nccl needs CUDA GPUs; use gloo (or auto) on CPU")
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if world == 1 and not force_group:
+        return Runtime(rank, local_rank, world, device, None, restarts)
+    if not dist.is_initialized():
+        if world == 1 and "MASTER_ADDR" not in os.environ:
+            store = dist.HashStore()
+            dist.init_process_group(backend, store=store, rank=0, world_size=1,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
+            os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
+            dist.init_process_group(backend, rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=timeout_s),
+                                    device_id=device if device.type == "cuda" else None)
+    return Runtime(rank, local_rank, world, device, backend, restarts)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank: model init is name-keyed (shardlab.models.init) and the data
+    order comes from the sampler, so ranks differ only in which slice they read."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def hostname() -> str:
+    return socket.gethostname()
