@@ -45,8 +45,6 @@ GPU_RESOURCE = "nvidia.com/gpu"
 CHECKOV_SKIPS = {
     "CKV_K8S_11": "no CPU limit on purpose: CFS throttling stalls data loaders and collective timeouts",
     "CKV_K8S_43": "the image is pinned by tag per release; pass --image NAME@sha256:... to pin a digest",
-    "CKV_K8S_8": "a batch job has no liveness endpoint; torchrun's elastic agent restarts hung workers",
-    "CKV_K8S_9": "a batch job serves no traffic, so there is nothing to be ready for",
 }
 
 
@@ -96,17 +94,19 @@ def _selector(req: K8sRequest) -> dict[str, str]:
 def _torchrun_script(req: K8sRequest, rdzv_host: str) -> str:
     # A shell line because pod 0 must be told it hosts the rendezvous store: guessing it from
     # DNS fails while its own record is not yet published, and then nobody serves the store.
-    return (
-        "exec python -m torch.distributed.run"
-        f" --nnodes={req.nodes} --nproc-per-node={req.nproc}"
-        " --rdzv-backend=c10d"
-        f" --rdzv-endpoint={rdzv_host}:{RDZV_PORT}"
-        ' --rdzv-id="$JOB_UID"'
-        ' --rdzv-conf="is_host=$([ "$JOB_COMPLETION_INDEX" = 0 ] && echo 1 || echo 0)"'
-        ' --local-addr="$POD_IP"'
-        f" --max-restarts={req.max_restarts}"
-        f" -m shardlab train {CONFIG_MOUNT}/config.yaml"
-    )
+    parts = [
+        "exec python -m torch.distributed.run",
+        f"--nnodes={req.nodes}",
+        f"--nproc-per-node={req.nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rdzv_host}:{RDZV_PORT}",
+        '--rdzv-id="$JOB_UID"',
+        '--rdzv-conf="is_host=$([ "$JOB_COMPLETION_INDEX" = 0 ] && echo 1 || echo 0)"',
+        '--local-addr="$POD_IP"',
+        f"--max-restarts={req.max_restarts}",
+        f"-m shardlab train {CONFIG_MOUNT}/config.yaml",
+    ]
+    return " \\\n  ".join(parts) + "\n"
 
 
 def pod_spec(req: K8sRequest, command: list[str] | None, container_name: str = "trainer",
@@ -212,7 +212,7 @@ def job(req: K8sRequest) -> dict:
             "backoffLimit": backoff,
             "podFailurePolicy": {"rules": [
                 # a spot preemption or node drain is not the job's fault: replace the pod for free
-                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
             ]},
             "template": _pod_template(req, spec),
         },
@@ -267,6 +267,7 @@ def base_files(req: K8sRequest, config_yaml: str) -> dict[str, str]:
     files["config.yaml"] = config_yaml
     files["kustomization.yaml"] = dump({
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "namespace": req.namespace,      # never `default`; an overlay's namespace replaces it
         "resources": list(BASE_FILES),
         "configMapGenerator": [{"name": req.config_map, "files": ["config.yaml"]}],
         # a fixed name: pods reference it, and a re-render should replace it, not add one
@@ -316,13 +317,26 @@ def overlay_files(req: K8sRequest, config_yaml: str) -> dict[str, str]:
     return files
 
 
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the config in the ConfigMap, the launch script) as `|` blocks,
+    so they read like the files they are instead of one long escaped line."""
+
+
+def _str_representer(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value and not any(line != line.rstrip() for line in value.splitlines()) else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str_representer)
+
+
 def dump(obj: dict) -> str:
-    return yaml.safe_dump(obj, sort_keys=False, default_flow_style=False, width=1000)
+    return yaml.dump(obj, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1000)
 
 
 def dump_all(objs: list[dict]) -> str:
-    return yaml.safe_dump_all(objs, sort_keys=False, default_flow_style=False, width=1000,
-                              explicit_start=True)
+    return yaml.dump_all(objs, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1000,
+                         explicit_start=True)
 
 
 def k8s_overrides(req: K8sRequest, overrides: list[str]) -> list[str]:
