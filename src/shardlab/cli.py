@@ -92,13 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     tr.set_defaults(func=_train)
 
+    # Commands that live beside their feature: render/submit (shardlab.launch),
+    # export/generate/eval (shardlab.export). Each module adds its own subparsers.
+    from shardlab.launch import add_render_parser, add_submit_parser
+
+    add_render_parser(sub)
+    add_submit_parser(sub)
     try:
-        from shardlab.launch import add_render_parser, add_submit_parser
-    except ImportError:
+        from shardlab.export import add_export_parsers
+    except ImportError:  # until the checkpoint work lands
         pass
     else:
-        add_render_parser(sub)
-        add_submit_parser(sub)
+        add_export_parsers(sub)
     return parser
 
 

@@ -229,6 +229,9 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     for key, value in raw.items():
         full = f"{prefix}{key}"
         if key not in by_key:
+            while isinstance(value, dict) and len(value) == 1:  # misspelt section: name the whole key
+                (sub, value), = value.items()
+                full = f"{full}.{sub}"
             raise _unknown_key_error(full)
         f = by_key[key]
         tp = hints[f.name]

@@ -123,15 +123,15 @@ def _gather(obj: Any, rt: Runtime) -> list[Any]:
 @torch.no_grad()
 def evaluate(model: nn.Module, dataset, cfg: Config, rt: Runtime, sampler_seed: int) -> float | None:
     """Mean loss over up to eval_batches global batches of the validation set, split over ranks."""
-    if dataset is None or len(dataset) == 0:
-        return None
     t = cfg.train
+    if dataset is None or len(dataset) < t.global_batch_size:
+        return None  # not one whole global batch to split over the ranks
     was_training = model.training
     model.eval()
     per_rank = t.global_batch_size // rt.world_size
     sampler = GlobalBatchSampler(len(dataset), t.global_batch_size, sampler_seed, shuffle=False)
     total = torch.zeros(2, device=rt.device)
-    for b in range(t.eval_batches):
+    for b in range(min(t.eval_batches, sampler.steps_per_epoch)):
         idx = sampler.rank_indices(b, rt.rank, rt.world_size)
         for i in range(0, per_rank, t.micro_batch_size):
             x, y = collate(dataset, idx[i:i + t.micro_batch_size])

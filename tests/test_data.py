@@ -1,0 +1,89 @@
+"""Data: disjoint rank slices covering each global batch, epochs, the embedded corpus, CIFAR-10."""
+
+import pickle
+
+import pytest
+import torch
+
+from shardlab.config import load_config
+from shardlab.data import build_datasets, collate
+from shardlab.data.cifar import CIFAR10, load_batch, write_fake_cifar
+from shardlab.data.corpus import build_corpus_text
+from shardlab.data.sampler import GlobalBatchSampler
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_rank_slices_are_disjoint_and_cover_the_global_batch(world):
+    s = GlobalBatchSampler(num_samples=50, global_batch_size=12, seed=3)
+    for step in range(12):  # crosses several epoch boundaries (50 is not a multiple of 12)
+        parts = [s.rank_indices(step, r, world) for r in range(world)]
+        joined = torch.cat(parts)
+        assert torch.equal(joined, s.global_indices(step))
+        assert len(set(joined.tolist())) == 12  # disjoint: no sample twice in one global batch
+        assert all(len(p) == 12 // world for p in parts)
+
+
+def test_each_epoch_is_a_permutation_and_epochs_differ():
+    s = GlobalBatchSampler(num_samples=26, global_batch_size=8, seed=0)  # 3 batches an epoch, 2 dropped
+    epoch0 = torch.cat([s.global_indices(i) for i in range(3)])
+    epoch1 = torch.cat([s.global_indices(i) for i in range(3, 6)])
+    assert len(set(epoch0.tolist())) == 24 == len(set(epoch1.tolist()))
+    assert not torch.equal(epoch0, epoch1)  # set_epoch semantics: a new order each epoch
+
+
+def test_dataset_smaller_than_a_global_batch_is_refused():
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        GlobalBatchSampler(num_samples=5, global_batch_size=8)
+
+
+def test_batches_are_a_function_of_seed_and_step():
+    a = GlobalBatchSampler(100, 10, seed=5)
+    b = GlobalBatchSampler(100, 10, seed=5)
+    assert torch.equal(a.global_indices(37), b.global_indices(37))  # resume = same step, same data
+    assert not torch.equal(a.global_indices(0), GlobalBatchSampler(100, 10, seed=6).global_indices(0))
+
+
+def test_corpus_is_deterministic_prose():
+    text = build_corpus_text(max_bytes=200_000)
+    assert text == build_corpus_text(max_bytes=200_000)
+    assert 150_000 < len(text.encode()) <= 200_000
+    words = text.split()
+    assert sum(w.isalpha() for w in words) / len(words) > 0.5  # mostly words
+
+
+def test_builtin_text_dataset():
+    d = build_datasets(load_config(None, ["data.seq_len=32"]))
+    x, y = collate(d.train, torch.tensor([0, 5]))
+    assert x.shape == (2, 32) and d.vocab_size == 256
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the next tokens
+    assert d.info["corpus_sha256"] and len(d.val) > 0
+
+
+def test_text_files_and_glob(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world " * 40)
+    (tmp_path / "b.txt").write_text("second file " * 40)
+    d = build_datasets(load_config(None, ["data.source=text", f"data.path={tmp_path}/*.txt", "data.seq_len=16"]))
+    assert len(d.train) > 10
+
+
+def test_cifar_folder_in_standard_format(tmp_path):
+    folder = write_fake_cifar(str(tmp_path), per_batch=7)
+    ds = CIFAR10(folder, train=True)
+    assert len(ds) == 35
+    x, y = ds[3]
+    assert x.shape == (3, 32, 32) and 0 <= int(y) < 10
+    cfg = load_config(None, ["model.name=resnet", "data.source=cifar10", f"data.path={tmp_path}"])
+    d = build_datasets(cfg)
+    assert len(d.train) == 35 and len(d.val) == 7
+
+
+class _Evil:
+    def __reduce__(self):
+        return (print, ("pwned",))
+
+
+def test_cifar_loader_refuses_arbitrary_pickles(tmp_path):
+    path = tmp_path / "data_batch_1"
+    path.write_bytes(pickle.dumps({b"data": _Evil(), b"labels": [1]}))
+    with pytest.raises(pickle.UnpicklingError, match="refusing"):
+        load_batch(str(path))
