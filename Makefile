@@ -42,7 +42,7 @@ lint: setup
 	$(VENV)/bin/ruff check src tests
 
 bench: setup
-	$(VENV)/bin/shardlab bench --help >/dev/null && $(PY) -m shardlab.bench
+	$(VENV)/bin/shardlab bench --strategies ddp,torch-ddp,fsdp,torch-fsdp,zero3 --nproc 2 --repeats 2
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

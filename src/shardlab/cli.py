@@ -92,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     tr.set_defaults(func=_train)
 
+    from shardlab import bench
+
+    be = sub.add_parser("bench", help="measure every engine at every world size, beside the theory",
+                        description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_arguments(be)
+    be.set_defaults(func=bench.run)
+
     # Commands that live beside their feature: render/submit (shardlab.launch),
     # export/generate/eval (shardlab.export). Each module adds its own subparsers.
     from shardlab.launch import add_render_parser, add_submit_parser

@@ -168,7 +168,8 @@ def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
 
     manager = None
     if _checkpointing_wanted(cfg):
-        from shardlab.checkpoint import CheckpointManager  # sharded save, exact resume (docs/checkpointing.md)
+        # sharded save and exact resume: docs/checkpointing.md
+        from shardlab.checkpoint import CheckpointManager
 
         manager = CheckpointManager.from_config(cfg, out_dir, rt)
     if manager is not None:
@@ -253,6 +254,7 @@ def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
             manager.maybe_save(model, opt, sched, state)
     if bar is not None:
         bar.close()
+    train_comm = engine.comm_stats()  # before the final evaluation adds its own traffic
     if manager is not None:
         manager.finalize(model, opt, sched, state)
     val_losses[state.step] = evaluate(model, data.val, cfg, rt, cfg.seed + 1)
@@ -260,7 +262,7 @@ def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
     if steps_run == 0:  # resumed at the last step: nothing trained in this run
         state_bytes = {**engine.model_state_bytes(), "optimizer": optimizer_state_bytes(opt)}
     per_rank = _gather({"peak_memory_bytes": M.peak_memory_bytes(rt.device), "model_state_bytes": state_bytes,
-                        "comm": engine.comm_stats()}, rt)
+                        "comm": train_comm}, rt)
     wall = time.perf_counter() - t0
     samples = steps_run * t.global_batch_size
     result: dict[str, Any] = {
@@ -271,6 +273,7 @@ def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
         "samples_processed": samples,
         "samples_per_s": samples / train_seconds if train_seconds else None,
         "step_time_median_s": timer.median(),
+        "step_times_s": timer.times,
         "world_size": rt.world_size,
         "strategy": cfg.parallel.strategy,
         "sharded": cfg.parallel.strategy in SHARDED_STRATEGIES,
@@ -279,7 +282,7 @@ def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
         "peak_memory_bytes": [r["peak_memory_bytes"] for r in per_rank],
         "model_state_bytes": [sum(r["model_state_bytes"].values()) for r in per_rank],
         "model_state_breakdown": [r["model_state_bytes"] for r in per_rank],
-        "comm_bytes": [r["comm"] for r in per_rank],
+        "comm_bytes": [r["comm"] for r in per_rank],  # per collective kind, training steps only; null: not counted
         "final_loss": state.losses[-1] if state.losses else None,
         "losses": state.losses,
         "val_loss": val_losses[state.step],
