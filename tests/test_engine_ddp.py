@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 import shardlab
 from shardlab.engines import engine_of, optimizer_state_bytes
@@ -72,6 +74,7 @@ def train_custom(rank: int, world: int, case_name: str, strategy: str, opt_name:
     # a second training-mode forward without backward, then eval again: nothing stale may remain
     _set_mode(model, case)
     model(*[t[:2] for t in case.batch(0)])
+    info = engine_info(engine)
     model.eval()
     with torch.no_grad():
         eval_again = model(_eval_batch(case_name))
@@ -80,7 +83,7 @@ def train_custom(rank: int, world: int, case_name: str, strategy: str, opt_name:
             "state": shardlab.full_state_dict(model),
             "comm": _comm_delta(comm_before, comm_after),
             "model_state_bytes": sum(state_bytes.values()) + opt_bytes, "grad_bytes": grad_bytes,
-            "engine_info": engine_info(engine)}
+            "engine_info": info}
 
 
 def _comm_delta(before: dict, after: dict) -> dict:
@@ -96,6 +99,8 @@ def engine_info(engine) -> dict:
             info[name] = getattr(engine, name)
     if hasattr(engine, "ownership_imbalance"):
         info["imbalance"] = engine.ownership_imbalance()
+    if hasattr(engine, "gathered_bytes"):
+        info["gathered_bytes"] = engine.gathered_bytes()
     return info
 
 
@@ -138,8 +143,70 @@ def check_same_on_every_rank(results: list[dict], label: str) -> None:
             if isinstance(got, tuple):  # (losses, state) from train_engine
                 assert_parity(got, results[r][key], f"{label}{key} rank {r} vs rank 0", rtol=0, atol=0)
             elif isinstance(got, dict) and "state" in got:
-                assert_parity((got["losses"], got["state"]), (results[r][key]["losses"], results[r][key]["state"]),
+                other = results[r][key]
+                assert_parity((got.get("losses", []), got["state"]), (other.get("losses", []), other["state"]),
                               f"{label}{key} rank {r} vs rank 0", rtol=0, atol=0)
+
+
+class ReuseNet(nn.Module):
+    """Engines' awkward corners in one model: a unit called twice per forward, a parameter
+    registered in two units (blocks[2].weight is blocks[0].weight), a frozen parameter, and
+    a start on a real device (no meta) with values from the global RNG."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(5, 8)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.blocks[2].weight = self.blocks[0].weight
+        self.blocks[1].bias.requires_grad_(False)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x, targets=None):
+        h = torch.tanh(self.inp(x))
+        for i in (0, 1, 0, 2):
+            h = torch.tanh(self.blocks[i](h))
+        out = self.head(h)
+        return out if targets is None else F.cross_entropy(out, targets)
+
+
+def _reuse_batch(step: int):
+    g = torch.Generator().manual_seed(4000 + step)
+    return torch.randn(GLOBAL_BATCH, 5, generator=g), torch.randint(0, 3, (GLOBAL_BATCH,), generator=g)
+
+
+def _reuse_model(rank: int) -> nn.Module:
+    torch.manual_seed(7)
+    model = ReuseNet()
+    if rank > 0:  # the engine must make every rank start from rank 0's values
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    return model
+
+
+def train_reuse(rank: int, world: int, strategy: str | None, steps: int = 3, **options) -> tuple[list[float], dict]:
+    """SGD with momentum on ReuseNet; strategy=None: the single-process reference."""
+    model = _reuse_model(rank) if strategy else _reuse_model(0)
+    if strategy:
+        model = shardlab.parallelize(model, strategy, device="cpu", **options)
+    params = list(model.parameters())
+    opt = torch.optim.SGD([p for p in params if p.requires_grad], lr=0.3, momentum=0.9)
+    b = GLOBAL_BATCH // world
+    losses = []
+    for step in range(steps):
+        x, y = _reuse_batch(step)
+        if strategy:
+            x, y = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
+        opt.zero_grad(set_to_none=True)
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        t = loss.detach().clone()
+        if strategy and world > 1:
+            dist.all_reduce(t)
+        losses.append(t.item() / (world if strategy else 1))
+    state = shardlab.full_state_dict(model) if strategy else {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, state
 
 
 def _ddp_cases(rank: int, world: int) -> dict:
@@ -153,6 +220,8 @@ def _ddp_cases(rank: int, world: int) -> dict:
         # tiny buckets: many async all-reduces in flight at once, launched in bucket order
         out[("small_buckets", c)] = train_engine(rank, world, c, "ddp", "sgd", bucket_size_bytes=512)
         out[("custom", c)] = train_custom(rank, world, c, "ddp", "adamw")
+    out["reuse"] = train_reuse(rank, world, "ddp")
+    out["reuse_checkpointing"] = train_reuse(rank, world, "ddp", activation_checkpointing=True)
     return out
 
 
@@ -178,4 +247,7 @@ def test_ddp_matches_single(world):
         all_reduce = custom["comm"].get("all_reduce", {})
         assert all_reduce.get("payload_bytes") == 3 * custom["grad_bytes"], (c, custom["comm"])
         assert set(custom["comm"]) == {"all_reduce"}, custom["comm"]
+    reuse_ref = train_reuse(0, 1, None)
+    for key in ("reuse", "reuse_checkpointing"):
+        assert_parity(reuse_ref, got[key], f"ddp/{key}/N={world}", atol=PARAM_ATOL["sgd"])
     check_same_on_every_rank(results, f"ddp/N={world}/")

@@ -1,0 +1,559 @@
+"""`zero3`: ZeRO stage 3 from scratch: every parameter tensor lives on exactly one rank.
+
+Algorithm
+---------
+Ownership. Each parameter tensor is owned whole by one rank. Tensors are assigned largest
+first to the rank with the fewest bytes so far, which balances bytes to within one tensor
+(`ownership_imbalance()` reports max/mean). A non-owner keeps no storage: the parameter is
+removed from its module's `_parameters` and a meta-device placeholder of the same shape
+stands in its place, so `module.parameters()` yields what this rank owns and nothing else,
+and any `torch.optim` optimizer built from it holds state for exactly that.
+
+Units. The model is cut into units (its repeated blocks by default) plus the root, which
+holds everything outside them (embeddings, the tied head, the final norm). A unit's
+parameters are those registered in its modules that are not inside a nested unit.
+
+Forward. Just before a unit runs (forward pre-hook), each owner broadcasts its tensors of
+the unit (one flat buffer per owner) and the unit's modules see the full tensors; right
+after it (forward hook) the buffers' storage is freed. Autograd still references the
+tensors it saved, but with zero-size storage.
+
+Backward. A hook on the unit's outputs fires before any of the unit's backward runs: the
+buffers get their storage back and are broadcast again. Each full tensor is a fresh
+autograd leaf; when its gradient is final (post-accumulate-grad hook) it is copied into a
+flat gradient buffer per owner, and when an owner's buffer is complete it is reduced
+(averaged) onto that owner, who adds it to `p.grad`. Then the unit's storage is freed.
+
+Memory per rank (fp32 AdamW, Ψ parameters, N ranks): (4 + 4 + 8)Ψ/N = 16Ψ/N bytes of
+parameters, gradients and Adam moments, plus one unit's gathered parameters (and, during
+its backward, its gradients) at a time; under `no_sync` every rank also keeps an fp32
+gradient accumulator for the whole model (as FSDP's no_sync does).
+Traffic per step: broadcast Ψ in forward, Ψ again in backward, reduce Ψ: about 3Ψ
+elements, each rank sending roughly its own share.
+
+Options
+-------
+reshard_after_forward (default True): free each unit's full parameters after its forward.
+    False keeps them until its backward (one broadcast less, memory of the whole model).
+mixed_precision: gathered parameters and compute in `param_dtype`, gradients reduced in
+    `reduce_dtype`; owned parameters, gradients and optimizer state stay fp32. Floating
+    point inputs of each unit are cast to `param_dtype`. Parameters of modules that hold
+    floating-point buffers (BatchNorm) are gathered in their own dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardlab.engines import collectives as C
+from shardlab.engines.api import Engine, MixedPrecision, ShardPiece, is_meta
+from shardlab.models.init import canonical_names, init_parameters_
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One original parameter (tied names share a slot)."""
+
+    name: str                                   # canonical name (first in named_parameters)
+    shape: torch.Size
+    dtype: torch.dtype
+    requires_grad: bool
+    owner: int
+    compute_dtype: torch.dtype                  # dtype of the gathered copy
+    placeholder: torch.Tensor                   # meta tensor standing in on non-owners
+    param: nn.Parameter | None = None           # the owner's fp32 tensor; None elsewhere
+    pending_grad: torch.Tensor | None = None    # local gradient accumulated under no_sync
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+@dataclass(eq=False)
+class _Group:
+    """The slots of one unit owned by one rank: they travel in one flat buffer."""
+
+    owner: int
+    dtype: torch.dtype                          # compute dtype of the gathered buffer
+    positions: list[int]                        # indices into unit.slots
+    offsets: list[int]
+    numel: int
+
+
+@dataclass(eq=False)
+class _Unit:
+    module: nn.Module
+    slots: list[_Slot]
+    bindings: list[tuple[nn.Module, str, int]]  # (module, attribute, index into slots)
+    groups: list[_Group]
+    place: list[tuple[int, int]]                # per slot: (index into groups, offset in that group)
+    trainable: int                              # how many slots require grad
+    bound: _Gather | None = None                # the gather whose tensors the modules see now
+
+
+@dataclass(eq=False)
+class _Gather:
+    """One forward run of a unit: its full parameters and what is left of its backward."""
+
+    unit: _Unit
+    buffers: list[torch.Tensor]                 # per group, flat
+    fulls: list[torch.Tensor]                   # per slot, views into buffers (autograd leaves)
+    state: str = "forward"                      # forward | resharded | backward | released
+    grad_buffers: dict[int, torch.Tensor] = field(default_factory=dict)   # group index -> flat grads
+    arrived: set[int] = field(default_factory=set)      # slot positions whose gradient is in
+    reduced: set[int] = field(default_factory=set)      # group indices already reduced
+
+
+class Zero3Engine(Engine):
+    strategy = "zero3"
+    grads_sharded = True
+    options = ("reshard_after_forward", "mixed_precision")
+
+    def __init__(self, module: nn.Module, *, reshard_after_forward: bool = True, mixed_precision: Any = None,
+                 **kw: Any):
+        super().__init__(module, **kw)
+        self.counter = C.CommCounter()
+        self.reshard_after_forward = bool(reshard_after_forward)
+        mp = MixedPrecision.parse(mixed_precision)
+        self.param_dtype = mp.param_dtype if mp else None
+        self.reduce_dtype = (mp.reduce_dtype or mp.param_dtype) if mp else None
+        self._sync = True
+        self._callback_queued = False
+        self._live: list[_Gather] = []              # gathers that may hold storage, oldest first
+        self._in_backward_of: dict[int, _Gather] = {}   # id(unit) -> gather whose backward runs
+
+        meta = is_meta(module)
+        if not meta:
+            module.to(self.device)
+            self._broadcast_from_rank0([*module.parameters(), *module.buffers()])
+        params = list({id(p): p for p in module.parameters()}.values())
+        self.slots = self._make_slots(params, canonical_names(module))
+        slot_of = {id(p): s for p, s in zip(params, self.slots)}
+        self._state_keys = self._state_dict_layout(module, slot_of)
+        self.unit_list = self._make_units(module, [module, *self.units], slot_of)
+        self._keep_owned_only(module, slot_of, meta)
+        if meta:
+            self._materialize_owned(module)
+        for unit in self.unit_list:
+            unit.module.register_forward_pre_hook(partial(self._pre_forward, unit), with_kwargs=True)
+            unit.module.register_forward_hook(partial(self._post_forward, unit))
+
+    # -- setup ----------------------------------------------------------------------------------
+    def _make_slots(self, params: list[nn.Parameter], names: dict[int, str]) -> list[_Slot]:
+        """One slot per unique parameter, owners chosen greedily: largest tensor first, onto
+        the least loaded rank (ties: lowest rank)."""
+        # [Note: which parameters mixed precision casts]
+        # A module holding floating-point buffers (BatchNorm's running statistics) computes in
+        # their precision, and kernels want its parameters in the same dtype: such modules'
+        # parameters are gathered in their own dtype. Decided from buffers, not layer classes.
+        keep = {id(p) for m in self.module.modules()
+                if any(b is not None and b.is_floating_point() for b in m._buffers.values())
+                for p in m._parameters.values() if p is not None}
+
+        def compute_dtype(p: nn.Parameter) -> torch.dtype:
+            cast = self.param_dtype is not None and p.is_floating_point() and id(p) not in keep
+            return self.param_dtype if cast else p.dtype
+
+        order = sorted(range(len(params)), key=lambda i: -params[i].numel() * params[i].element_size())
+        self.owned_bytes = [0] * self.world_size
+        owners = [0] * len(params)
+        for i in order:
+            rank = min(range(self.world_size), key=lambda r: self.owned_bytes[r])
+            owners[i] = rank
+            self.owned_bytes[rank] += params[i].numel() * params[i].element_size()
+        return [_Slot(names[id(p)], p.shape, p.dtype, p.requires_grad, owners[i], compute_dtype(p),
+                      torch.empty(p.shape, dtype=p.dtype, device="meta"))
+                for i, p in enumerate(params)]
+
+    def _make_units(self, root: nn.Module, unit_modules: list[nn.Module], slot_of: dict[int, _Slot]) -> list[_Unit]:
+        """Assign every module to its nearest enclosing unit (the root for the rest), and
+        lay out each unit's parameters in one flat buffer per (owner, dtype)."""
+        is_unit = {id(m): i for i, m in enumerate(unit_modules)}
+        regions: list[list[nn.Module]] = [[] for _ in unit_modules]
+        seen: set[int] = set()
+
+        def walk(m: nn.Module, current: int) -> None:
+            if id(m) in seen:
+                return
+            seen.add(id(m))
+            current = is_unit.get(id(m), current)
+            regions[current].append(m)
+            for child in m.children():
+                walk(child, current)
+
+        walk(root, 0)
+        units = []
+        for m, region in zip(unit_modules, regions):
+            slots: list[_Slot] = []
+            bindings = []
+            for sub in region:
+                for attr, p in sub._parameters.items():
+                    if p is None:
+                        continue
+                    slot = slot_of[id(p)]
+                    if slot not in slots:
+                        slots.append(slot)
+                    bindings.append((sub, attr, slots.index(slot)))
+            by_key: dict[tuple[int, torch.dtype], _Group] = {}
+            for pos, slot in enumerate(slots):
+                key = (slot.owner, slot.compute_dtype)
+                group = by_key.setdefault(key, _Group(slot.owner, slot.compute_dtype, [], [], 0))
+                group.positions.append(pos)
+                group.offsets.append(group.numel)
+                group.numel += slot.numel
+            groups = sorted(by_key.values(), key=lambda g: (g.owner, str(g.dtype)))
+            place = [(0, 0)] * len(slots)
+            for gi, group in enumerate(groups):
+                for pos, off in zip(group.positions, group.offsets):
+                    place[pos] = (gi, off)
+            units.append(_Unit(m, slots, bindings, groups, place, sum(s.requires_grad for s in slots)))
+        self.unit_param_bytes = [sum(s.numel * s.placeholder.element_size() for s in u.slots) for u in units]
+        return units
+
+    def _keep_owned_only(self, root: nn.Module, slot_of: dict[int, _Slot], meta: bool) -> None:
+        """Owners keep (or, from meta, create) the parameter; everyone else drops it."""
+        for m in list({id(m): m for m in root.modules()}.values()):
+            for attr, p in list(m._parameters.items()):
+                if p is None:
+                    continue
+                slot = slot_of[id(p)]
+                if slot.owner != self.rank:
+                    del m._parameters[attr]
+                    m.__dict__[attr] = slot.placeholder
+                    continue
+                if slot.param is None:
+                    slot.param = (nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.device),
+                                               requires_grad=p.requires_grad) if meta else p)
+                m._parameters[attr] = slot.param
+
+    @torch.no_grad()
+    def _materialize_owned(self, root: nn.Module) -> None:
+        """Initialize what this rank owns exactly as a whole build would (name-keyed seeds),
+        give buffers storage, and make buffers equal to rank 0's."""
+        for m in root.modules():
+            for attr, b in m._buffers.items():
+                if b is not None and b.device.type == "meta":
+                    m._buffers[attr] = torch.empty_like(b, device=self.device)
+        owned = {id(s.param): s.name for s in self.slots if s.param is not None}
+        init_parameters_(root, getattr(root, "init_seed", 0), names=owned)
+        self._broadcast_from_rank0(list(root.buffers()))
+
+    @torch.no_grad()
+    def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
+        for t in {id(t): t for t in tensors}.values():
+            C.broadcast(t.data, src=0, group=self.group, counter=self.counter)
+
+    @staticmethod
+    def _state_dict_layout(root: nn.Module, slot_of: dict[int, _Slot]) -> list[tuple[str, Any]]:
+        """state_dict key -> ("param", slot) or ("buffer", module, attr), in state_dict
+        order, tied names included. Checked against the module's own state_dict."""
+        keys: list[tuple[str, Any]] = []
+        for prefix, m in root.named_modules(remove_duplicate=False):
+            dot = prefix + "." if prefix else ""
+            keys += [(dot + a, ("param", slot_of[id(p)])) for a, p in m._parameters.items() if p is not None]
+            keys += [(dot + a, ("buffer", m, a)) for a, b in m._buffers.items()
+                     if b is not None and a not in m._non_persistent_buffers_set]
+        if [k for k, _ in keys] != list(root.state_dict().keys()):
+            raise NotImplementedError("zero3: this model customizes its state_dict; full_state_dict cannot mirror it")
+        return keys
+
+    # -- gathering ------------------------------------------------------------------------------
+    def _gather(self, unit: _Unit) -> _Gather:
+        buffers = [torch.empty(g.numel, dtype=g.dtype, device=self.device) for g in unit.groups]
+        fulls: list[torch.Tensor] = [None] * len(unit.slots)  # type: ignore[list-item]
+        for group, buffer in zip(unit.groups, buffers):
+            for pos, off in zip(group.positions, group.offsets):
+                slot = unit.slots[pos]
+                fulls[pos] = buffer[off:off + slot.numel].view(slot.shape)
+        gather = _Gather(unit, buffers, fulls)
+        self._fill(gather)
+        if torch.is_grad_enabled():
+            for pos, (slot, full) in enumerate(zip(unit.slots, fulls)):
+                if slot.requires_grad:
+                    full.requires_grad_(True)
+                    full.register_post_accumulate_grad_hook(partial(self._on_grad, gather, pos))
+        self._live.append(gather)
+        return gather
+
+    @torch.no_grad()
+    def _fill(self, gather: _Gather) -> None:
+        """(Re)allocate the gather's buffers and broadcast every owner's tensors into them.
+
+        Writes go through `.data`: autograd saved views of these buffers in forward, and a
+        write through the tensor itself would bump the version counter those saved views
+        are checked against in backward, although the values written are the same."""
+        handles = []
+        for group, buffer in zip(gather.unit.groups, gather.buffers):
+            storage = buffer.untyped_storage()
+            if storage.size() == 0 and group.numel:
+                storage.resize_(group.numel * buffer.element_size())
+            if group.owner == self.rank:
+                for pos, off in zip(group.positions, group.offsets):
+                    slot = gather.unit.slots[pos]
+                    buffer.data[off:off + slot.numel].copy_(slot.param.reshape(-1))
+            handles.append(C.broadcast(buffer.data, group.owner, self.group, async_op=True, counter=self.counter))
+        for h in handles:
+            if h is not None:
+                h.wait()
+
+    @staticmethod
+    def _free(gather: _Gather) -> None:
+        for buffer in gather.buffers:
+            buffer.untyped_storage().resize_(0)
+
+    # [Note: how a unit's modules see the full tensors]
+    # Writing the full tensor into the module's instance __dict__ shadows the registered
+    # parameter: attribute lookup finds __dict__ before nn.Module.__getattr__ consults
+    # _parameters. So forward code (`self.weight`) sees the full tensor while
+    # `parameters()`, `state_dict()` and the optimizer keep seeing the owned Parameter.
+    # Unbinding deletes the shadow (owners) or puts the meta placeholder back (others).
+
+    def _bind(self, gather: _Gather) -> None:
+        for m, attr, pos in gather.unit.bindings:
+            m.__dict__[attr] = gather.fulls[pos]
+        gather.unit.bound = gather
+
+    def _unbind(self, gather: _Gather) -> None:
+        unit = gather.unit
+        if unit.bound is not gather:
+            return
+        for m, attr, pos in unit.bindings:
+            if unit.slots[pos].param is not None:
+                m.__dict__.pop(attr, None)
+            else:
+                m.__dict__[attr] = unit.slots[pos].placeholder
+        unit.bound = None
+
+    def _release(self, gather: _Gather) -> None:
+        self._free(gather)
+        self._unbind(gather)
+        gather.state = "released"
+        gather.grad_buffers.clear()
+        if gather in self._live:
+            self._live.remove(gather)
+        if self._in_backward_of.get(id(gather.unit)) is gather:
+            del self._in_backward_of[id(gather.unit)]
+
+    # -- forward --------------------------------------------------------------------------------
+    # [Note: activation checkpointing]
+    # The composable checkpoint recomputes a unit in backward by calling the module again,
+    # so our forward hooks fire a second time, inside backward. By then the unit's
+    # pre-backward hook has already re-gathered its parameters and bound them, so the
+    # recompute must neither gather (that would be a fresh, unrelated set of leaves) nor
+    # free (backward still needs them). The recompute may also stop early, skipping the
+    # forward hook altogether, so nothing may depend on the post hook running.
+
+    def _pre_forward(self, unit: _Unit, module: nn.Module, args: tuple, kwargs: dict):
+        in_backward = torch._C._current_graph_task_id() != -1
+        recomputing = self._in_backward_of.get(id(unit)) if in_backward else None
+        if recomputing is not None:
+            self._bind(recomputing)
+        else:
+            if unit is self.unit_list[0] and not in_backward:
+                self._drop_stale_gathers()
+            self._bind(self._gather(unit))
+        return self._cast_inputs(args), self._cast_inputs(kwargs)
+
+    def _post_forward(self, unit: _Unit, module: nn.Module, args: tuple, output: Any) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # activation-checkpoint recompute: see the Note above
+        gather = unit.bound
+        if gather is None:
+            return
+        outputs = [t for t in _tensors(output) if t.requires_grad]
+        if not outputs or not any(f.requires_grad for f in gather.fulls):
+            self._release(gather)  # no backward will come for this forward (eval, no_grad)
+            return
+        self._unbind(gather)
+        if self.reshard_after_forward:
+            self._free(gather)
+            gather.state = "resharded"
+        for t in outputs:
+            t.register_hook(partial(self._pre_backward, gather))
+
+    def _drop_stale_gathers(self) -> None:
+        """A new forward begins: gathers still holding storage belong to forwards whose
+        backward has not run (reshard_after_forward=False, or a forward never
+        backpropagated). Free them; should their backward come, it re-gathers."""
+        for gather in list(self._live):
+            if gather.state in ("forward", "resharded"):
+                self._free(gather)
+                gather.state = "resharded"
+                self._live.remove(gather)
+
+    def _cast_inputs(self, value: Any) -> Any:
+        if self.param_dtype is None:
+            return value
+        if isinstance(value, torch.Tensor):
+            return value.to(self.param_dtype) if value.is_floating_point() else value
+        if isinstance(value, (tuple, list)):
+            return type(value)(self._cast_inputs(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._cast_inputs(v) for k, v in value.items()}
+        return value
+
+    # -- backward -------------------------------------------------------------------------------
+    # [Note: when the hooks fire]
+    # A hook registered on a unit's output runs when that output's gradient is complete,
+    # which is before any backward node inside the unit runs: the moment to re-gather.
+    # Each full tensor is its own autograd leaf, and autograd sums every use of a leaf before
+    # its AccumulateGrad runs, so the post-accumulate-grad hook fires once per gather with
+    # the whole gradient: both uses of GPT's tied embedding/head weight arrive together. A
+    # unit that runs twice gathers twice, into two sets of leaves; each set's gradient is
+    # reduced to the owner, who adds them up, as autograd would have. A parameter shared by
+    # two units likewise arrives once per unit. Once every leaf of a gather has its
+    # gradient, no backward node needs the gathered values any more: they are freed.
+
+    def _pre_backward(self, gather: _Gather, grad: torch.Tensor) -> None:
+        if gather.state not in ("forward", "resharded"):
+            return  # another output of the same forward got here first
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._callback_queued = True
+        self._fill(gather)
+        gather.state = "backward"
+        if gather not in self._live:
+            self._live.append(gather)
+        self._in_backward_of[id(gather.unit)] = gather
+        self._bind(gather)  # for an activation-checkpoint recompute
+
+    @torch.no_grad()
+    def _on_grad(self, gather: _Gather, pos: int, leaf: torch.Tensor) -> None:
+        grad, leaf.grad = leaf.grad, None
+        slot = gather.unit.slots[pos]
+        if not self._sync:
+            if slot.pending_grad is None:
+                slot.pending_grad = grad.to(torch.float32, copy=True)
+            else:
+                slot.pending_grad.add_(grad)
+        else:
+            if slot.pending_grad is not None:
+                grad = slot.pending_grad.add_(grad)
+                slot.pending_grad = None
+            gi, off = gather.unit.place[pos]
+            buffer = gather.grad_buffers.get(gi)
+            if buffer is None:
+                buffer = gather.grad_buffers[gi] = torch.zeros(
+                    gather.unit.groups[gi].numel, dtype=self.reduce_dtype or grad.dtype, device=self.device)
+            buffer[off:off + slot.numel].copy_(grad.reshape(-1))
+        gather.arrived.add(pos)
+        if self._sync:
+            self._reduce_complete_groups(gather)
+        if len(gather.arrived) == gather.unit.trainable:
+            self._release(gather)
+
+    def _reduce_complete_groups(self, gather: _Gather, flush: bool = False) -> None:
+        """Reduce each owner's gradient buffer once all its gradients are in (or, at the end
+        of backward, whatever arrived: parameters unused in this backward count as zero)."""
+        for gi, group in enumerate(gather.unit.groups):
+            buffer = gather.grad_buffers.get(gi)
+            wanted = [p for p in group.positions if gather.unit.slots[p].requires_grad]
+            if gi in gather.reduced or not wanted:
+                continue  # already reduced, or frozen
+            if not flush and not all(p in gather.arrived for p in wanted):
+                continue
+            if buffer is None:
+                buffer = torch.zeros(group.numel, dtype=self.reduce_dtype or group.dtype, device=self.device)
+            # [Note: why average] each rank's loss is the mean over its own micro batch, so
+            # the gradient of the global mean loss is the mean of the ranks' gradients.
+            C.reduce(buffer, group.owner, self.group, average=True, counter=self.counter)
+            gather.reduced.add(gi)
+            gather.grad_buffers.pop(gi, None)
+            if group.owner == self.rank:
+                for pos, off in zip(group.positions, group.offsets):
+                    slot = gather.unit.slots[pos]
+                    if not slot.requires_grad:
+                        continue
+                    g = buffer[off:off + slot.numel].view(slot.shape).to(slot.param.dtype)
+                    if slot.param.grad is None:
+                        slot.param.grad = g
+                    else:
+                        slot.param.grad.add_(g)
+
+    # [Note: why we wait where we wait]
+    # Every reduce runs synchronously inside the gradient hook, so communication is complete
+    # when backward returns, as the contract requires. The callback queued at the first
+    # pre-backward hook runs once the whole graph has been processed: it reduces gradient
+    # buffers still incomplete because some parameter got no gradient this time (in the same
+    # order on every rank, so the reduces pair up), and frees whatever is still gathered.
+
+    def _finish_backward(self) -> None:
+        self._callback_queued = False
+        for gather in list(self._live):
+            if gather.state == "backward":
+                if self._sync:
+                    self._reduce_complete_groups(gather, flush=True)
+                self._release(gather)
+        self._in_backward_of.clear()
+
+    # -- the rest of the contract ---------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        full: dict[int, torch.Tensor] = {}
+        for slot in self.slots:
+            t = slot.param.detach().clone() if slot.param is not None else torch.empty(
+                slot.shape, dtype=slot.dtype, device=self.device)
+            C.broadcast(t, slot.owner, self.group, counter=self.counter)
+            full[id(slot)] = t.to("cpu")
+        out = {}
+        for key, ref in self._state_keys:
+            if ref[0] == "param":
+                out[key] = full[id(ref[1])]
+            else:
+                out[key] = ref[1]._buffers[ref[2]].detach().to("cpu", copy=True)
+        return out
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        missing = [k for k, _ in self._state_keys if k not in state]
+        if missing:
+            raise KeyError(f"zero3: state dict lacks {missing}")
+        for key, ref in self._state_keys:
+            if ref[0] == "param":
+                slot = ref[1]
+                if slot.param is not None:
+                    slot.param.copy_(state[key])
+            else:
+                ref[1]._buffers[ref[2]].copy_(state[key])
+
+    def shard_layout(self) -> list[tuple[nn.Parameter, list[ShardPiece]]]:
+        """Every owned Parameter is one whole original parameter."""
+        return [(s.param, [ShardPiece(s.name, s.shape, 0, 0, s.numel)]) for s in self.slots if s.param is not None]
+
+    def ownership_imbalance(self) -> float:
+        """max/mean of the parameter bytes each rank owns (1.0 is perfect balance)."""
+        mean = sum(self.owned_bytes) / len(self.owned_bytes)
+        return max(self.owned_bytes) / mean if mean else 1.0
+
+    def gathered_bytes(self) -> int:
+        """Bytes of full parameters gathered right now (0 between steps when resharding)."""
+        return sum(b.untyped_storage().nbytes() for g in self._live for b in g.buffers)
+
+    def comm_stats(self) -> dict[str, dict[str, int]]:
+        return self.counter.snapshot()
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)

@@ -1,0 +1,174 @@
+"""`zero3` equals single-process training on the same global batch, and holds 1/N of the
+model state per rank.
+
+One spawn per world size (1, 2, 3, 4); every case runs inside it: parity for the three
+parity cases with SGD and AdamW (models start on meta), reshard_after_forward=False, no_sync
+accumulation, activation checkpointing, bf16 mixed precision, gradient clipping, eval
+forwards after training, a unit run twice and a parameter shared by two units, ranks that
+own nothing, loading a full state dict, model-state bytes against ddp's, ownership
+balance, and broadcast/reduce traffic.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardlab
+from shardlab.testing import run_workers
+from tests.parity import CASES, GLOBAL_BATCH, PARAM_ATOL, assert_parity, train_engine, train_reference
+from tests.test_engine_ddp import (
+    accumulation_steps,
+    check_custom,
+    check_same_on_every_rank,
+    reference_custom,
+    train_custom,
+    train_reuse,
+)
+
+OPTIMIZERS = ("sgd", "adamw")
+
+
+class TwoTensors(nn.Module):
+    """Two parameter tensors: at N=3 and N=4 some ranks own nothing at all."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(7, 3)])
+
+    def forward(self, x, targets):
+        return F.cross_entropy(self.layers[0](x), targets)
+
+
+def train_two_tensors(rank: int, world: int, strategy: str | None, steps: int = 3) -> tuple[list[float], dict]:
+    torch.manual_seed(3)
+    model = TwoTensors()
+    if strategy:
+        model = shardlab.parallelize(model, strategy, device="cpu")
+    params = list(model.parameters())
+    # torch.optim refuses an empty parameter list; a rank that owns nothing has no optimizer
+    opt = torch.optim.SGD(params, lr=0.5, momentum=0.9) if params else None
+    b = GLOBAL_BATCH // world
+    losses = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(5000 + step)
+        x, y = torch.randn(GLOBAL_BATCH, 7, generator=g), torch.randint(0, 3, (GLOBAL_BATCH,), generator=g)
+        if strategy:
+            x, y = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
+        if opt:
+            opt.zero_grad(set_to_none=True)
+        loss = model(x, y)
+        loss.backward()
+        if opt:
+            opt.step()
+        t = loss.detach().clone()
+        if strategy and world > 1:
+            torch.distributed.all_reduce(t)
+        losses.append(t.item() / (world if strategy else 1))
+    state = shardlab.full_state_dict(model) if strategy else {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, state
+
+
+def load_round_trip(rank: int, world: int) -> dict:
+    """Load single's trained weights into a fresh zero3 model: full_state_dict gives them
+    back exactly and the forward matches single's."""
+    _, ref_state = train_reference("gpt", "adamw")
+    model = shardlab.parallelize(CASES["gpt"].build("meta"), "zero3", device="cpu")
+    shardlab.load_full_state_dict(model, ref_state)
+    x = CASES["gpt"].batch(7)[0]
+    with torch.no_grad():
+        out = model(x)
+    return {"state": shardlab.full_state_dict(model), "out": out, "n_local": len(list(model.parameters()))}
+
+
+def _zero3_cases(rank: int, world: int) -> dict:
+    out: dict = {}
+    for c in CASES:
+        for o in OPTIMIZERS:
+            out[("parity", c, o)] = train_engine(rank, world, c, "zero3", o)
+        out[("keep_gathered", c)] = train_engine(rank, world, c, "zero3", "sgd", reshard_after_forward=False)
+        out[("accumulate", c)] = train_engine(rank, world, c, "zero3", "sgd", accumulate=accumulation_steps(world))
+        out[("checkpointing", c)] = train_engine(rank, world, c, "zero3", "adamw", activation_checkpointing=True)
+        out[("bf16", c)] = train_engine(rank, world, c, "zero3", "adamw", mixed_precision="bf16")
+        out[("custom", c)] = train_custom(rank, world, c, "zero3", "adamw")
+    out["ddp_gpt"] = train_custom(rank, world, "gpt", "ddp", "adamw")
+    out["reuse"] = train_reuse(rank, world, "zero3")
+    out["reuse_checkpointing"] = train_reuse(rank, world, "zero3", activation_checkpointing=True)
+    out["reuse_keep_gathered"] = train_reuse(rank, world, "zero3", reshard_after_forward=False)
+    out["two_tensors"] = train_two_tensors(rank, world, "zero3")
+    out["round_trip"] = load_round_trip(rank, world)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_zero3_matches_single(world):
+    results = run_workers(world, _zero3_cases)
+    got = results[0]
+    for c in CASES:
+        for o in OPTIMIZERS:
+            assert_parity(train_reference(c, o), got[("parity", c, o)], f"zero3/{c}/{o}/N={world}", atol=PARAM_ATOL[o])
+        assert_parity(train_reference(c, "sgd"), got[("keep_gathered", c)], f"zero3/{c}/keep gathered/N={world}",
+                      atol=PARAM_ATOL["sgd"])
+        assert_parity(train_reference(c, "sgd"), got[("accumulate", c)], f"zero3/{c}/no_sync/N={world}",
+                      atol=PARAM_ATOL["sgd"])
+        assert_parity(train_reference(c, "adamw"), got[("checkpointing", c)], f"zero3/{c}/checkpointing/N={world}",
+                      atol=PARAM_ATOL["adamw"])
+        torch.testing.assert_close(torch.tensor(got[("bf16", c)][0]), torch.tensor(train_reference(c, "adamw")[0]),
+                                   rtol=0, atol=1e-2, msg=lambda m, c=c: f"zero3/{c}/bf16 losses drift\n{m}")
+        check_custom(reference_custom(c, "adamw"), got[("custom", c)], f"zero3/{c}/clip+eval/N={world}",
+                     PARAM_ATOL["adamw"])
+
+    # traffic: per step, every parameter is broadcast twice (forward, backward) and reduced once
+    for c in CASES:
+        custom = got[("custom", c)]
+        param_bytes = sum(p.numel() * p.element_size() for p in CASES[c].build("cpu").parameters())
+        comm = custom["comm"]
+        assert set(comm) == {"broadcast", "reduce"}, comm
+        assert comm["broadcast"]["payload_bytes"] == 3 * 2 * param_bytes, (c, comm, param_bytes)
+        assert comm["reduce"]["payload_bytes"] == 3 * param_bytes, (c, comm, param_bytes)
+        if world > 1:
+            assert comm["broadcast"]["bus_bytes"] == comm["broadcast"]["payload_bytes"]
+
+    # memory: params + grads + AdamW state per rank is 1/N of ddp's plus at most one unit's worth;
+    # every byte is held by exactly one rank; ownership is balanced to within one tensor
+    ddp_bytes = got["ddp_gpt"]["model_state_bytes"]
+    zero3 = [r[("custom", "gpt")] for r in results]
+    info = zero3[0]["engine_info"]
+    unit_worth = 4 * max(info["unit_param_bytes"])  # fp32 param + grad + two Adam moments
+    per_rank = [z["model_state_bytes"] for z in zero3]
+    assert sum(per_rank) == ddp_bytes, (per_rank, ddp_bytes)
+    for b in per_rank:
+        assert b <= ddp_bytes / world + unit_worth, (per_rank, ddp_bytes, unit_worth)
+    owned = info["owned_bytes"]
+    largest = max(v.numel() * v.element_size() for v in train_reference("gpt", "sgd")[1].values())
+    assert max(owned) - min(owned) <= largest, owned
+    assert info["imbalance"] == pytest.approx(max(owned) / (sum(owned) / world))
+    print(f"\nzero3 N={world}: gpt model-state bytes per rank {per_rank} vs ddp {ddp_bytes}; "
+          f"owned param bytes {owned}, imbalance {info['imbalance']:.3f}")
+    for z in zero3:  # a forward without backward left nothing gathered
+        assert z["engine_info"]["gathered_bytes"] == 0, z["engine_info"]
+
+    reuse_ref = train_reuse(0, 1, None)
+    for key in ("reuse", "reuse_checkpointing", "reuse_keep_gathered"):
+        assert_parity(reuse_ref, got[key], f"zero3/{key}/N={world}", atol=PARAM_ATOL["sgd"])
+    assert_parity(train_two_tensors(0, 1, None), got["two_tensors"], f"zero3/two tensors/N={world}",
+                  atol=PARAM_ATOL["sgd"])
+    _, ref_state = train_reference("gpt", "adamw")
+    with torch.no_grad():
+        ref_model = CASES["gpt"].build("cpu")
+        ref_model.load_state_dict(ref_state)
+        ref_out = ref_model(CASES["gpt"].batch(7)[0])
+    assert sum(r["round_trip"]["n_local"] for r in results) == len(dict(ref_model.named_parameters()))
+    for r in results:
+        assert_parity(([0.0], ref_state), ([0.0], r["round_trip"]["state"]), "zero3/load round trip", rtol=0, atol=0)
+        torch.testing.assert_close(r["round_trip"]["out"], ref_out, rtol=1e-5, atol=1e-6)
+    check_same_on_every_rank(results, f"zero3/N={world}/")
+
+
+def test_zero3_rejects_unknown_option():
+    with pytest.raises(TypeError, match="bucket_size_bytes"):
+        shardlab.parallelize(CASES["mlp"].build("meta"), "zero3", bucket_size_bytes=1)
+
