@@ -1,0 +1,291 @@
+"""The from-scratch FSDP engine equals single-process training, and really shards.
+
+One spawn per world size; every case runs inside it (process start-up dominates here).
+The parent computes the `single` references and compares.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardlab
+from shardlab.engines import engine_of, optimizer_state_bytes
+from shardlab.models import count_parameters
+from shardlab.models.init import INIT_STD_ATTR, init_parameters_
+from shardlab.testing import run_workers
+from tests.parity import (
+    CASES,
+    GLOBAL_BATCH,
+    PARAM_ATOL,
+    _set_mode,
+    assert_parity,
+    make_optimizer,
+    train_engine,
+    train_reference,
+)
+
+OPTIMIZERS = ("sgd", "adamw")
+
+
+# -- a model that breaks naive engines: a unit called twice, a tie across two units ---------------
+class TwiceAndTied(nn.Module):
+    def __init__(self, seed: int = 5):
+        super().__init__()
+        self.init_seed = seed
+        self.inp = nn.Linear(6, 10)
+        self.shared = nn.Linear(10, 10)   # a unit, called twice per forward
+        self.a = nn.Linear(10, 10)        # a unit
+        self.b = nn.Linear(10, 10)        # a unit whose weight is tied to a's
+        self.b.weight = self.a.weight
+        self.out = nn.Linear(10, 3)
+        for m in self.modules():  # healthy gradients: Adam turns float noise on ~0 gradients into lr-sized steps
+            setattr(m, INIT_STD_ATTR, 0.4)
+        if self.inp.weight.device.type != "meta":
+            init_parameters_(self, seed)
+
+    def forward(self, x, targets=None):
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.shared(torch.tanh(self.shared(h))))
+        h = torch.tanh(self.b(torch.tanh(self.a(h))))
+        y = self.out(h)
+        return y if targets is None else nn.functional.cross_entropy(y, targets)
+
+
+def _twice_wrap(m: nn.Module) -> bool:
+    return isinstance(m, nn.Linear) and m.in_features == 10 and m.out_features == 10
+
+
+def _twice_batch(step: int):
+    g = torch.Generator().manual_seed(4000 + step)
+    return torch.randn(GLOBAL_BATCH, 6, generator=g), torch.randint(0, 3, (GLOBAL_BATCH,), generator=g)
+
+
+def _build(case: str, device: str) -> nn.Module:
+    if case == "twice":
+        with torch.device(device):
+            return TwiceAndTied()
+    return CASES[case].build(device)
+
+
+def _batch(case: str, step: int):
+    return _twice_batch(step) if case == "twice" else CASES[case].batch(step)
+
+
+def train_custom(rank: int, world: int, case: str, strategy: str, opt_name: str, steps: int = 3,
+                 clip: float | None = None, evals: tuple[int, ...] = (), **options) -> dict:
+    """Like parity.train_engine, plus gradient clipping and no-grad eval forwards after the
+    steps listed in `evals` (outputs on the whole global batch, and what stays gathered)."""
+    if case == "twice":
+        options.setdefault("wrap", _twice_wrap)
+    model = shardlab.parallelize(_build(case, "meta"), strategy, device="cpu", **options)
+    if case in CASES:
+        _set_mode(model, CASES[case])
+    opt = make_optimizer(opt_name, model.parameters())
+    b = GLOBAL_BATCH // world
+    out: dict = {"losses": [], "norms": [], "evals": [], "gathered_after_eval": [], "armed_after_eval": []}
+    for step in range(steps):
+        x, y = _batch(case, step)
+        opt.zero_grad(set_to_none=True)
+        loss = model(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b])
+        loss.backward()
+        if clip is not None:
+            out["norms"].append(shardlab.clip_grad_norm_(model, clip).item())
+        opt.step()
+        t = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(t)
+        out["losses"].append(t.item() / world)
+        if step in evals:
+            with torch.no_grad():
+                out["evals"].append(model(_batch(case, 99)[0]))
+            engine = engine_of(model)
+            if strategy == "fsdp":
+                out["gathered_after_eval"].append(engine.gathered_bytes())
+                out["armed_after_eval"].append(engine.callback_queued or any(
+                    g.needs_backward or g.tracked_views or g.state != "sharded" for g in engine.groups))
+    out["state"] = shardlab.full_state_dict(model)
+    return out
+
+
+# -- checks that look inside the engine --------------------------------------------------------
+def _resharding(rank: int, world: int) -> dict:
+    """Bytes of gathered unit storage after forward and after backward, both settings."""
+    out = {}
+    for raf in (True, False):
+        model = shardlab.parallelize(_build("gpt", "meta"), "fsdp", device="cpu", reshard_after_forward=raf)
+        engine = engine_of(model)
+        x, y = _batch("gpt", 0)
+        loss = model(x, y)
+        after_fwd = [g.full_data.untyped_storage().nbytes() for g in engine.unit_groups]
+        loss.backward()
+        after_bwd = engine.gathered_bytes()
+        out[raf] = (after_fwd, [g.full.numel() * g.full.element_size() for g in engine.unit_groups], after_bwd)
+    return out
+
+
+def _memory_and_traffic(rank: int, world: int) -> dict:
+    out = {}
+    for case in ("gpt", "mlp"):
+        model = shardlab.parallelize(_build(case, "meta"), "fsdp", device="cpu")
+        _set_mode(model, CASES[case])
+        engine = engine_of(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        b = GLOBAL_BATCH // world
+        x, y = _batch(case, 0)
+        before = engine.comm_stats()
+        model(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]).backward()
+        after = engine.comm_stats()
+        opt.step()
+        state = engine.model_state_bytes()
+        out[case] = {
+            "state_bytes": state["params"] + state["grads"] + optimizer_state_bytes(opt),
+            "padded": sum(g.full.numel() for g in engine.groups),
+            "groups": len(engine.groups),
+            "root_padded": engine.root_group.full.numel() if engine.root_group is not None else 0,
+            "gather": after["all_gather"]["payload_bytes"] - before.get("all_gather", {}).get("payload_bytes", 0),
+            "reduce": after["reduce_scatter"]["payload_bytes"] - before.get("reduce_scatter", {}).get("payload_bytes", 0),
+        }
+    return out
+
+
+def _layouts(rank: int, world: int) -> dict:
+    """This rank's shard_layout for each case, and whether each piece holds the values the
+    full state dict has there."""
+    out = {}
+    for case in (*CASES, "twice"):
+        kw = {"wrap": _twice_wrap} if case == "twice" else {}
+        model = shardlab.parallelize(_build(case, "meta"), "fsdp", device="cpu", **kw)
+        full = shardlab.full_state_dict(model)
+        pieces, values_ok = [], True
+        for param, plist in engine_of(model).shard_layout():
+            for pc in plist:
+                local = param.detach()[pc.local_start:pc.local_start + pc.numel]
+                values_ok &= torch.equal(local, full[pc.name].reshape(-1)[pc.offset:pc.offset + pc.numel])
+                values_ok &= tuple(full[pc.name].shape) == tuple(pc.full_shape)
+                pieces.append((pc.name, pc.offset, pc.numel))
+        out[case] = (pieces, values_ok)
+    return out
+
+
+# -- what each world size runs ------------------------------------------------------------------
+def _plan(world: int) -> list[tuple[str, str, str, dict]]:
+    """(kind, case, optimizer, options). kind: parity (train_engine) or custom (train_custom)."""
+    plan = [("parity", c, o, {}) for c in CASES for o in OPTIMIZERS]
+    plan += [("parity", c, "sgd", {"reshard_after_forward": False}) for c in CASES]
+    if world == 2:
+        plan += [("parity", c, "adamw", {"reshard_after_forward": False}) for c in CASES]
+        plan += [("parity", c, o, {"prefetch": False}) for c in CASES for o in OPTIMIZERS]
+        plan += [("parity", c, "adamw", {"activation_checkpointing": True}) for c in CASES]
+        plan += [("parity", "gpt", "sgd", {"activation_checkpointing": True, "reshard_after_forward": False})]
+        plan += [("accumulate", c, o, {}) for c in ("gpt", "mlp") for o in OPTIMIZERS]
+        plan += [("custom", "gpt", "adamw", {"clip": 0.05}), ("custom", "mlp", "sgd", {"clip": 0.1})]
+        plan += [("custom", c, "adamw", {"evals": (1, 2)}) for c in CASES]
+        plan += [("bf16", c, "adamw", {"mixed_precision": "bf16"}) for c in ("gpt", "mlp")]
+    if world in (2, 3):
+        plan += [("custom", "twice", o, {}) for o in OPTIMIZERS]
+        plan += [("accumulate", "gpt", "adamw", {"prefetch": False})] if world == 3 else []
+    return plan
+
+
+def _run_plan(rank: int, world: int) -> dict:
+    results = {}
+    for i, (kind, case, opt, options) in enumerate(_plan(world)):
+        if kind in ("parity", "bf16"):
+            results[i] = train_engine(rank, world, case, "fsdp", opt, **options)
+        elif kind == "accumulate":
+            results[i] = train_engine(rank, world, case, "fsdp", opt, accumulate=2, **options)
+        else:
+            results[i] = train_custom(rank, world, case, "fsdp", opt, **options)
+    results["layouts"] = _layouts(rank, world)
+    if world in (2, 4):
+        results["memory"] = _memory_and_traffic(rank, world)
+    if world == 2:
+        results["resharding"] = _resharding(rank, world)
+    return results
+
+
+_REFERENCES: dict = {}
+
+
+def _reference(kind: str, case: str, opt: str, options: dict):
+    key = (kind if kind == "custom" else "parity", case, opt, tuple(sorted(options.items())))
+    if key not in _REFERENCES:
+        if kind == "custom":
+            _REFERENCES[key] = train_custom(0, 1, case, "single", opt, **options)
+        else:
+            _REFERENCES[key] = train_reference(case, opt)
+    return _REFERENCES[key]
+
+
+def _check_custom(ref: dict, got: dict, label: str, atol: float) -> None:
+    assert_parity((ref["losses"], ref["state"]), (got["losses"], got["state"]), label, atol=atol)
+    torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(ref["norms"]), rtol=1e-5, atol=0)
+    for i, (a, b) in enumerate(zip(got["evals"], ref["evals"])):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, i=i: f"{label}: eval {i} differs\n{m}")
+    assert len(got["evals"]) == len(ref["evals"])
+    assert not any(got["gathered_after_eval"]), f"{label}: storage left gathered after eval {got['gathered_after_eval']}"
+    assert not any(got["armed_after_eval"]), f"{label}: backward state armed after a no-grad forward"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_fsdp_matches_single(world):
+    results = run_workers(world, _run_plan)
+    for i, (kind, case, opt, options) in enumerate(_plan(world)):
+        label = f"fsdp/{kind}/{case}/{opt}/{options}/N={world}"
+        got = results[0][i]
+        if kind == "custom":
+            ref_options = {k: v for k, v in options.items() if k in ("clip", "evals")}
+            _check_custom(_reference(kind, case, opt, ref_options), got, label, PARAM_ATOL[opt])
+            for r in range(1, world):
+                assert got["losses"] == results[r][i]["losses"], f"{label}: rank {r} losses differ"
+                assert_parity((got["losses"], got["state"]), (results[r][i]["losses"], results[r][i]["state"]),
+                              f"{label} rank {r} vs 0", rtol=0, atol=0)
+            continue
+        ref = _reference(kind, case, opt, {})
+        if kind == "bf16":
+            torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(ref[0]), rtol=1e-2, atol=1e-2,
+                                       msg=lambda m, label=label: f"{label}: bf16 losses too far from fp32\n{m}")
+            assert all(v.dtype == ref[1][k].dtype for k, v in got[1].items()), f"{label}: full state not fp32"
+        else:
+            assert_parity(ref, got, label, atol=PARAM_ATOL[opt])
+        for r in range(1, world):  # every rank reports the same losses and full parameters
+            assert_parity(got, results[r][i], f"{label} rank {r} vs rank 0", rtol=0, atol=0)
+
+    # shard_layout: the pieces over all ranks cover every original parameter exactly once.
+    for case in results[0]["layouts"]:
+        ref_model = _build(case, "cpu")
+        covered = {n: torch.zeros(p.numel(), dtype=torch.int32) for n, p in ref_model.named_parameters()}
+        for r in range(world):
+            pieces, values_ok = results[r]["layouts"][case]
+            assert values_ok, f"{case}: rank {r}'s pieces do not hold the full state's values"
+            for name, offset, numel in pieces:
+                covered[name][offset:offset + numel] += 1
+        for name, counts in covered.items():
+            assert bool((counts == 1).all()), f"{case}/N={world}: {name} not covered exactly once"
+
+    if "memory" in results[0]:
+        for case, m in results[0]["memory"].items():
+            numel = count_parameters(_build(case, "meta"))
+            # 4 (param) + 4 (grad) + 8 (Adam moments) bytes per element of this rank's shards,
+            # which are 1/N of the padded flat buffers: 16 * numel / N plus padding.
+            assert m["state_bytes"] == 16 * m["padded"] // world, (case, m)
+            assert 0 <= m["padded"] - numel < world * m["groups"], (case, m, numel)
+            assert m["state_bytes"] <= 16 * numel / world + 16 * (m["padded"] - numel), (case, m)
+            # all-gather: forward + backward for the units, once for the root (kept gathered);
+            # reduce-scatter: every gradient once. In bytes of fp32 padded buffers.
+            assert m["gather"] == 4 * (2 * m["padded"] - m["root_padded"]), (case, m)
+            assert m["reduce"] == 4 * m["padded"], (case, m)
+            if m["root_padded"] == 0:  # the MLP: exactly twice the parameter bytes
+                assert m["gather"] == 2 * 4 * m["padded"]
+
+    if "resharding" in results[0]:
+        after_fwd, full_bytes, after_bwd = results[0]["resharding"][True]
+        assert after_fwd == [0] * len(after_fwd), f"units still gathered after forward: {after_fwd}"
+        assert after_bwd == 0
+        after_fwd, full_bytes, after_bwd = results[0]["resharding"][False]
+        assert after_fwd == full_bytes, "reshard_after_forward=False should keep units gathered until backward"
+        assert after_bwd == 0, "everything is freed after backward"
