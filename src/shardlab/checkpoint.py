@@ -499,8 +499,22 @@ class CheckpointManager:
 
     def maybe_save(self, model: nn.Module, opt, sched, state) -> str | None:
         if self.every_steps > 0 and state.step % self.every_steps == 0 and state.step != self.last_saved_step:
+            self._refuse_non_finite(model, state.step)
             return self.save(model, opt, sched, state)
         return None
+
+    def _refuse_non_finite(self, model: nn.Module, step: int) -> None:
+        """The loss of step s is computed before step s's update, so a non-finite gradient turns
+        the parameters to NaN one step before the loss shows it. Saving them would replace the
+        last good checkpoint by a poisoned one: check first (all ranks decide together)."""
+        bad = [n for p, ps in checkpoint_layout(model) for n in [ps[0].name if ps else "(padding)"]
+               if not torch.isfinite(_flat_local(p)).all()]
+        if any(self._all_gather(bool(bad))):
+            last = self.last_saved_step
+            raise FloatingPointError(
+                f"non-finite parameters at step {step} (e.g. {bad[:3] or 'on another rank'}): checkpoint not "
+                f"written; the last good checkpoint is step {last} in {self.root}. Lower train.lr or enable "
+                "train.grad_clip, then resume from it.")
 
     def finalize(self, model: nn.Module, opt, sched, state) -> str | None:
         """At the end of training: the final state is saved (when checkpointing is on) and

@@ -1,0 +1,77 @@
+"""Shared pieces of the checkpoint tests: a tiny run config, training through the real loop
+with a simulated crash after step K's checkpoint, and bitwise comparison of checkpoints."""
+
+from __future__ import annotations
+
+import torch
+
+from shardlab import train as T
+from shardlab.checkpoint import CheckpointManager, read_tensors
+from shardlab.config import load_config
+from shardlab.runtime import Runtime
+
+K = 3          # steps before the interruption
+TOTAL = 2 * K  # steps of the whole run
+
+
+class SimulatedCrash(Exception):
+    """Raised right after the checkpoint of step K: the run dies there."""
+
+
+def make_cfg(strategy: str, out: str, name: str, *extra: str, steps: int = TOTAL, every: int = K):
+    # dropout > 0: the RNG states must be restored too for the losses to match bitwise
+    return load_config(None, [
+        f"parallel.strategy={strategy}", "model.preset=gpt-nano", "model.dropout=0.1",
+        "data.source=synthetic", "data.seq_len=16", "data.synthetic_samples=256",
+        f"train.steps={steps}", "train.global_batch_size=12", "train.micro_batch_size=2", "train.warmup_steps=1",
+        "train.lr=0.01", "train.eval_batches=1", f"checkpoint.every_steps={every}", "checkpoint.keep_last=3",
+        f"output.dir={out}", f"output.run_name={name}", "output.tensorboard=false", "output.progress=false",
+        "parallel.timeout_s=60", *extra])
+
+
+def runtime(rank: int, world: int, strategy: str) -> Runtime:
+    backend = None if strategy == "single" and world == 1 else "gloo"
+    return Runtime(rank, rank, world, torch.device("cpu"), backend)
+
+
+def train_until_crash(cfg, rt, crash_after: int = K) -> None:
+    """Train with cfg, dying (SimulatedCrash) right after the checkpoint of step crash_after."""
+    original = CheckpointManager.maybe_save
+
+    def save_then_crash(self, model, opt, sched, state):
+        path = original(self, model, opt, sched, state)
+        if state.step == crash_after:
+            self.wait()
+            raise SimulatedCrash()
+        return path
+
+    CheckpointManager.maybe_save = save_then_crash
+    try:
+        T.train(cfg, rt)
+    except SimulatedCrash:
+        pass
+    else:
+        raise AssertionError("the run was expected to crash")
+    finally:
+        CheckpointManager.maybe_save = original
+
+
+def straight_and_resumed(rank: int, world: int, strategy: str, out: str, *extra: str) -> dict:
+    """Train TOTAL steps straight, and K steps + crash + resume to TOTAL; return both results."""
+    rt = runtime(rank, world, strategy)
+    a = T.train(make_cfg(strategy, out, f"{strategy}-straight", *extra), rt)
+    train_until_crash(make_cfg(strategy, out, f"{strategy}-resumed", *extra), rt)
+    b = T.train(make_cfg(strategy, out, f"{strategy}-resumed", *extra), rt)
+    return {"straight": a["losses"], "resumed": b["losses"], "steps_this_run": b["steps_this_run"]}
+
+
+def assert_same_tensors(path_a: str, path_b: str, prefixes=("model/", "optim/")) -> int:
+    """Bitwise equality of the model and optimizer tensors of two checkpoints; returns the count."""
+    n = 0
+    for prefix in prefixes:
+        a, b = read_tensors(path_a, prefix), read_tensors(path_b, prefix)
+        assert a.keys() == b.keys(), (prefix, sorted(set(a) ^ set(b))[:5])
+        for k in a:
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{k} differs between {path_a} and {path_b}"
+        n += len(a)
+    return n
