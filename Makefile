@@ -1,5 +1,6 @@
 # shardlab: the two commands a new user needs are `make demo` and `make test`.
-# Both start with `make setup`, which is idempotent (a stamp file tracks pyproject.toml).
+# Both start with `make setup` (torch + shardlab), which is idempotent: a stamp file tracks
+# pyproject.toml. `make test` then adds the test and infra-check tools (extras dev, plot, infra).
 #
 # TORCH_SPEC picks the torch build. The default is the CPU wheel that lies on this
 # machine's disk; a GPU user sets e.g. TORCH_SPEC="torch==2.13.0 --index-url <their CUDA index>".
@@ -7,15 +8,16 @@
 PYTHON     ?= python3
 VENV       ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS     ?= dev,plot,infra
 NPROC      ?= 2
 PY         := $(VENV)/bin/python
+PIP        := $(PY) -m pip install --quiet --disable-pip-version-check
 STAMP      := $(VENV)/.shardlab-setup
+DEV_STAMP  := $(VENV)/.shardlab-setup-dev
 
-.PHONY: setup demo test test-fast lint bench clean help
+.PHONY: setup setup-dev demo test test-fast lint bench clean help
 
 help:
-	@echo "make setup   create $(VENV), install torch ($(TORCH_SPEC)) and shardlab[$(EXTRAS)]"
+	@echo "make setup   create $(VENV), install torch ($(TORCH_SPEC)) and shardlab"
 	@echo "make demo    train the default GPT on the embedded corpus with $(NPROC) worker processes"
 	@echo "make test    the whole test suite (what CI runs)"
 	@echo "make bench   the engine benchmark (docs/benchmarks.md)"
@@ -24,24 +26,29 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	$(PIP) $(TORCH_SPEC)
+	$(PIP) -e .
 	@touch $(STAMP)
+
+setup-dev: $(DEV_STAMP)
+
+$(DEV_STAMP): $(STAMP)
+	$(PIP) -e ".[dev,plot,infra]"
+	@touch $(DEV_STAMP)
 
 demo: setup
 	$(VENV)/bin/shardlab train configs/gpt-tiny.yaml --nproc $(NPROC)
 
-test: setup
+test: setup-dev
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra
 
-test-fast: setup
+test-fast: setup-dev
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -m "not slow"
 
-lint: setup
+lint: setup-dev
 	$(VENV)/bin/ruff check src tests
 
-bench: setup
+bench: setup-dev
 	$(VENV)/bin/shardlab bench --strategies ddp,torch-ddp,fsdp,torch-fsdp,zero3 --nproc 2 --repeats 2
 
 clean:
