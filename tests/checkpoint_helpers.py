@@ -56,12 +56,13 @@ def train_until_crash(cfg, rt, crash_after: int = K) -> None:
         CheckpointManager.maybe_save = original
 
 
-def straight_and_resumed(rank: int, world: int, strategy: str, out: str, *extra: str) -> dict:
-    """Train TOTAL steps straight, and K steps + crash + resume to TOTAL; return both results."""
+def straight_and_resumed(rank: int, world: int, strategy: str, out: str, *extra: str, tag: str = "") -> dict:
+    """Train TOTAL steps straight, and K steps + crash + resume to TOTAL; return both results.
+    Run directories: <out>/<strategy><tag>-straight and -resumed."""
     rt = runtime(rank, world, strategy)
-    a = T.train(make_cfg(strategy, out, f"{strategy}-straight", *extra), rt)
-    train_until_crash(make_cfg(strategy, out, f"{strategy}-resumed", *extra), rt)
-    b = T.train(make_cfg(strategy, out, f"{strategy}-resumed", *extra), rt)
+    a = T.train(make_cfg(strategy, out, f"{strategy}{tag}-straight", *extra), rt)
+    train_until_crash(make_cfg(strategy, out, f"{strategy}{tag}-resumed", *extra), rt)
+    b = T.train(make_cfg(strategy, out, f"{strategy}{tag}-resumed", *extra), rt)
     return {"straight": a["losses"], "resumed": b["losses"], "steps_this_run": b["steps_this_run"]}
 
 
@@ -75,3 +76,18 @@ def assert_same_tensors(path_a: str, path_b: str, prefixes=("model/", "optim/"))
             assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{k} differs between {path_a} and {path_b}"
         n += len(a)
     return n
+
+
+def load_and_resave(rank: int, world: int, strategy: str, source: str, dest_root: str, out: str) -> str:
+    """Build `strategy` at this world size, load checkpoint `source` into it, save it again."""
+    import shardlab
+
+    cfg = make_cfg(strategy, out, "unused")
+    rt = runtime(rank, world, strategy)
+    model = shardlab.parallelize(T.build_model_for(cfg, 256, "meta"), strategy, device="cpu", **T.engine_options(cfg))
+    opt = T.make_optimizer(cfg, model.parameters())
+    sched = T.make_schedule(cfg, opt)
+    state = T.TrainState()
+    manager = CheckpointManager(dest_root, rt, config=cfg)
+    manager.load(source, model, opt, sched, state)
+    return manager.save(model, opt, sched, state)
