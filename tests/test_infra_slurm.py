@@ -65,7 +65,7 @@ def test_rendered_sbatch_runs_two_agents(slurm, tmp_path):
                          capture_output=True, text=True, env=slurm, timeout=30)
     assert sub.returncode == 0, sub.stderr
     job_id = sub.stdout.strip().split(";")[0]
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 150
     state = "PENDING"
     while time.monotonic() < deadline:
         state = job_state(slurm, job_id)
@@ -75,7 +75,10 @@ def test_rendered_sbatch_runs_two_agents(slurm, tmp_path):
     else:
         subprocess.run(["scancel", job_id], env=slurm, timeout=30)
     logs = "\n".join(p.read_text() for p in (out / "logs").glob("*.out"))
-    assert state == "COMPLETED", f"job {job_id} ended {state}; log:\n{logs[-4000:]}"
+    if state != "COMPLETED":
+        info = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, env=slurm,
+                              timeout=30).stdout
+        pytest.fail(f"job {job_id} ended {state}:\n{info}\nlog:\n{logs[-4000:]}")
     metrics = json.loads((runs / "slurm-run" / "metrics.json").read_text())
     assert metrics["world_size"] == 2
     assert metrics["steps"] == 4

@@ -63,6 +63,10 @@ start_munge() {
 
 write_config() {
     mkdir -p "$STATE/ctld" "$STATE/spool" "$STATE/log"
+    # not `nproc`: it follows OMP_NUM_THREADS, which `make test` sets to 1
+    local CPUS
+    CPUS="$(getconf _NPROCESSORS_ONLN)"
+    if [ "$CPUS" -lt 2 ]; then CPUS=2; fi
     cat > "$STATE/slurm.conf" <<CONF
 # one-host test cluster written by infra/slurm/local-cluster.sh
 ClusterName=shardlab-test
@@ -94,7 +98,10 @@ SlurmdTimeout=30
 InactiveLimit=0
 KillWait=5
 MinJobAge=600
-NodeName=localhost NodeAddr=127.0.0.1 CPUs=$(nproc) RealMemory=1000 State=UNKNOWN
+# trust the CPU count below rather than what slurmd detects (a 1-core CI box still fits
+# the two one-CPU tasks of the test job; tasks share cores: OverSubscribe=YES)
+SlurmdParameters=config_overrides
+NodeName=localhost NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=1000 State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 CONF
     # slurmd checks that cgroup.conf exists only with cgroup plugins; write none
