@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             args.overrides.insert(0, args.config)
             args.config = None
         args.overrides += extra
+    elif extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides += extra  # render/submit: key=value after the options, as for train
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return int(args.func(args) or 0)
