@@ -71,6 +71,23 @@ def train_two_tensors(rank: int, world: int, strategy: str | None, steps: int = 
     return losses, state
 
 
+def train_backward_twice(rank: int, world: int, strategy: str | None) -> tuple[list[float], dict]:
+    """Two backward passes through one graph (retain_graph=True) accumulate twice the gradient."""
+    case = CASES["gpt"]
+    model = case.build("meta" if strategy else "cpu")
+    if strategy:
+        model = shardlab.parallelize(model, strategy, device="cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    b = GLOBAL_BATCH // world if strategy else GLOBAL_BATCH
+    x, y = case.batch(0)
+    loss = model(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b])
+    loss.backward(retain_graph=True)
+    loss.backward()
+    opt.step()
+    state = shardlab.full_state_dict(model) if strategy else {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return [], state
+
+
 def load_round_trip(rank: int, world: int) -> dict:
     """Load single's trained weights into a fresh zero3 model: full_state_dict gives them
     back exactly and the forward matches single's."""
@@ -93,12 +110,14 @@ def _zero3_cases(rank: int, world: int) -> dict:
         out[("checkpointing", c)] = train_engine(rank, world, c, "zero3", "adamw", activation_checkpointing=True)
         out[("bf16", c)] = train_engine(rank, world, c, "zero3", "adamw", mixed_precision="bf16")
         out[("custom", c)] = train_custom(rank, world, c, "zero3", "adamw")
+    out["custom_keep_gathered"] = train_custom(rank, world, "mlp", "zero3", "adamw", reshard_after_forward=False)
     out["ddp_gpt"] = train_custom(rank, world, "gpt", "ddp", "adamw")
     out["reuse"] = train_reuse(rank, world, "zero3")
     out["reuse_checkpointing"] = train_reuse(rank, world, "zero3", activation_checkpointing=True)
     out["reuse_keep_gathered"] = train_reuse(rank, world, "zero3", reshard_after_forward=False)
     out["two_tensors"] = train_two_tensors(rank, world, "zero3")
     out["round_trip"] = load_round_trip(rank, world)
+    out["backward_twice"] = train_backward_twice(rank, world, "zero3")
     return out
 
 
@@ -131,6 +150,16 @@ def test_zero3_matches_single(world):
         assert comm["reduce"]["payload_bytes"] == 3 * param_bytes, (c, comm, param_bytes)
         if world > 1:
             assert comm["broadcast"]["bus_bytes"] == comm["broadcast"]["payload_bytes"]
+
+    # reshard_after_forward=False: one broadcast per step (forward only); what a forward without
+    # backward left gathered is dropped by the next forward (the eval in train_custom checks values)
+    keep = got["custom_keep_gathered"]
+    check_custom(reference_custom("mlp", "adamw"), keep, f"zero3/mlp/keep gathered clip+eval/N={world}",
+                 PARAM_ATOL["adamw"])
+    mlp_bytes = sum(p.numel() * p.element_size() for p in CASES["mlp"].build("cpu").parameters())
+    assert keep["comm"]["broadcast"]["payload_bytes"] == 3 * mlp_bytes, keep["comm"]
+    assert keep["comm"]["reduce"]["payload_bytes"] == 3 * mlp_bytes, keep["comm"]
+    assert keep["engine_info"]["gathered_bytes"] == mlp_bytes, keep["engine_info"]
 
     # memory: params + grads + AdamW state per rank is 1/N of ddp's plus at most one unit's worth;
     # every byte is held by exactly one rank; ownership is balanced to within one tensor
@@ -165,6 +194,8 @@ def test_zero3_matches_single(world):
     for r in results:
         assert_parity(([0.0], ref_state), ([0.0], r["round_trip"]["state"]), "zero3/load round trip", rtol=0, atol=0)
         torch.testing.assert_close(r["round_trip"]["out"], ref_out, rtol=1e-5, atol=1e-6)
+    assert_parity(train_backward_twice(0, 1, None), got["backward_twice"], f"zero3/retain_graph/N={world}",
+                  atol=PARAM_ATOL["sgd"])
     check_same_on_every_rank(results, f"zero3/N={world}/")
 
 

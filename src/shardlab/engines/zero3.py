@@ -105,7 +105,7 @@ class _Gather:
     unit: _Unit
     buffers: list[torch.Tensor]                 # per group, flat
     fulls: list[torch.Tensor]                   # per slot, views into buffers (autograd leaves)
-    state: str = "forward"                      # forward | resharded | backward | released
+    state: str = "forward"                      # forward | resharded | backward | recompute | released
     grad_buffers: dict[int, torch.Tensor] = field(default_factory=dict)   # group index -> flat grads
     arrived: set[int] = field(default_factory=set)      # slot positions whose gradient is in
     reduced: set[int] = field(default_factory=set)      # group indices already reduced
@@ -273,7 +273,7 @@ class Zero3Engine(Engine):
                 slot = unit.slots[pos]
                 fulls[pos] = buffer[off:off + slot.numel].view(slot.shape)
         gather = _Gather(unit, buffers, fulls)
-        self._fill(gather)
+        self._fill(gather, everything=True)
         if torch.is_grad_enabled():
             for pos, (slot, full) in enumerate(zip(unit.slots, fulls)):
                 if slot.requires_grad:
@@ -283,8 +283,9 @@ class Zero3Engine(Engine):
         return gather
 
     @torch.no_grad()
-    def _fill(self, gather: _Gather) -> None:
-        """(Re)allocate the gather's buffers and broadcast every owner's tensors into them.
+    def _fill(self, gather: _Gather, everything: bool = False) -> None:
+        """Broadcast every owner's tensors into the gather's buffers: all of them for a new
+        gather, else those whose storage was freed (they get it back first).
 
         Writes go through `.data`: autograd saved views of these buffers in forward, and a
         write through the tensor itself would bump the version counter those saved views
@@ -294,6 +295,8 @@ class Zero3Engine(Engine):
             storage = buffer.untyped_storage()
             if storage.size() == 0 and group.numel:
                 storage.resize_(group.numel * buffer.element_size())
+            elif not everything:
+                continue  # still gathered (reshard_after_forward=False): the values are current
             if group.owner == self.rank:
                 for pos, off in zip(group.positions, group.offsets):
                     slot = gather.unit.slots[pos]
@@ -358,7 +361,10 @@ class Zero3Engine(Engine):
         else:
             if unit is self.unit_list[0] and not in_backward:
                 self._drop_stale_gathers()
-            self._bind(self._gather(unit))
+            gather = self._gather(unit)
+            if in_backward:
+                gather.state = "recompute"  # unforeseen forward inside backward: freed at its end
+            self._bind(gather)
         return self._cast_inputs(args), self._cast_inputs(kwargs)
 
     def _post_forward(self, unit: _Unit, module: nn.Module, args: tuple, output: Any) -> None:
@@ -412,8 +418,11 @@ class Zero3Engine(Engine):
     # gradient, no backward node needs the gathered values any more: they are freed.
 
     def _pre_backward(self, gather: _Gather, grad: torch.Tensor) -> None:
-        if gather.state not in ("forward", "resharded"):
+        if gather.state == "backward":
             return  # another output of the same forward got here first
+        # "released" too: a second backward through a graph kept with retain_graph=True
+        gather.arrived.clear()
+        gather.reduced.clear()
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._callback_queued = True
@@ -487,9 +496,9 @@ class Zero3Engine(Engine):
     def _finish_backward(self) -> None:
         self._callback_queued = False
         for gather in list(self._live):
-            if gather.state == "backward":
-                if self._sync:
-                    self._reduce_complete_groups(gather, flush=True)
+            if gather.state == "backward" and self._sync:
+                self._reduce_complete_groups(gather, flush=True)
+            if gather.state in ("backward", "recompute"):
                 self._release(gather)
         self._in_backward_of.clear()
 
