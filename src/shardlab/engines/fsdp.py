@@ -238,8 +238,9 @@ class FSDPEngine(Engine):
                         if b is not None:
                             m._buffers[bname] = b.to(self.device)
             if pids:
-                group = self._make_group(owner, gi == 0, [(names[pid], tensors[pid], bindings[pid]) for pid in pids])
-                self.groups.append(group)
+                params = [(names[pid], tensors.pop(pid), bindings[pid]) for pid in pids]
+                self.groups.append(self._make_group(owner, gi == 0, params))
+                del params  # the group's full tensors die here: one unit materialized at a time
         # Buffers stay whole on every rank; rank 0's values win (as in DDP).
         with torch.no_grad():
             for b in {id(b): b for b in root.buffers()}.values():
