@@ -233,7 +233,9 @@ def test_sigkill_worker_restarts_and_matches_uninterrupted(tmp_path):
         killed_at = list_checkpoints(str(root))[-1][0]
         assert agent.wait(timeout=150) == 0, (tmp_path / "killed.log").read_text()[-3000:]
     finally:
-        if agent.poll() is None:
+        if agent.poll() is None:  # the agent starts workers in their own sessions: kill them first
+            for pid in _worker_pids(agent.pid):
+                os.kill(pid, signal.SIGKILL)
             os.killpg(agent.pid, signal.SIGKILL)
             agent.wait()
         log.close()
