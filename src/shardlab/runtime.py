@@ -78,8 +78,16 @@ def init_runtime(backend: str = "auto", timeout_s: float = 300.0, force_group: b
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
             os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
-            dist.init_process_group(backend, rank=rank, world_size=world,
-                                    timeout=datetime.timedelta(seconds=timeout_s),
+            timeout = datetime.timedelta(seconds=timeout_s)
+            store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+            # [Note: one key space per restart]
+            # Under torchrun's elastic agent the workers share the agent's TCPStore, and
+            # torch's env:// rendezvous hands them an unprefixed client of it. After a
+            # restart the new group would then find the dead group's keys (e.g. gloo's
+            # listening addresses) still there and dial them: "Connection refused", a
+            # wasted restart. Prefixing by the restart count gives every attempt its own keys.
+            store = dist.PrefixStore(f"shardlab/restart_{restarts}", store)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                                     device_id=device if device.type == "cuda" else None)
     return Runtime(rank, local_rank, world, device, backend, restarts)
 

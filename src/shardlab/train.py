@@ -337,8 +337,25 @@ def worker_main(cfg: Config) -> int:
         if rt.is_main:
             print_summary(result, run_dir(cfg))
         return 0
+    except (dist.DistBackendError, RuntimeError) as e:
+        if rt.distributed and _is_peer_failure(e):
+            import sys
+
+            print(f"error: rank {rt.rank}: lost contact with another worker ({str(e).splitlines()[0][:200]}). "
+                  f"Another rank died or hung (the launcher's log names the first to fail). With "
+                  f"--max-restarts the group restarts and resumes from the last complete checkpoint; otherwise "
+                  f"re-run with checkpoint.resume=auto. Collectives time out after parallel.timeout_s="
+                  f"{cfg.parallel.timeout_s:g} s.", file=sys.stderr)
+        raise
     finally:
         shutdown()
+
+
+def _is_peer_failure(e: BaseException) -> bool:
+    text = str(e)
+    return isinstance(e, dist.DistBackendError) or any(
+        s in text for s in ("Connection reset", "Connection closed", "Broken pipe", "timed out", "Timeout",
+                            "connectFullMesh", "Connection refused"))
 
 
 def default_run_name(cfg: Config) -> str:
