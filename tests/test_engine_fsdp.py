@@ -152,8 +152,8 @@ def _memory_and_traffic(rank: int, world: int) -> dict:
 
 
 def _layouts(rank: int, world: int) -> dict:
-    """This rank's shard_layout for each case, and whether each piece holds the values the
-    full state dict has there."""
+    """This rank's shard_layout for each case, whether each piece holds the values the full
+    state dict has there, and whether a full state dict loads back exactly."""
     out = {}
     for case in (*CASES, "twice"):
         kw = {"wrap": _twice_wrap} if case == "twice" else {}
@@ -166,6 +166,11 @@ def _layouts(rank: int, world: int) -> dict:
                 values_ok &= torch.equal(local, full[pc.name].reshape(-1)[pc.offset:pc.offset + pc.numel])
                 values_ok &= tuple(full[pc.name].shape) == tuple(pc.full_shape)
                 pieces.append((pc.name, pc.offset, pc.numel))
+        # load_full_state_dict puts every value back where full_state_dict found it.
+        shifted = {k: v + 1 if v.is_floating_point() else v for k, v in full.items()}
+        shardlab.load_full_state_dict(model, shifted)
+        reloaded = shardlab.full_state_dict(model)
+        values_ok &= all(torch.equal(reloaded[k], shifted[k]) for k in full)
         out[case] = (pieces, values_ok)
     return out
 

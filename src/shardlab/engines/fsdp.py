@@ -21,17 +21,26 @@ Around each group's forward and backward (hooks only; the model's code runs unch
                    gradient with averaging into a new shard-sized gradient, free the buffer
     end of backward  wait for every reduce-scatter, add the results into `shard.grad`
 
-Who holds what (N=2, units B0 B1, root R; '#' gathered, '.' shard only):
+Who holds what, N ranks, units B0 B1 and the root R ('#' gathered, '~' all-gather in
+flight, '.' only this rank's 1/N shard):
 
-    forward:   R# B0# B1.      R# B0. B1#      R# B0. B1.   (loss)
-    backward:  R# B0. B1# ->rs R# B0# B1. ->rs  R# ->rs      (all shards, grads 1/N)
+                     R   B0  B1
+    forward B0       #   #   ~     B1 prefetched while B0 computes
+    forward B1       #   .   #     B0 freed after its forward
+    loss             #   .   .     the root stays gathered: backward needs it at once
+    backward B1      #   ~   #     then reduce-scatter B1's gradient, free B1
+    backward B0      #   #   .     then reduce-scatter B0's gradient, free B0
+    backward R       #   .   .     then reduce-scatter R's gradient, free R
+    optimizer step   .   .   .     shards and 1/N gradients only
 
 Memory per rank with AdamW in fp32: 16 bytes per parameter / N (4 shard + 4 grad + 8
 Adam moments), plus transiently the gathered parameters of the root and of the one or two
 units in flight (the current one and a prefetched one), and each unit's full gradient
 until its reduce-scatter completes. Under `no_sync`, each group additionally keeps its
 whole unsharded fp32 gradient (4 bytes per parameter, not divided by N) until the next
-synchronized backward: accumulation trades memory for communication.
+synchronized backward: accumulation trades memory for communication. With mixed
+precision the gathered copies are in param_dtype (2 bytes for bf16); shards, gradients
+and optimizer state stay fp32.
 
 Traffic per step, with Psi = parameter bytes: all-gather in forward (Psi), all-gather in
 backward (Psi, minus the root group, which stays gathered as backward needs it at once),
@@ -59,7 +68,7 @@ is reduce-scattered twice.
 
 [Note: why and where we wait]
 Reduce-scatters are asynchronous so the next unit's backward overlaps them. The
-optimizer must see final gradients, and contract says communication is complete when
+optimizer must see final gradients, and the contract says communication is complete when
 backward returns, so the first hook of each backward pass queues an autograd-engine
 callback that runs after the last node: it waits for every reduce-scatter, accumulates
 the results into `shard.grad`, and frees anything still gathered (e.g. a prefetched unit
