@@ -128,13 +128,14 @@ def _resharding(rank: int, world: int) -> dict:
 
 def _memory_and_traffic(rank: int, world: int) -> dict:
     out = {}
-    for case in ("gpt", "mlp"):
-        model = shardlab.parallelize(_build(case, "meta"), "fsdp", device="cpu")
-        _set_mode(model, CASES[case])
+    for case, options in (("gpt", {}), ("mlp", {}), ("gpt+checkpointing", {"activation_checkpointing": True})):
+        model = shardlab.parallelize(_build(case.split("+")[0], "meta"), "fsdp", device="cpu", **options)
+        case = case.split("+")[0] if not options else case
+        _set_mode(model, CASES[case.split("+")[0]])
         engine = engine_of(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         b = GLOBAL_BATCH // world
-        x, y = _batch(case, 0)
+        x, y = _batch(case.split("+")[0], 0)
         before = engine.comm_stats()
         model(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]).backward()
         after = engine.comm_stats()
@@ -147,6 +148,7 @@ def _memory_and_traffic(rank: int, world: int) -> dict:
             "root_padded": engine.root_group.full.numel() if engine.root_group is not None else 0,
             "gather": after["all_gather"]["payload_bytes"] - before.get("all_gather", {}).get("payload_bytes", 0),
             "reduce": after["reduce_scatter"]["payload_bytes"] - before.get("reduce_scatter", {}).get("payload_bytes", 0),
+            "reduce_calls": after["reduce_scatter"]["calls"] - before.get("reduce_scatter", {}).get("calls", 0),
         }
     return out
 
@@ -185,6 +187,7 @@ def _plan(world: int) -> list[tuple[str, str, str, dict]]:
         plan += [("parity", c, o, {"prefetch": False}) for c in CASES for o in OPTIMIZERS]
         plan += [("parity", c, "adamw", {"activation_checkpointing": True}) for c in CASES]
         plan += [("parity", "gpt", "sgd", {"activation_checkpointing": True, "reshard_after_forward": False})]
+        plan += [("parity", c, "sgd", {"meta": False}) for c in CASES]  # a model built with real storage
         plan += [("accumulate", c, o, {}) for c in ("gpt", "mlp") for o in OPTIMIZERS]
         plan += [("custom", "gpt", "adamw", {"clip": 0.05}), ("custom", "mlp", "sgd", {"clip": 0.1})]
         plan += [("custom", c, "adamw", {"evals": (1, 2)}) for c in CASES]
@@ -274,7 +277,7 @@ def test_fsdp_matches_single(world):
 
     if "memory" in results[0]:
         for case, m in results[0]["memory"].items():
-            numel = count_parameters(_build(case, "meta"))
+            numel = count_parameters(_build(case.split("+")[0], "meta"))
             # 4 (param) + 4 (grad) + 8 (Adam moments) bytes per element of this rank's shards,
             # which are 1/N of the padded flat buffers: 16 * numel / N plus padding.
             assert m["state_bytes"] == 16 * m["padded"] // world, (case, m)
@@ -284,6 +287,7 @@ def test_fsdp_matches_single(world):
             # reduce-scatter: every gradient once. In bytes of fp32 padded buffers.
             assert m["gather"] == 4 * (2 * m["padded"] - m["root_padded"]), (case, m)
             assert m["reduce"] == 4 * m["padded"], (case, m)
+            assert m["reduce_calls"] == m["groups"], (case, m)  # once per group, even with recompute
             if m["root_padded"] == 0:  # the MLP: exactly twice the parameter bytes
                 assert m["gather"] == 2 * 4 * m["padded"]
 

@@ -357,6 +357,8 @@ class FSDPEngine(Engine):
     def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         if _in_backward():
             return None
+        if not any(g.needs_backward for g in self.groups):
+            self.forward_order.clear()  # the last forward's backward is done (or never comes)
         first_unit = self.unit_groups[0] if self.unit_groups else None
         if self.root_group is not None:
             self._gather_for_forward(self.root_group, first_unit)
