@@ -86,34 +86,8 @@ def _flat_local(t: torch.Tensor) -> torch.Tensor:
 
 def checkpoint_layout(model: nn.Module) -> list[tuple[nn.Parameter, list[ShardPiece]]]:
     """For each local (optimizer-visible) parameter, the contiguous pieces of original parameters
-    it holds, in flattened-element offsets (see ShardPiece).
-
-    Engines describe themselves through `shard_layout()`. FSDP2 (torch-fsdp) keeps the base
-    default, which would claim every rank holds whole tensors; its parameters are DTensors,
-    so their pieces come from the placement instead: Shard(0) rows [r0, r1) of a tensor are
-    the contiguous flat range [r0*row, r1*row), and Replicate is the whole tensor."""
-    engine = engine_of(model)
-    layout = engine.shard_layout()
-    if not any(hasattr(p, "device_mesh") for p, _ in layout):
-        return layout
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    names = {id(p): n for n, p in engine.unwrapped().named_parameters()}
-    out = []
-    for p in engine.local_parameters():
-        if not hasattr(p, "device_mesh"):
-            out.append((p, [ShardPiece(names[id(p)], p.shape, 0, 0, p.numel())]))
-            continue
-        if not all(isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0) for pl in p.placements):
-            raise CheckpointError(f"parameter {names[id(p)]!r} has placements {p.placements}: only Shard(0) and "
-                                  "Replicate DTensors map onto contiguous ranges of the flattened tensor")
-        local_shape, global_offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-        numel = math.prod(local_shape)
-        row = math.prod(p.shape[1:]) if p.dim() else 1
-        pieces = [ShardPiece(names[id(p)], p.shape, global_offset[0] * row if p.dim() else 0, 0, numel)] if numel else []
-        out.append((p, pieces))
-    return out
+    it holds, in flattened-element offsets (see ShardPiece): each engine's `shard_layout()`."""
+    return engine_of(model).shard_layout()
 
 
 def _persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

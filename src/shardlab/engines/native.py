@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardlab.engines.api import Engine, MixedPrecision, materialize_whole_, unwrapped_state_dict
+from shardlab.engines.api import Engine, MixedPrecision, ShardPiece, materialize_whole_, unwrapped_state_dict
 
 
 class TorchDDPEngine(Engine):
@@ -113,3 +114,25 @@ class TorchFSDPEngine(Engine):
         grads = [p.grad.to_local() for p in params if p.grad is not None]
         return {"params": sum(t.numel() * t.element_size() for t in loc),
                 "grads": sum(t.numel() * t.element_size() for t in grads)}
+
+    def shard_layout(self) -> list[tuple[nn.Parameter, list[ShardPiece]]]:
+        """FSDP2 parameters are DTensors: Shard(0) rows [r0, r1) of a tensor are the contiguous
+        flat range [r0*row, r1*row) of the flattened tensor; Replicate is the whole tensor."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        names = {id(p): n for n, p in self.unwrapped().named_parameters()}
+        out = []
+        for p in self.local_parameters():
+            if not hasattr(p, "device_mesh"):
+                out.append((p, [ShardPiece(names[id(p)], p.shape, 0, 0, p.numel())]))
+                continue
+            if not all(isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0) for pl in p.placements):
+                raise ValueError(f"parameter {names[id(p)]!r} has placements {p.placements}: only Shard(0) and "
+                                 "Replicate map onto contiguous ranges of the flattened tensor")
+            local_shape, global_offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            numel = math.prod(local_shape)
+            row = math.prod(p.shape[1:]) if p.dim() else 1
+            offset = global_offset[0] * row if p.dim() else 0
+            out.append((p, [ShardPiece(names[id(p)], p.shape, offset, 0, numel)] if numel else []))
+        return out
