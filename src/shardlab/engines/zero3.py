@@ -25,8 +25,8 @@ flat gradient buffer per owner, and when an owner's buffer is complete it is red
 (averaged) onto that owner, who adds it to `p.grad`. Then the unit's storage is freed.
 
 Memory per rank (fp32 AdamW, Ψ parameters, N ranks): (4 + 4 + 8)Ψ/N = 16Ψ/N bytes of
-parameters, gradients and Adam moments, plus one unit's gathered parameters (and, during
-its backward, its gradients) at a time; under `no_sync` every rank also keeps an fp32
+parameters, gradients and Adam moments, plus one unit's gathered parameters at a time
+(and in backward up to two units' gradients in flight); under `no_sync` every rank keeps an fp32
 gradient accumulator for the whole model (as FSDP's no_sync does).
 Traffic per step: broadcast Ψ in forward, Ψ again in backward, reduce Ψ: about 3Ψ
 elements, each rank sending roughly its own share.
@@ -128,6 +128,8 @@ class Zero3Engine(Engine):
         self._callback_queued = False
         self._live: list[_Gather] = []              # gathers that may hold storage, oldest first
         self._in_backward_of: dict[int, _Gather] = {}   # id(unit) -> gather whose backward runs
+        self._inflight: list[tuple[Any, _Unit, _Group, torch.Tensor]] = []   # async reduces, oldest first
+        self._inflight_bytes = 0
 
         meta = is_meta(module)
         if not meta:
@@ -138,6 +140,7 @@ class Zero3Engine(Engine):
         slot_of = {id(p): s for p, s in zip(params, self.slots)}
         self._state_keys = self._state_dict_layout(module, slot_of)
         self.unit_list = self._make_units(module, [module, *self.units], slot_of)
+        self._max_inflight_bytes = 2 * max(self.unit_param_bytes)
         self._keep_owned_only(module, slot_of, meta)
         if meta:
             self._materialize_owned(module)
@@ -472,26 +475,42 @@ class Zero3Engine(Engine):
                 buffer = torch.zeros(group.numel, dtype=self.reduce_dtype or group.dtype, device=self.device)
             # [Note: why average] each rank's loss is the mean over its own micro batch, so
             # the gradient of the global mean loss is the mean of the ranks' gradients.
-            C.reduce(buffer, group.owner, self.group, average=True, counter=self.counter)
+            handle = C.reduce(buffer, group.owner, self.group, average=True, async_op=True, counter=self.counter)
             gather.reduced.add(gi)
             gather.grad_buffers.pop(gi, None)
-            if group.owner == self.rank:
-                for pos, off in zip(group.positions, group.offsets):
-                    slot = gather.unit.slots[pos]
-                    if not slot.requires_grad:
-                        continue
-                    g = buffer[off:off + slot.numel].view(slot.shape).to(slot.param.dtype)
-                    if slot.param.grad is None:
-                        slot.param.grad = g
-                    else:
-                        slot.param.grad.add_(g)
+            self._inflight.append((handle, gather.unit, group, buffer))
+            self._inflight_bytes += buffer.numel() * buffer.element_size()
+            while self._inflight_bytes > self._max_inflight_bytes:
+                self._complete_oldest_reduce()
+
+    def _complete_oldest_reduce(self) -> None:
+        """Wait for the oldest reduce in flight; the owner adds the average to `p.grad`."""
+        handle, unit, group, buffer = self._inflight.pop(0)
+        self._inflight_bytes -= buffer.numel() * buffer.element_size()
+        if handle is not None:
+            handle.wait()
+        if group.owner != self.rank:
+            return
+        for pos, off in zip(group.positions, group.offsets):
+            slot = unit.slots[pos]
+            if slot.requires_grad:
+                g = buffer[off:off + slot.numel].view(slot.shape).to(slot.param.dtype)
+                if slot.param.grad is None:
+                    slot.param.grad = g
+                else:
+                    slot.param.grad.add_(g)
 
     # [Note: why we wait where we wait]
-    # Every reduce runs synchronously inside the gradient hook, so communication is complete
-    # when backward returns, as the contract requires. The callback queued at the first
-    # pre-backward hook runs once the whole graph has been processed: it reduces gradient
-    # buffers still incomplete because some parameter got no gradient this time (in the same
-    # order on every rank, so the reduces pair up), and frees whatever is still gathered.
+    # A reduce is launched asynchronously as soon as an owner's gradient buffer is complete,
+    # so it overlaps the backward of earlier units; to bound memory, the oldest is waited
+    # for once the buffers in flight exceed twice the largest unit's gradients. The
+    # broadcasts that re-gather a unit are waited for at once: backward needs the values.
+    # The callback queued at the first pre-backward hook runs once the whole graph has
+    # been processed, still inside `loss.backward()`: it reduces gradient buffers left
+    # incomplete because some parameter got no gradient this time (in the same order on
+    # every rank, so the reduces pair up), waits for every reduce (the contract: all
+    # communication is done when backward returns, and `p.grad` is final), and frees
+    # whatever is still gathered.
 
     def _finish_backward(self) -> None:
         self._callback_queued = False
@@ -500,6 +519,8 @@ class Zero3Engine(Engine):
                 self._reduce_complete_groups(gather, flush=True)
             if gather.state in ("backward", "recompute"):
                 self._release(gather)
+        while self._inflight:
+            self._complete_oldest_reduce()
         self._in_backward_of.clear()
 
     # -- the rest of the contract ---------------------------------------------------------------
