@@ -338,14 +338,14 @@ class FSDPEngine(Engine):
                 setattr(m, attr, view)
 
     def _use_views(self, g: FlatGroup) -> None:
-        if torch.is_grad_enabled() and g.full.requires_grad:
-            if not g.tracked_views:
+        grad = torch.is_grad_enabled()
+        if grad:
+            g.needs_backward = True  # its backward reads these parameters (even frozen ones)
+        if not g.tracked_views:  # a unit used twice keeps its first views: one gradient sum
+            track = grad and g.full.requires_grad
+            with torch.set_grad_enabled(track):
                 self._install_views(g)
-                g.tracked_views = True
-            g.needs_backward = True
-        elif not g.tracked_views:
-            with torch.no_grad():
-                self._install_views(g)
+            g.tracked_views = track
 
     # -- forward hooks --------------------------------------------------------------------------
     def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -443,7 +443,7 @@ class FSDPEngine(Engine):
         if not self.sync_grads:
             # [no_sync] keep the whole local gradient; reduce the sum on the next synced backward.
             if g.unsharded_grad is None:
-                g.unsharded_grad = full_grad.to(torch.float32, copy=True)
+                g.unsharded_grad = full_grad.float()  # ours alone: autograd handed it over
             else:
                 g.unsharded_grad.add_(full_grad)
             return
