@@ -98,14 +98,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from shardlab.engines import collectives as C
+from shardlab.engines import collectives
 from shardlab.engines.api import Engine, MixedPrecision, ShardPiece, is_meta
 from shardlab.models.init import canonical_names, init_parameters_
 
@@ -138,7 +138,6 @@ class FlatGroup:
     tracked_views: bool = False            # autograd-connected views installed for this step
     needs_backward: bool = False           # ran forward with grad; its post-backward is due
     unsharded_grad: torch.Tensor | None = None  # no_sync accumulation (full size, fp32)
-    hook_handles: list = field(default_factory=list)
 
 
 class FSDPEngine(Engine):
@@ -154,7 +153,7 @@ class FSDPEngine(Engine):
         mp = MixedPrecision.parse(mixed_precision) or MixedPrecision()
         self.param_dtype = mp.param_dtype or torch.float32
         self.reduce_dtype = mp.reduce_dtype or mp.param_dtype or torch.float32
-        self.counter = C.CommCounter()
+        self.counter = collectives.CommCounter()
         self.sync_grads = True
         self.callback_queued = False
         self.pending_reduces: list[tuple[FlatGroup, torch.Tensor, torch.Tensor, Any]] = []
@@ -230,7 +229,8 @@ class FSDPEngine(Engine):
                 # Materialize this group only: its parameters and its modules' buffers.
                 for pid in pids:
                     p = tensors[pid]
-                    new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.device), p.requires_grad)
+                    new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.device),
+                                       p.requires_grad)
                     materialized[id(new)] = names[pid]
                     for m, attr in bindings[pid]:
                         m._parameters[attr] = new
@@ -253,7 +253,7 @@ class FSDPEngine(Engine):
         # Buffers stay whole on every rank; rank 0's values win (as in DDP).
         with torch.no_grad():
             for b in {id(b): b for b in root.buffers()}.values():
-                C.broadcast(b, 0, self.group, counter=self.counter)
+                collectives.broadcast(b, 0, self.group, counter=self.counter)
         self.root_group: FlatGroup | None = self.groups[0] if self.groups and self.groups[0].is_root else None
         self.unit_groups = [g for g in self.groups if not g.is_root]
         self.unit_index = {id(g): i for i, g in enumerate(self.unit_groups)}
@@ -287,7 +287,7 @@ class FSDPEngine(Engine):
         group = FlatGroup(owner, is_root, entries, shard_param, full, full.data,
                           [e.numel for e in entries] + [padded - offset])
         if full.requires_grad:
-            group.hook_handles.append(full.register_post_accumulate_grad_hook(lambda _t, g=group: self._post_backward(g)))
+            full.register_post_accumulate_grad_hook(lambda _t, g=group: self._post_backward(g))
         for e in entries:  # outside forward/backward the original names are shape-only placeholders
             for m, attr in e.bindings:
                 setattr(m, attr, torch.empty(e.shape, dtype=self.param_dtype, device="meta"))
@@ -298,17 +298,19 @@ class FSDPEngine(Engine):
         root.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
         root.register_forward_hook(self._root_post_forward)
         for g in self.unit_groups:
-            g.hook_handles.append(g.module.register_forward_pre_hook(
-                lambda m, a, k, g=g: self._pre_forward(g, a, k), with_kwargs=True, prepend=True))
-            g.hook_handles.append(g.module.register_forward_hook(lambda m, a, out, g=g: self._post_forward(g, out)))
+            # prepend: gather before an activation-checkpointing pre-hook sees the unit run
+            g.module.register_forward_pre_hook(lambda m, a, k, g=g: self._pre_forward(g, a, k),
+                                               with_kwargs=True, prepend=True)
+            g.module.register_forward_hook(lambda m, a, out, g=g: self._post_forward(g, out))
 
     # -- gather / free --------------------------------------------------------------------------
     def _start_gather(self, g: FlatGroup, async_op: bool) -> None:
         if g.state != "sharded":
             return
         g.full_data.untyped_storage().resize_(g.full_data.numel() * g.full_data.element_size())
-        g.send = g.shard.detach() if self.param_dtype == torch.float32 else g.shard.detach().to(self.param_dtype)
-        g.handle = C.all_gather_into(g.full_data, g.send, self.group, async_op=async_op, counter=self.counter)
+        g.send = g.shard.detach().to(self.param_dtype)  # no copy in fp32: the shard itself is sent
+        g.handle = collectives.all_gather_into(g.full_data, g.send, self.group, async_op=async_op,
+                                               counter=self.counter)
         g.state = "gathering" if g.handle is not None and async_op else "gathered"
 
     def _wait_gather(self, g: FlatGroup) -> None:
@@ -351,7 +353,9 @@ class FSDPEngine(Engine):
     def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.param_dtype == torch.float32:
             return args, kwargs
-        cast = lambda t: t.to(self.param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+        def cast(t: Any) -> Any:
+            return t.to(self.param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
         return tree_map(cast, args), tree_map(cast, kwargs)
 
     def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
@@ -452,7 +456,8 @@ class FSDPEngine(Engine):
             g.unsharded_grad = None
         full_grad = full_grad.to(self.reduce_dtype)
         out = torch.empty(g.shard.numel(), dtype=self.reduce_dtype, device=self.device)
-        handle = C.reduce_scatter_into(out, full_grad, self.group, average=True, async_op=True, counter=self.counter)
+        handle = collectives.reduce_scatter_into(out, full_grad, self.group, average=True, async_op=True,
+                                                 counter=self.counter)
         self.pending_reduces.append((g, out, full_grad, handle))
 
     @torch.no_grad()
@@ -485,7 +490,7 @@ class FSDPEngine(Engine):
     @torch.no_grad()
     def _gather_fp32(self, g: FlatGroup) -> torch.Tensor:
         full = torch.empty(g.shard.numel() * self.world_size, dtype=torch.float32, device=self.device)
-        C.all_gather_into(full, g.shard.detach(), self.group, counter=self.counter)
+        collectives.all_gather_into(full, g.shard.detach(), self.group, counter=self.counter)
         return full
 
     @torch.no_grad()
