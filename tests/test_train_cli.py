@@ -56,3 +56,23 @@ def test_same_seed_same_loss_curve_and_single_process(tmp_path):
     assert s["world_size"] == 1
     for x, y in zip(a["losses"], s["losses"]):
         assert x == pytest.approx(y, rel=1e-5)
+
+
+def test_loop_options_single_process(tmp_path):
+    """bf16 autocast, activation checkpointing, periodic evaluation and TensorBoard, in one short run."""
+    m, args, _ = _train(tmp_path, "opts", "parallel.strategy=single", "model.preset=gpt-nano", "data.seq_len=32",
+                        "train.steps=4", "train.precision=bf16", "train.activation_checkpointing=true",
+                        "train.eval_every=2", "train.eval_batches=1", "train.optimizer=sgd", "train.lr=0.05",
+                        nproc=None)
+    assert m["steps"] == 4 and all(math.isfinite(x) for x in m["losses"])
+    assert set(m["val_losses"]) == {"2", "4"} and all(math.isfinite(v) for v in m["val_losses"].values())
+    events = list((tmp_path / "opts" / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+    assert args["config"]["train"]["precision"] == "bf16"
+
+
+def test_activation_checkpointing_does_not_change_the_math(tmp_path):
+    common = ["parallel.strategy=single", "model.preset=gpt-nano", "data.seq_len=32", "train.steps=3"]
+    plain, _, _ = _train(tmp_path, "plain", *common, nproc=None)
+    ckpt, _, _ = _train(tmp_path, "ckpt", *common, "train.activation_checkpointing=true", nproc=None)
+    assert ckpt["losses"] == pytest.approx(plain["losses"], rel=1e-6)
