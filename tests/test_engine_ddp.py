@@ -150,20 +150,25 @@ def check_same_on_every_rank(results: list[dict], label: str) -> None:
 
 class ReuseNet(nn.Module):
     """Engines' awkward corners in one model: a unit called twice per forward, a parameter
-    registered in two units (blocks[2].weight is blocks[0].weight), a frozen parameter, and
-    a start on a real device (no meta) with values from the global RNG."""
+    registered in two units (blocks[2].weight is blocks[0].weight), a frozen parameter, a
+    unit whose parameters are all frozen (its input still needs a gradient), a layer never
+    used (no gradient: its bucket / gradient buffer must still be reduced without hanging;
+    SGD leaves it unchanged either way), and a start on a real device (no meta) with values
+    from the global RNG."""
 
     def __init__(self):
         super().__init__()
         self.inp = nn.Linear(5, 8)
-        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)])
         self.blocks[2].weight = self.blocks[0].weight
         self.blocks[1].bias.requires_grad_(False)
+        self.blocks[3].requires_grad_(False)
         self.head = nn.Linear(8, 3)
+        self.spare = nn.Linear(8, 8)
 
     def forward(self, x, targets=None):
         h = torch.tanh(self.inp(x))
-        for i in (0, 1, 0, 2):
+        for i in (0, 3, 1, 0, 2):
             h = torch.tanh(self.blocks[i](h))
         out = self.head(h)
         return out if targets is None else F.cross_entropy(out, targets)

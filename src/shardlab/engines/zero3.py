@@ -357,6 +357,8 @@ class Zero3Engine(Engine):
     # forward hook altogether, so nothing may depend on the post hook running.
 
     def _pre_forward(self, unit: _Unit, module: nn.Module, args: tuple, kwargs: dict):
+        if not unit.slots:
+            return self._cast_inputs(args), self._cast_inputs(kwargs)
         in_backward = torch._C._current_graph_task_id() != -1
         recomputing = self._in_backward_of.get(id(unit)) if in_backward else None
         if recomputing is not None:
@@ -377,9 +379,11 @@ class Zero3Engine(Engine):
         if gather is None:
             return
         outputs = [t for t in _tensors(output) if t.requires_grad]
-        if not outputs or not any(f.requires_grad for f in gather.fulls):
+        if not outputs:
             self._release(gather)  # no backward will come for this forward (eval, no_grad)
             return
+        # Even with every parameter of the unit frozen, backward through it needs the
+        # parameters (for the gradient of its input): it re-gathers them all the same.
         self._unbind(gather)
         if self.reshard_after_forward:
             self._free(gather)
