@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardlab
+from shardlab.engines import engine_of
 from shardlab.testing import run_workers
 from tests.parity import CASES, GLOBAL_BATCH, PARAM_ATOL, assert_parity, train_engine, train_reference
 from tests.test_engine_ddp import (
@@ -97,7 +98,10 @@ def load_round_trip(rank: int, world: int) -> dict:
     x = CASES["gpt"].batch(7)[0]
     with torch.no_grad():
         out = model(x)
-    return {"state": shardlab.full_state_dict(model), "out": out, "n_local": len(list(model.parameters()))}
+    layout = [(piece.name, tuple(piece.full_shape), piece.offset, piece.local_start, piece.numel, tuple(p.shape))
+              for p, pieces in engine_of(model).shard_layout() for piece in pieces]
+    return {"state": shardlab.full_state_dict(model), "out": out, "n_local": len(list(model.parameters())),
+            "layout": layout}
 
 
 def _zero3_cases(rank: int, world: int) -> dict:
@@ -191,6 +195,12 @@ def test_zero3_matches_single(world):
         ref_model.load_state_dict(ref_state)
         ref_out = ref_model(CASES["gpt"].batch(7)[0])
     assert sum(r["round_trip"]["n_local"] for r in results) == len(dict(ref_model.named_parameters()))
+    # shard_layout: every original parameter is one whole piece on exactly one rank
+    pieces = [piece for r in results for piece in r["round_trip"]["layout"]]
+    assert sorted(p[0] for p in pieces) == sorted(dict(ref_model.named_parameters())), pieces
+    for name, full_shape, offset, local_start, numel, local_shape in pieces:
+        assert (offset, local_start, full_shape, local_shape) == (0, 0, tuple(ref_state[name].shape), full_shape)
+        assert numel == ref_state[name].numel()
     for r in results:
         assert_parity(([0.0], ref_state), ([0.0], r["round_trip"]["state"]), "zero3/load round trip", rtol=0, atol=0)
         torch.testing.assert_close(r["round_trip"]["out"], ref_out, rtol=1e-5, atol=1e-6)

@@ -31,6 +31,13 @@ gradient accumulator for the whole model (as FSDP's no_sync does).
 Traffic per step: broadcast Ψ in forward, Ψ again in backward, reduce Ψ: about 3Ψ
 elements, each rank sending roughly its own share.
 
+Limits
+------
+A rank that owns no tensor (fewer tensors than ranks) has an empty `parameters()`, which
+`torch.optim` refuses: build no optimizer there. Units or parameters used on some ranks
+and not others (data-dependent control flow) make the ranks' collectives differ, as with
+any FSDP. A parameter no rank used in a backward gets a zero gradient, not None.
+
 Options
 -------
 reshard_after_forward (default True): free each unit's full parameters after its forward.
