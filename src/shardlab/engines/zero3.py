@@ -15,8 +15,9 @@ parameters are those registered in its modules that are not inside a nested unit
 
 Forward. Just before a unit runs (forward pre-hook), each owner broadcasts its tensors of
 the unit (one flat buffer per owner) and the unit's modules see the full tensors; right
-after it (forward hook) the buffers' storage is freed. Autograd still references the
-tensors it saved, but with zero-size storage.
+after it (forward hook) the buffers' storage is freed (resized to zero bytes). What autograd
+saved for backward are views of these buffers: they keep their shape, hold no memory until
+backward, and see the values again once the buffers are refilled.
 
 Backward. A hook on the unit's outputs fires before any of the unit's backward runs: the
 buffers get their storage back and are broadcast again. Each full tensor is a fresh
