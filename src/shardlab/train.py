@@ -162,6 +162,10 @@ def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
     model = shardlab.parallelize(model, cfg.parallel.strategy, device=rt.device,
                                  activation_checkpointing=t.activation_checkpointing, **engine_options(cfg))
     engine = engine_of(model)
+    if not engine.local_parameters():
+        raise ValueError(f"rank {rt.rank} holds no parameter with parallel.strategy={cfg.parallel.strategy} at world "
+                         f"size {rt.world_size}: the model has fewer parameter tensors than ranks. Use fewer "
+                         "workers or parallel.strategy=fsdp, which slices every tensor.")
     opt = make_optimizer(cfg, model.parameters())
     sched = make_schedule(cfg, opt)
     state = TrainState()

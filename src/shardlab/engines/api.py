@@ -141,8 +141,18 @@ class Engine(abc.ABC):
         self.module = module  # the module returned to the user; subclasses may replace it
 
     # -- the contract ---------------------------------------------------------------------------
-    @abc.abstractmethod
-    def no_sync(self) -> contextlib.AbstractContextManager: ...
+    #: False inside `no_sync()`. Engines that do their own communication read it in backward:
+    #: while it is False they accumulate local gradients and send nothing.
+    sync_grads: bool = True
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate local gradients and communicate nothing."""
+        previous, self.sync_grads = self.sync_grads, False
+        try:
+            yield
+        finally:
+            self.sync_grads = previous
 
     @abc.abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor]: ...
@@ -278,9 +288,6 @@ class LocalEngine(Engine):
         super().__init__(module, **kw)
         materialize_whole_(module, self.device)
         self.world_size = 1
-
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return unwrapped_state_dict(self.module)

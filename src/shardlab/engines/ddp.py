@@ -29,8 +29,7 @@ mixed_precision: only its `reduce_dtype` applies here: gradients are communicate
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,7 +75,7 @@ class DDPEngine(Engine):
         params = [p for p in self.local_parameters() if p.requires_grad]
         self.buckets = self._make_buckets(list(reversed(params)), int(bucket_size_bytes))
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
-        self._sync = True
+        self.sync_grads = True
         self._next_to_launch = 0          # buckets launch strictly in index order (see Note)
         self._callback_queued = False
         for p in params:
@@ -127,7 +126,7 @@ class DDPEngine(Engine):
     # first synced backward all-reduces the accumulated sum, which is what we want.
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
-        if not self._sync:
+        if not self.sync_grads:
             return
         if not self._callback_queued:
             # The first hook of this backward: arrange to wait for everything at its end.
@@ -198,14 +197,6 @@ class DDPEngine(Engine):
         self._next_to_launch = 0
 
     # -- the rest of the contract ---------------------------------------------------------------
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return unwrapped_state_dict(self.module)
 

@@ -96,7 +96,6 @@ forward (no grad) or of the backward.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -479,14 +478,6 @@ class FSDPEngine(Engine):
         self.callback_queued = False
 
     # -- the contract ---------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def no_sync(self):
-        previous, self.sync_grads = self.sync_grads, False
-        try:
-            yield
-        finally:
-            self.sync_grads = previous
-
     @torch.no_grad()
     def _gather_fp32(self, g: FlatGroup) -> torch.Tensor:
         full = torch.empty(g.shard.numel() * self.world_size, dtype=torch.float32, device=self.device)

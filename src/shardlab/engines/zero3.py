@@ -51,7 +51,6 @@ mixed_precision: gathered parameters and compute in `param_dtype`, gradients red
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -132,7 +131,7 @@ class Zero3Engine(Engine):
         mp = MixedPrecision.parse(mixed_precision)
         self.param_dtype = mp.param_dtype if mp else None
         self.reduce_dtype = (mp.reduce_dtype or mp.param_dtype) if mp else None
-        self._sync = True
+        self.sync_grads = True
         self._callback_queued = False
         self._live: list[_Gather] = []              # gathers that may hold storage, oldest first
         self._in_backward_of: dict[int, _Gather] = {}   # id(unit) -> gather whose backward runs
@@ -452,7 +451,7 @@ class Zero3Engine(Engine):
     def _on_grad(self, gather: _Gather, pos: int, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
         slot = gather.unit.slots[pos]
-        if not self._sync:
+        if not self.sync_grads:
             if slot.pending_grad is None:
                 slot.pending_grad = grad.to(torch.float32, copy=True)
             else:
@@ -468,7 +467,7 @@ class Zero3Engine(Engine):
                     gather.unit.groups[gi].numel, dtype=self.reduce_dtype or grad.dtype, device=self.device)
             buffer[off:off + slot.numel].copy_(grad.reshape(-1))
         gather.arrived.add(pos)
-        if self._sync:
+        if self.sync_grads:
             self._reduce_complete_groups(gather)
         if len(gather.arrived) == gather.unit.trainable:
             self._release(gather)
@@ -527,7 +526,7 @@ class Zero3Engine(Engine):
     def _finish_backward(self) -> None:
         self._callback_queued = False
         for gather in list(self._live):
-            if gather.state == "backward" and self._sync:
+            if gather.state == "backward" and self.sync_grads:
                 self._reduce_complete_groups(gather, flush=True)
             if gather.state in ("backward", "recompute"):
                 self._release(gather)
@@ -536,14 +535,6 @@ class Zero3Engine(Engine):
         self._in_backward_of.clear()
 
     # -- the rest of the contract ---------------------------------------------------------------
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         full: dict[int, torch.Tensor] = {}
