@@ -48,11 +48,12 @@ def _run_cell(args: argparse.Namespace, strategy: str, nproc: int, out_dir: str,
     return m
 
 
-def _comm_payload_per_step(m: dict[str, Any]) -> float | None:
-    stats = m["comm_bytes"][0]
-    if not stats:
+def _comm_per_step(m: dict[str, Any], field: str) -> float | None:
+    """Mean over ranks of bytes per training step (metrics.json counts the training loop only)."""
+    per_rank = [s for s in m["comm_bytes"] if s]
+    if not per_rank:
         return None
-    return sum(kind["payload_bytes"] for kind in stats.values()) / m["steps_this_run"]
+    return sum(sum(kind[field] for kind in s.values()) for s in per_rank) / len(per_rank) / m["steps_this_run"]
 
 
 def summarize(cells: dict[tuple[str, int], list[dict[str, Any]]], warmup: int) -> list[dict[str, Any]]:
@@ -63,7 +64,7 @@ def summarize(cells: dict[tuple[str, int], list[dict[str, Any]]], warmup: int) -
         psi = m["num_parameters"]
         sharded = m["sharded"]
         median = statistics.median(steps)
-        comm = _comm_payload_per_step(m)
+
         rows.append({
             "strategy": strategy, "world_size": nproc, "num_parameters": psi,
             "step_time_median_s": median, "measured_steps": len(steps),
@@ -71,9 +72,12 @@ def summarize(cells: dict[tuple[str, int], list[dict[str, Any]]], warmup: int) -
             "tokens_per_s": m.get("tokens_processed", 0) / m["steps_this_run"] / median,
             "model_state_bytes_max_rank": max(m["model_state_bytes"]),
             "model_state_theory_bytes": 16 * psi / (nproc if sharded else 1),
-            "comm_payload_bytes_per_step": comm,
-            "comm_theory_bytes_per_step": (0 if nproc == 1 else (3 if sharded else 2) * psi * BYTES_FP32)
-            if strategy != "single" else 0,
+            "sharded": sharded,
+            "comm_payload_bytes_per_step": _comm_per_step(m, "payload_bytes"),
+            "comm_bus_bytes_per_step": _comm_per_step(m, "bus_bytes"),
+            # Sent per rank on a ring: all-reduce 2(N-1)/N x 4Psi; sharded 3 x (N-1)/N x 4Psi.
+            "comm_bus_theory_bytes_per_step": 0 if strategy == "single" else
+            (3 if sharded else 2) * (nproc - 1) / nproc * psi * BYTES_FP32,
             "peak_rss_bytes_max_rank": max(m["peak_memory_bytes"]),
             "final_loss": m["final_loss"],
         })
@@ -82,8 +86,8 @@ def summarize(cells: dict[tuple[str, int], list[dict[str, Any]]], warmup: int) -
 
 def to_markdown(rows: list[dict[str, Any]]) -> str:
     mib = 2**20
-    head = ("| strategy | N | median step (ms) | samples/s | vs torch twin | model state / rank (MiB) | theory (MiB) "
-            "| vs ddp | comm payload / step (MiB) | theory (MiB) | peak RSS / rank (GiB) |")
+    head = ("| strategy | N | median step (ms) | samples/s | speed vs torch twin | model state / rank (MiB) "
+            "| theory (MiB) | vs ddp | sent / rank / step (MiB) | theory (MiB) | peak RSS / rank (GiB) |")
     lines = [head, "|" + "---|" * 11]
     twin = {"ddp": "torch-ddp", "fsdp": "torch-fsdp", "zero3": "torch-fsdp"}
     by = {(r["strategy"], r["world_size"]): r for r in rows}
@@ -92,12 +96,15 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
         d = by.get(("ddp", r["world_size"])) or by.get(("torch-ddp", r["world_size"]))
         speed = f"{t['step_time_median_s'] / r['step_time_median_s']:.2f}x" if t else ""
         mem = f"{r['model_state_bytes_max_rank'] / d['model_state_bytes_max_rank']:.2f}x" if d else ""
-        comm = "not counted" if r["comm_payload_bytes_per_step"] is None else f"{r['comm_payload_bytes_per_step'] / mib:.1f}"
+        comm = "not counted" if r["comm_bus_bytes_per_step"] is None else f"{r['comm_bus_bytes_per_step'] / mib:.1f}"
         lines.append(f"| {r['strategy']} | {r['world_size']} | {r['step_time_median_s'] * 1000:.0f} | "
                      f"{r['samples_per_s']:.2f} | {speed} | {r['model_state_bytes_max_rank'] / mib:.1f} | "
                      f"{r['model_state_theory_bytes'] / mib:.1f} | {mem} | {comm} | "
-                     f"{r['comm_theory_bytes_per_step'] / mib:.1f} | {r['peak_rss_bytes_max_rank'] / 2**30:.2f} |")
-    return "\n".join(lines) + "\n"
+                     f"{r['comm_bus_theory_bytes_per_step'] / mib:.1f} | {r['peak_rss_bytes_max_rank'] / 2**30:.2f} |")
+    return "\n".join(lines) + (
+        "\n'sent' is what one rank sends per training step on a ring (nccl-tests' bus bytes), counted by "
+        "shardlab.engines.collectives; PyTorch's engines are not instrumented. Theory: 16 bytes/param for DDP "
+        "+ AdamW, 16/N sharded; 2(N-1)/N x 4 bytes/param (all-reduce) vs 3(N-1)/N x 4 bytes/param (sharded).\n")
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> bool:

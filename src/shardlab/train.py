@@ -112,6 +112,13 @@ def _all_reduce_mean(value: torch.Tensor, rt: Runtime) -> torch.Tensor:
     return value
 
 
+def _comm_since(before: dict | None, after: dict | None) -> dict | None:
+    if after is None:
+        return None
+    before = before or {}
+    return {kind: {k: v - before.get(kind, {}).get(k, 0) for k, v in totals.items()} for kind, totals in after.items()}
+
+
 def _gather(obj: Any, rt: Runtime) -> list[Any]:
     if not rt.distributed or rt.world_size == 1:
         return [obj]
@@ -204,6 +211,7 @@ def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
         bar = tqdm(total=t.steps, initial=state.step, desc=f"{cfg.parallel.strategy} x{rt.world_size}",
                    unit="step", dynamic_ncols=True)
     model.train()
+    comm_before_loop = engine.comm_stats()  # wrap-time broadcasts and resume are not step traffic
     val_losses: dict[int, float] = {}
     train_seconds = 0.0
     steps_run = 0
@@ -258,7 +266,7 @@ def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
             manager.maybe_save(model, opt, sched, state)
     if bar is not None:
         bar.close()
-    train_comm = engine.comm_stats()  # before the final evaluation adds its own traffic
+    train_comm = _comm_since(comm_before_loop, engine.comm_stats())  # before the final evaluation's traffic
     if manager is not None:
         manager.finalize(model, opt, sched, state)
     val_losses[state.step] = evaluate(model, data.val, cfg, rt, cfg.seed + 1)

@@ -7,9 +7,10 @@ can be checked against what was actually sent.
 Two numbers per call, in the convention of nccl-tests:
 - `payload_bytes`: the size of the logical tensor the collective is about (the all-reduced
   tensor, the gathered output, the reduce-scattered input, the broadcast tensor);
-- `bus_bytes`: what one rank sends on a ring/tree implementation: payload x 2(N-1)/N for
-  all-reduce, x (N-1)/N for all-gather and reduce-scatter, x 1 for broadcast and reduce
-  (for N > 1; nothing for N = 1, where every function here is a no-op copy).
+- `bus_bytes`: what one rank sends, on average over the ranks, with ring/chain algorithms:
+  payload x 2(N-1)/N for all-reduce; x (N-1)/N for all-gather and reduce-scatter; and
+  x (N-1)/N for broadcast and reduce too, since on a pipelined chain N-1 of the N ranks
+  forward the payload once (nothing for N = 1, where every function here is a local copy).
 Async calls return the torch.distributed Work handle (or None when nothing was sent).
 """
 
@@ -31,8 +32,7 @@ class CommCounter:
     totals: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
 
     def add(self, kind: str, payload_bytes: int, world: int) -> None:
-        factor = {"all_reduce": 2 * (world - 1) / world, "all_gather": (world - 1) / world,
-                  "reduce_scatter": (world - 1) / world}.get(kind, 1.0 if world > 1 else 0.0)
+        factor = 2 * (world - 1) / world if kind == "all_reduce" else (world - 1) / world
         t = self.totals[kind]
         t["calls"] += 1
         t["payload_bytes"] += payload_bytes

@@ -15,7 +15,9 @@ a callback waits for every bucket and copies the averaged gradients back into `p
 The optimizer then takes the same step on every rank, which keeps the replicas identical.
 
 Memory per rank (fp32 AdamW, Ψ parameters): 4Ψ params + 4Ψ grads + 8Ψ Adam moments = 16Ψ
-bytes, plus the bucket buffers (another 4Ψ, or 2Ψ with a bf16 reduce dtype).
+bytes. Gradients live in the bucket buffers between steps (views, as PyTorch's
+gradient_as_bucket_view); during backward autograd's fresh gradients add up to 4Ψ
+transiently. With a bf16 reduce dtype the buckets are a separate 2Ψ.
 Traffic per step: one all-reduce of all gradients, payload Ψ x 4 bytes; a ring sends
 2(N-1)/N of that per rank, i.e. about 2Ψ elements.
 
@@ -138,7 +140,9 @@ class DDPEngine(Engine):
                                "(reentrant backward inside forward is not supported)")
         if p.grad.is_sparse:
             raise RuntimeError("ddp: sparse gradients are not supported")
-        bucket.slot(i).copy_(p.grad)
+        slot = bucket.slot(i)
+        if p.grad.data_ptr() != slot.data_ptr():  # already in place when p.grad is the bucket view
+            slot.copy_(p.grad)
         bucket.ready.add(i)
         self._launch_ready_buckets()
 
@@ -188,13 +192,23 @@ class DDPEngine(Engine):
                 bucket.handle.wait()
             for i, p in enumerate(bucket.params):
                 reduced = bucket.slot(i)
-                if p.grad is None:
-                    p.grad = torch.empty_like(p)
-                p.grad.copy_(reduced)
+                if reduced.dtype == p.dtype:
+                    p.grad = reduced  # see [Note: gradients as bucket views]
+                else:  # communicated in a lower precision: cast back into a gradient of p's dtype
+                    if p.grad is None or p.grad.data_ptr() == reduced.data_ptr():
+                        p.grad = torch.empty_like(p)
+                    p.grad.copy_(reduced)
             bucket.ready.clear()
             bucket.handle = None
             bucket.launched = False
         self._next_to_launch = 0
+
+    # [Note: gradients as bucket views]
+    # After the all-reduce, `p.grad` becomes a view into its bucket instead of receiving a
+    # copy (PyTorch's DDP calls this gradient_as_bucket_view): no copy back, and gradients
+    # and buckets share one 4Psi buffer. Autograd writes the next backward's gradient into a
+    # fresh tensor when the optimizer set grads to None (copied into the bucket when ready,
+    # freed at zero_grad), or accumulates into the view itself otherwise (then nothing to copy).
 
     # -- the rest of the contract ---------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
