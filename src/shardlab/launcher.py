@@ -39,9 +39,15 @@ def launch_local(cfg: Config, nproc: int, max_restarts: int = 0, extra_env: dict
     try:
         elastic_launch(launch, entrypoint=sys.executable)("-m", "shardlab", "train", config_path)
     except ChildFailedError as e:
-        failures = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(e.failures.items()))
-        print(f"error: worker(s) failed: {failures}"
-              + (f" after {max_restarts} restart(s)" if max_restarts else "")
-              + f". See their messages above; the run directory is {out}", file=sys.stderr)
+        first_rank, first = e.get_first_failure()
+        how = (f"killed by signal {-first.exitcode}" if first.exitcode < 0 else f"exit code {first.exitcode}")
+        others = sorted(r for r in e.failures if r != first_rank)
+        print(f"error: rank {first_rank} failed first ({how})"
+              + (f"; then ranks {others}" if others else "")
+              + (f", after {max_restarts} restart(s)" if max_restarts else "")
+              + f". Its message is above. Run directory: {out}. If a worker was lost (killed, out of memory, "
+              f"a failed node), the same command resumes from the last complete checkpoint "
+              f"(checkpoint.resume=auto); with checkpoint.every_steps and --max-restarts such failures "
+              f"are survived unattended.", file=sys.stderr)
         return 1
     return 0
