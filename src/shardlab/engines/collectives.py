@@ -24,6 +24,12 @@ import torch.distributed as dist
 
 ReduceOp = dist.ReduceOp
 
+# torch 2.13 renamed the flat-tensor collectives (all_gather_into_tensor -> all_gather_single,
+# reduce_scatter_tensor -> reduce_scatter_single) and deprecated the old names; older releases
+# have only the old ones. Same arguments, same semantics.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass
 class CommCounter:
@@ -104,7 +110,7 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, *, as
     if world == 1:
         output.copy_(shard.view_as(output))
         return None
-    return dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
+    return _all_gather_flat(output, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter_into(shard: torch.Tensor, full: torch.Tensor, group=None, *, average: bool = True,
@@ -121,4 +127,4 @@ def reduce_scatter_into(shard: torch.Tensor, full: torch.Tensor, group=None, *, 
     if world == 1:
         shard.copy_(full.view_as(shard))
         return None
-    return dist.reduce_scatter_tensor(shard, full, op=ReduceOp.SUM, group=group, async_op=async_op)
+    return _reduce_scatter_flat(shard, full, op=ReduceOp.SUM, group=group, async_op=async_op)
