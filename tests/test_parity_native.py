@@ -18,7 +18,15 @@ def _all_cases(rank, world):
     for s in STRATEGIES:  # global-norm clipping, and gradient accumulation under no_sync
         out[(s, "gpt", "sgd", "clip")] = train_engine(rank, world, "gpt", s, "sgd", clip=CLIP)
         out[(s, "mlp", "sgd", "accumulate")] = train_engine(rank, world, "mlp", s, "sgd", accumulate=2)
+    # FSDP2 keeping parameters gathered from forward to backward (SHARD_GRAD_OP behaviour)
+    out[("torch-fsdp", "gpt", "sgd", "keep_gathered")] = train_engine(rank, world, "gpt", "torch-fsdp", "sgd",
+                                                                      reshard_after_forward=False)
     return out
+
+
+def _bf16_and_fp32(rank, world):
+    return {mp: train_engine(rank, world, "gpt", "torch-fsdp", "adamw", steps=4, mixed_precision=mp)[0]
+            for mp in (None, "bf16")}
 
 
 def _reference(key):
@@ -36,3 +44,11 @@ def test_native_engines_match_single(world):
         assert_parity(_reference(key), got, label, atol=PARAM_ATOL[key[2]])
         for r in range(1, world):  # every rank reports the same losses and full parameters
             assert_parity(got, results[r][key], f"{label} rank {r} vs rank 0", rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_torch_fsdp_bf16_stays_close_to_fp32():
+    losses = run_workers(2, _bf16_and_fp32)[0]
+    assert losses["bf16"] != losses[None]  # the policy is in effect: bf16 rounding shows in the losses
+    for fp32, bf16 in zip(losses[None], losses["bf16"]):
+        assert abs(bf16 - fp32) < 1e-2 * abs(fp32), (losses[None], losses["bf16"])
