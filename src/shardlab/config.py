@@ -165,6 +165,11 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     for item in overrides:
         key, value = _parse_override(item)
         _set_dotted(raw, key, value)
+    return config_from_dict(raw)
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    """Build and validate a Config from a nested mapping (e.g. `Config.to_dict()` stored in a checkpoint)."""
     cfg = _build(Config, raw, "")
     validate(cfg)
     return cfg

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from typing import Any
 
 import torch
@@ -32,6 +31,7 @@ from shardlab.checkpoint import (
     resolve_checkpoint,
     step_dir_name,
 )
+from shardlab.config import config_from_dict
 
 METADATA_KEY = "shardlab"
 
@@ -88,19 +88,6 @@ def load_model(source: str, step: int | None = None) -> tuple[nn.Module, dict[st
     model.load_state_dict(state)
     model.eval()
     return model, info
-
-
-def _config_from_dict(raw: dict[str, Any]):
-    import yaml
-
-    from shardlab.config import load_config
-
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        yaml.safe_dump(raw, f)
-    try:
-        return load_config(f.name)
-    finally:
-        os.unlink(f.name)
 
 
 def evaluate_model(model: nn.Module, cfg, batches: int | None = None) -> float | None:
@@ -161,7 +148,7 @@ def _eval_cmd(args: argparse.Namespace) -> int:
     if not info.get("config"):
         print(f"error: {args.source}: no run config stored, so the validation data is unknown", file=sys.stderr)
         return 1
-    loss = evaluate_model(model, _config_from_dict(info["config"]), args.batches)
+    loss = evaluate_model(model, config_from_dict(info["config"]), args.batches)
     if loss is None:
         print("error: the run's data has no validation split (data.val_fraction=0?)", file=sys.stderr)
         return 1
