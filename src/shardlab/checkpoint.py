@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from shardlab.engines.api import ShardPiece, engine_of
+from shardlab.metrics import write_json_atomic
 
 log = logging.getLogger("shardlab.checkpoint")
 
@@ -229,15 +230,6 @@ def _fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def _write_json_atomic(path: str, obj: Any) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_manifest(path: str) -> dict[str, Any]:
@@ -657,7 +649,7 @@ class CheckpointManager:
             manifest = dict(manifest)
             manifest["files"] = {n: os.path.getsize(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))}
             manifest["save_seconds"] = time.perf_counter() - t0
-            _write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
+            write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
             _fsync_dir(tmp)
             if os.path.exists(final):
                 _remove_tree(final)

@@ -192,7 +192,7 @@ def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
         M.write_json_atomic(os.path.join(out_dir, "run_args.json"), M.run_args(
             cfg.to_dict(), rt.world_size, hosts,
             {"num_parameters": n_params, "accumulation_steps": accumulation, "data": data.info,
-             "restart_count": rt.restart_count, "resumed_from_step": state.step}))
+             "restart_count": rt.restart_count, "resumed_from_step": state.step}), default=str)
         with open(os.path.join(out_dir, "config.yaml"), "w") as f:
             f.write(dump_config(cfg))
 
@@ -305,7 +305,7 @@ def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
         result["tokens_processed"] = samples * data.tokens_per_sample
         result["tokens_per_s"] = result["tokens_processed"] / train_seconds if train_seconds else None
     if rt.is_main:
-        M.write_json_atomic(os.path.join(out_dir, "metrics.json"), result)
+        M.write_json_atomic(os.path.join(out_dir, "metrics.json"), result, default=str)
     if writer is not None:
         writer.close()
     return result
