@@ -20,7 +20,6 @@ Contract every engine keeps (the parity tests check it):
 
 from __future__ import annotations
 
-import abc
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -121,8 +120,10 @@ class ShardPiece:
     numel: int
 
 
-class Engine(abc.ABC):
-    """Per-model state of one strategy. Subclasses implement `_setup` and the abstract methods."""
+class Engine:
+    """Per-model state of one strategy. The defaults suit replicated engines (every rank holds
+    the whole module); sharded engines set `grads_sharded` and override `full_state_dict`,
+    `load_full_state_dict`, `shard_layout` and, where storage is not plain, `model_state_bytes`."""
 
     strategy: ClassVar[str]
     #: True when each rank's gradients are a disjoint part of the whole (sharded engines),
@@ -154,11 +155,14 @@ class Engine(abc.ABC):
         finally:
             self.sync_grads = previous
 
-    @abc.abstractmethod
-    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Default for replicated engines: the user's module holds every tensor whole.
+        Sharded engines override it (every rank must call theirs: it gathers)."""
+        return unwrapped_state_dict(self.unwrapped())
 
-    @abc.abstractmethod
-    def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None: ...
+    @torch.no_grad()
+    def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.unwrapped().load_state_dict(state)
 
     def local_parameters(self) -> list[nn.Parameter]:
         """What this rank holds and its optimizer updates (deduplicated)."""
@@ -288,10 +292,3 @@ class LocalEngine(Engine):
         super().__init__(module, **kw)
         materialize_whole_(module, self.device)
         self.world_size = 1
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return unwrapped_state_dict(self.module)
-
-    @torch.no_grad()
-    def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        self.module.load_state_dict(state)

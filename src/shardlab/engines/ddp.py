@@ -31,7 +31,6 @@ mixed_precision: only its `reduce_dtype` applies here: gradients are communicate
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +38,7 @@ import torch
 from torch import nn
 
 from shardlab.engines import collectives as C
-from shardlab.engines.api import Engine, MixedPrecision, materialize_whole_, unwrapped_state_dict
+from shardlab.engines.api import Engine, MixedPrecision, materialize_whole_
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
@@ -211,13 +210,6 @@ class DDPEngine(Engine):
     # freed at zero_grad), or accumulates into the view itself otherwise (then nothing to copy).
 
     # -- the rest of the contract ---------------------------------------------------------------
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return unwrapped_state_dict(self.module)
-
-    @torch.no_grad()
-    def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        self.module.load_state_dict(state)
-
     def comm_stats(self) -> dict[str, dict[str, int]]:
         return self.counter.snapshot()
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardlab.engines.api import Engine, MixedPrecision, ShardPiece, materialize_whole_, unwrapped_state_dict
+from shardlab.engines.api import Engine, MixedPrecision, ShardPiece, materialize_whole_
 
 
 class TorchDDPEngine(Engine):
@@ -39,13 +39,6 @@ class TorchDDPEngine(Engine):
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.module.no_sync()
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return unwrapped_state_dict(self.inner)
-
-    @torch.no_grad()
-    def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        self.inner.load_state_dict(state)
 
 
 class TorchFSDPEngine(Engine):
