@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from shardlab.engines.api import ShardPiece, engine_of
 from shardlab.metrics import write_json_atomic
+from shardlab.runtime import all_gather_object
 
 log = logging.getLogger("shardlab.checkpoint")
 
@@ -418,11 +419,7 @@ class CheckpointManager:
         return dist.is_available() and dist.is_initialized() and self.rt.world_size > 1
 
     def _all_gather(self, obj: Any) -> list[Any]:
-        if not self._distributed:
-            return [obj]
-        out: list[Any] = [None] * self.rt.world_size
-        dist.all_gather_object(out, obj)
-        return out
+        return all_gather_object(obj, self.rt)
 
     def _broadcast(self, obj: Any) -> Any:
         if not self._distributed:

@@ -101,16 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Commands that live beside their feature: render/submit (shardlab.launch),
     # export/generate/eval (shardlab.export). Each module adds its own subparsers.
+    from shardlab.export import add_export_parsers
     from shardlab.launch import add_render_parser, add_submit_parser
 
     add_render_parser(sub)
     add_submit_parser(sub)
-    try:
-        from shardlab.export import add_export_parsers
-    except ImportError:  # until the checkpoint work lands
-        pass
-    else:
-        add_export_parsers(sub)
+    add_export_parsers(sub)
     return parser
 
 

@@ -14,6 +14,7 @@ import os
 import random
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -90,6 +91,15 @@ def init_runtime(backend: str = "auto", timeout_s: float = 300.0, force_group: b
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                                     device_id=device if device.type == "cuda" else None)
     return Runtime(rank, local_rank, world, device, backend, restarts)
+
+
+def all_gather_object(obj: Any, rt: Runtime) -> list[Any]:
+    """Every rank's `obj`, in rank order (just [obj] without a process group)."""
+    if not rt.distributed or rt.world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * rt.world_size
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def shutdown() -> None:

@@ -27,7 +27,7 @@ from shardlab.data import GlobalBatchSampler, build_datasets, collate
 from shardlab.engines import SHARDED_STRATEGIES, engine_class, engine_of, optimizer_state_bytes
 from shardlab.engines.api import MixedPrecision
 from shardlab.models import build_model, count_parameters
-from shardlab.runtime import Runtime, hostname, init_runtime, seed_everything, shutdown
+from shardlab.runtime import Runtime, all_gather_object, hostname, init_runtime, seed_everything, shutdown
 
 
 @dataclass
@@ -37,14 +37,6 @@ class TrainState:
 
     step: int = 0
     losses: list[float] = field(default_factory=list)
-
-
-def _checkpointing_wanted(cfg: Config) -> bool:
-    import importlib.util
-
-    c = cfg.checkpoint
-    wanted = c.every_steps > 0 or c.resume not in ("auto", "none")
-    return wanted or (c.resume == "auto" and importlib.util.find_spec("shardlab.checkpoint") is not None)
 
 
 def run_dir(cfg: Config) -> str:
@@ -119,14 +111,6 @@ def _comm_since(before: dict | None, after: dict | None) -> dict | None:
     return {kind: {k: v - before.get(kind, {}).get(k, 0) for k, v in totals.items()} for kind, totals in after.items()}
 
 
-def _gather(obj: Any, rt: Runtime) -> list[Any]:
-    if not rt.distributed or rt.world_size == 1:
-        return [obj]
-    out: list[Any] = [None] * rt.world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
 @torch.no_grad()
 def evaluate(model: nn.Module, dataset, cfg: Config, rt: Runtime, sampler_seed: int) -> float | None:
     """Mean loss over up to eval_batches global batches of the validation set, split over ranks."""
@@ -178,7 +162,7 @@ def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
     state = TrainState()
 
     manager = None
-    if _checkpointing_wanted(cfg):
+    if cfg.checkpoint.every_steps > 0 or cfg.checkpoint.resume != "none":
         # sharded save and exact resume: docs/checkpointing.md
         from shardlab.checkpoint import CheckpointManager
 
@@ -186,7 +170,7 @@ def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
     if manager is not None:
         manager.maybe_resume(model, opt, sched, state)
 
-    hosts = _gather(hostname(), rt)
+    hosts = all_gather_object(hostname(), rt)
     if rt.is_main:
         os.makedirs(out_dir, exist_ok=True)
         M.write_json_atomic(os.path.join(out_dir, "run_args.json"), M.run_args(
@@ -273,7 +257,7 @@ def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
 
     if steps_run == 0:  # resumed at the last step: nothing trained in this run
         state_bytes = {**engine.model_state_bytes(), "optimizer": optimizer_state_bytes(opt)}
-    per_rank = _gather({"peak_memory_bytes": M.peak_memory_bytes(rt.device), "model_state_bytes": state_bytes,
+    per_rank = all_gather_object({"peak_memory_bytes": M.peak_memory_bytes(rt.device), "model_state_bytes": state_bytes,
                         "comm": train_comm}, rt)
     wall = time.perf_counter() - t0
     samples = steps_run * t.global_batch_size
@@ -381,4 +365,4 @@ def _agree_on_run_name(cfg: Config, rt: Runtime) -> str:
     job = os.environ.get("SLURM_JOB_ID") or os.environ.get("JOB_NAME")
     if job:
         return f"{cfg.model.name}-{cfg.parallel.strategy}-{job}"
-    return _gather(default_run_name(cfg), rt)[0]
+    return all_gather_object(default_run_name(cfg), rt)[0]
