@@ -3,10 +3,13 @@ metrics.json / run_args.json contents, determinism, and a single-process run."""
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 
 import pytest
+
+from shardlab.checkpoint import step_dir_name
 
 METRIC_KEYS = {"wall_clock_s", "steps", "samples_processed", "tokens_processed", "samples_per_s", "tokens_per_s",
                "step_time_median_s", "world_size", "strategy", "device", "peak_memory_bytes", "final_loss", "losses"}
@@ -76,3 +79,64 @@ def test_activation_checkpointing_does_not_change_the_math(tmp_path):
     plain, _, _ = _train(tmp_path, "plain", *common, nproc=None)
     ckpt, _, _ = _train(tmp_path, "ckpt", *common, "train.activation_checkpointing=true", nproc=None)
     assert ckpt["losses"] == pytest.approx(plain["losses"], rel=1e-6)
+
+
+REDUCE_KIND = {"ddp": "all_reduce", "zero3": "reduce", "fsdp": "reduce_scatter"}
+
+
+@pytest.mark.slow
+def test_accumulation_communicates_once_per_step(tmp_path):
+    """With 4 micro batches per rank, the gradient reductions are those of 1 micro batch: the
+    first three backward passes run inside no_sync and send nothing. torch-ddp and torch-fsdp
+    are not in this list because their traffic is not counted yet (comm_bytes is null for
+    them; the memory issue adds counting hooks); their accumulation goes through the same
+    train_step, and DDP's no_sync / FSDP2's set_requires_gradient_sync read the same flag."""
+    common = ["model.preset=gpt-nano", "data.seq_len=32", "train.steps=3", "train.global_batch_size=16",
+              "output.tensorboard=false", "train.optimizer=sgd", "train.lr=0.1"]
+    single, _, _ = _train(tmp_path, "single", "parallel.strategy=single", "train.micro_batch_size=16", *common,
+                          nproc=None)
+    for strategy, kind in REDUCE_KIND.items():
+        calls = {}
+        for mb in (8, 2):  # accumulation 1 and 4 on 2 ranks
+            m, args, _ = _train(tmp_path, f"{strategy}-{mb}", f"parallel.strategy={strategy}",
+                                f"train.micro_batch_size={mb}", *common)
+            assert args["accumulation_steps"] == 8 // mb
+            calls[mb] = [rank[kind]["calls"] for rank in m["comm_bytes"]]
+            # float32 on 2 CPU ranks: reduction order differs from one process by ~1e-7 relative
+            assert m["losses"] == pytest.approx(single["losses"], rel=1e-5), (strategy, mb)
+        assert calls[2] == calls[8] and calls[8][0] > 0, f"{strategy}: {kind} calls {calls}"
+
+
+@pytest.mark.slow
+def test_resume_at_the_last_step_finishes_cleanly(tmp_path):
+    """A run resumed at its end (e.g. restarted after its final checkpoint) trains nothing,
+    exits 0, says so, and keeps the whole run's losses."""
+    common = ["parallel.strategy=ddp", "model.preset=gpt-nano", "data.seq_len=32", "train.steps=3",
+              "checkpoint.every_steps=3", "output.tensorboard=false"]
+    first, _, _ = _train(tmp_path, "run", *common)
+    again, args, out = _train(tmp_path, "run", *common, "checkpoint.resume=auto")
+    assert args["resumed_from_step"] == 3
+    assert again["steps"] == 3 and again["steps_this_run"] == 0 and again["samples_per_s"] is None
+    assert again["losses"] == first["losses"] and again["final_loss"] == first["losses"][-1]
+    assert again["step_time_median_s"] is None
+    assert "nothing: resumed at step 3" in out.stdout
+
+
+def test_fp16_run_reports_scale_and_resumes_exactly(tmp_path):
+    """fp16 autocast with dynamic loss scaling through the CLI. growth_interval=1 moves the
+    scale every step, so a resume that lost the scaler's state would not be bitwise exact."""
+    common = ["parallel.strategy=single", "model.preset=gpt-nano", "data.seq_len=32", "train.steps=4",
+              "train.precision=fp16", "train.loss_scale_growth_interval=1", "checkpoint.every_steps=2",
+              "output.tensorboard=false", "model.dropout=0.1"]
+    straight, _, _ = _train(tmp_path, "straight", *common, nproc=None)
+    assert straight["loss_scale"] > 0 and straight["skipped_steps"] >= 0
+    assert all(math.isfinite(x) for x in straight["losses"])
+    # The interrupted run: the straight run's directory without its step-4 checkpoint (the LR
+    # schedule depends on train.steps, so a shorter run would not be the same run).
+    shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / step_dir_name(4))
+    resumed, args, _ = _train(tmp_path, "resumed", *common, "checkpoint.resume=auto", nproc=None)
+    assert args["resumed_from_step"] == 2 and resumed["steps_this_run"] == 2
+    assert resumed["losses"] == straight["losses"]
+    assert resumed["loss_scale"] == straight["loss_scale"]
+    assert resumed["skipped_steps"] == straight["skipped_steps"]

@@ -550,7 +550,7 @@ class CheckpointManager:
                 "scalar_keys": sorted({k for d in desc_all for k in d["optim_scalar_keys"]}),
             },
             "scheduler": sched_state,
-            "train_state": {"step": state.step, "losses": list(state.losses)},
+            "train_state": dataclasses.asdict(state),  # TrainState: JSON values only
             "rng_world_size": world_size,
             "model": record,
             "config": self.config.to_dict() if self.config is not None else None,
@@ -746,8 +746,8 @@ class CheckpointManager:
                 for g, lr in zip(opt.param_groups, sched.get_last_lr()):
                     g["lr"] = lr
         if state is not None:
-            state.step = manifest["train_state"]["step"]
-            state.losses = list(manifest["train_state"]["losses"])
+            for key, value in manifest["train_state"].items():  # older manifests lack newer fields
+                setattr(state, key, value)
         if rng_keys:
             restore_rng(self.rt.rank, plain)
         elif self.rt.rank == 0 or self.rt.rank >= manifest["rng_world_size"]:

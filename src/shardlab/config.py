@@ -65,7 +65,9 @@ class TrainConfig:
     beta2: float = 0.95
     momentum: float = 0.0                  # sgd
     grad_clip: float = 1.0                 # 0 = off
-    precision: str = "fp32"                # fp32 | bf16 (autocast)
+    precision: str = "fp32"                # fp32 | bf16 | fp16 (autocast; fp16 adds dynamic loss scaling)
+    loss_scale: float = 65536.0            # fp16: initial loss scale (halved on overflow)
+    loss_scale_growth_interval: int = 2000  # fp16: good steps in a row before the scale doubles
     activation_checkpointing: bool = False
     eval_every: int = 0                    # 0 = only at the end
     eval_batches: int = 4
@@ -359,7 +361,9 @@ def validate(cfg: Config) -> None:
     _check(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
     _check(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1)")
     _check(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 = off), got {t.grad_clip}")
-    _choice("train.precision", t.precision, ("fp32", "bf16"))
+    _choice("train.precision", t.precision, ("fp32", "bf16", "fp16"))
+    _check(t.loss_scale > 0 and t.loss_scale_growth_interval >= 1,
+           "train.loss_scale must be > 0 and train.loss_scale_growth_interval >= 1")
     _check(t.eval_every >= 0 and t.eval_batches >= 1 and t.log_every >= 1,
            "train.eval_every must be >= 0, train.eval_batches and train.log_every >= 1")
     if m.name == "gpt" and d.source in ("text", "builtin", "synthetic"):

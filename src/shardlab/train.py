@@ -1,9 +1,13 @@
 """The training loop. It never asks which engine it drives: the engine hides all
 communication behind `parallelize`, `no_sync`, `clip_grad_norm_` and `full_state_dict`.
 
+Read it in four parts: `build_run` (model, engine, optimizer, data, checkpoint manager),
+`train_step` (one global batch), `StepLogger` (progress bar, TensorBoard, non-finite
+check) and `summarize` (metrics.json). `train` strings them together.
+
 One step = one global batch = world_size x accumulation x micro_batch_size samples:
-  for each micro batch: forward, loss / accumulation, backward (inside no_sync but the last)
-  clip the global gradient norm, optimizer step, LR schedule step
+  for each micro batch: forward and backward, inside no_sync for all but the last
+  unscale (fp16), clip the global gradient norm, optimizer step, LR schedule step
   the logged loss is the global mean over all ranks' samples (one tiny all-reduce)
 """
 
@@ -22,10 +26,12 @@ from torch import nn
 
 import shardlab
 from shardlab import metrics as M
+from shardlab.amp import autocast, make_loss_scaler
 from shardlab.config import Config, dump_config, validate_for_world
 from shardlab.data import GlobalBatchSampler, build_datasets, collate
-from shardlab.engines import SHARDED_STRATEGIES, engine_class, engine_of, optimizer_state_bytes
+from shardlab.engines import SHARDED_STRATEGIES, Engine, engine_class, engine_of, optimizer_state_bytes
 from shardlab.engines.api import MixedPrecision
+from shardlab.evaluate import evaluate
 from shardlab.models import build_model, count_parameters
 from shardlab.runtime import Runtime, all_gather_object, hostname, init_runtime, seed_everything, shutdown
 
@@ -33,10 +39,13 @@ from shardlab.runtime import Runtime, all_gather_object, hostname, init_runtime,
 @dataclass
 class TrainState:
     """Everything besides model and optimizer that a resume must restore. The data position
-    is the step: the sampler's batch for step s is a pure function of (seed, s)."""
+    is the step: the sampler's batch for step s is a pure function of (seed, s).
+    loss_scaler: the fp16 scaler's state (None without fp16), so a resume is exact."""
 
     step: int = 0
     losses: list[float] = field(default_factory=list)
+    skipped_steps: int = 0
+    loss_scaler: dict[str, Any] | None = None
 
 
 def run_dir(cfg: Config) -> str:
@@ -91,10 +100,9 @@ def make_schedule(cfg: Config, opt: torch.optim.Optimizer) -> torch.optim.lr_sch
     return torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
-def _autocast(cfg: Config, device: torch.device) -> contextlib.AbstractContextManager:
-    if cfg.train.precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def uses_fp16(cfg: Config) -> bool:
+    """fp16 anywhere in the compute (autocast or the engine's gathered parameters) needs scaling."""
+    return cfg.train.precision == "fp16" or cfg.parallel.mixed_precision == "fp16"
 
 
 def _all_reduce_mean(value: torch.Tensor, rt: Runtime) -> torch.Tensor:
@@ -111,41 +119,41 @@ def _comm_since(before: dict | None, after: dict | None) -> dict | None:
     return {kind: {k: v - before.get(kind, {}).get(k, 0) for k, v in totals.items()} for kind, totals in after.items()}
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, dataset, cfg: Config, rt: Runtime, sampler_seed: int) -> float | None:
-    """Mean loss over up to eval_batches global batches of the validation set, split over ranks."""
-    t = cfg.train
-    if dataset is None or len(dataset) < t.global_batch_size:
-        return None  # not one whole global batch to split over the ranks
-    was_training = model.training
-    model.eval()
-    per_rank = t.global_batch_size // rt.world_size
-    sampler = GlobalBatchSampler(len(dataset), t.global_batch_size, sampler_seed, shuffle=False)
-    total = torch.zeros(2, device=rt.device)
-    for b in range(min(t.eval_batches, sampler.steps_per_epoch)):
-        idx = sampler.rank_indices(b, rt.rank, rt.world_size)
-        for i in range(0, per_rank, t.micro_batch_size):
-            x, y = collate(dataset, idx[i:i + t.micro_batch_size])
-            with _autocast(cfg, rt.device):
-                loss = model(x.to(rt.device), y.to(rt.device))
-            total += torch.stack([loss.float() * len(x), torch.tensor(float(len(x)), device=rt.device)])
-    if rt.distributed and rt.world_size > 1:
-        dist.all_reduce(total)
-    model.train(was_training)
-    return (total[0] / total[1]).item()
+# -- building the run -------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """What one worker trains with: built once, then driven step by step."""
+
+    cfg: Config
+    rt: Runtime
+    out_dir: str
+    data: Any
+    model: nn.Module
+    engine: Engine
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler | None
+    sampler: GlobalBatchSampler
+    manager: Any
+    state: TrainState
+    accumulation: int
+    num_parameters: int
+
+    def save_if_due(self, final: bool = False) -> None:
+        if self.manager is None:
+            return
+        if self.scaler is not None:
+            self.state.loss_scaler = self.scaler.state_dict()
+        if final:
+            self.manager.finalize(self.model, self.opt, self.sched, self.state)
+        else:
+            self.manager.maybe_save(self.model, self.opt, self.sched, self.state)
 
 
-def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
-    """Train with `cfg` in this worker; returns the metrics (written by rank 0)."""
-    t0 = time.perf_counter()
-    rt = rt or init_runtime(cfg.parallel.backend, cfg.parallel.timeout_s,
-                            force_group=cfg.parallel.strategy != "single")
+def build_run(cfg: Config, rt: Runtime) -> Run:
     validate_for_world(cfg, rt.world_size)
     seed_everything(cfg.seed)
-    out_dir = run_dir(cfg)
     t = cfg.train
-    accumulation = t.global_batch_size // (rt.world_size * t.micro_batch_size)
-
     data = build_datasets(cfg)
     # Sharded engines materialize only their shard from the meta device; the others materialize whole.
     model = build_model_for(cfg, data.vocab_size, "meta")
@@ -159,108 +167,186 @@ def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
                          "workers or parallel.strategy=fsdp, which slices every tensor.")
     opt = make_optimizer(cfg, model.parameters())
     sched = make_schedule(cfg, opt)
+    scaler = make_loss_scaler(uses_fp16(cfg), rt.device, rt.distributed and rt.world_size > 1,
+                              init_scale=t.loss_scale, growth_interval=t.loss_scale_growth_interval)
     state = TrainState()
-
+    out_dir = run_dir(cfg)
     manager = None
     if cfg.checkpoint.every_steps > 0 or cfg.checkpoint.resume != "none":
         # sharded save and exact resume: docs/checkpointing.md
         from shardlab.checkpoint import CheckpointManager
 
         manager = CheckpointManager.from_config(cfg, out_dir, rt)
-    if manager is not None:
         manager.maybe_resume(model, opt, sched, state)
+    if scaler is not None and state.loss_scaler is not None:
+        scaler.load_state_dict(state.loss_scaler)
+    sampler = GlobalBatchSampler(len(data.train), t.global_batch_size, cfg.seed, cfg.data.shuffle)
+    accumulation = t.global_batch_size // (rt.world_size * t.micro_batch_size)
+    return Run(cfg, rt, out_dir, data, model, engine, opt, sched, scaler, sampler, manager, state,
+               accumulation, n_params)
 
+
+def write_run_args(run: Run) -> None:
+    cfg, rt = run.cfg, run.rt
     hosts = all_gather_object(hostname(), rt)
     if rt.is_main:
-        os.makedirs(out_dir, exist_ok=True)
-        M.write_json_atomic(os.path.join(out_dir, "run_args.json"), M.run_args(
+        os.makedirs(run.out_dir, exist_ok=True)
+        M.write_json_atomic(os.path.join(run.out_dir, "run_args.json"), M.run_args(
             cfg.to_dict(), rt.world_size, hosts,
-            {"num_parameters": n_params, "accumulation_steps": accumulation, "data": data.info,
-             "restart_count": rt.restart_count, "resumed_from_step": state.step}), default=str)
-        with open(os.path.join(out_dir, "config.yaml"), "w") as f:
+            {"num_parameters": run.num_parameters, "accumulation_steps": run.accumulation, "data": run.data.info,
+             "restart_count": rt.restart_count, "resumed_from_step": run.state.step}), default=str)
+        with open(os.path.join(run.out_dir, "config.yaml"), "w") as f:
             f.write(dump_config(cfg))
 
-    writer = None
-    if rt.is_main and cfg.output.tensorboard:
-        from torch.utils.tensorboard import SummaryWriter
 
-        writer = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+# -- one step ---------------------------------------------------------------------------------------
+@dataclass
+class StepResult:
+    loss: float           # global mean loss of the step
+    grad_norm: float      # global gradient norm before clipping (inf/nan on an fp16 overflow)
+    skipped: bool         # fp16 overflow: the optimizer did not step
 
-    sampler = GlobalBatchSampler(len(data.train), t.global_batch_size, cfg.seed, cfg.data.shuffle)
-    timer = M.StepTimer(warmup=1)
-    bar = None
-    if rt.is_main and cfg.output.progress:
-        from tqdm import tqdm
 
-        bar = tqdm(total=t.steps, initial=state.step, desc=f"{cfg.parallel.strategy} x{rt.world_size}",
-                   unit="step", dynamic_ncols=True)
-    model.train()
-    comm_before_loop = engine.comm_stats()  # wrap-time broadcasts and resume are not step traffic
-    val_losses: dict[int, float] = {}
-    train_seconds = 0.0
-    steps_run = 0
-    while state.step < t.steps:
-        step_start = time.perf_counter()
-        idx = sampler.rank_indices(state.step, rt.rank, rt.world_size)
-        local_loss = torch.zeros((), device=rt.device)
-        for i in range(accumulation):
-            x, y = collate(data.train, idx[i * t.micro_batch_size:(i + 1) * t.micro_batch_size])
-            x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
-            sync = i == accumulation - 1
-            with (contextlib.nullcontext() if sync else shardlab.no_sync(model)), _autocast(cfg, rt.device):
-                loss = model(x, y) / accumulation
-            loss.backward()
-            local_loss += loss.detach().float()
-        grad_norm = shardlab.clip_grad_norm_(model, t.grad_clip if t.grad_clip > 0 else float("inf"))
+def train_step(run: Run) -> StepResult:
+    """One global batch: k micro batches (backward inside no_sync for all but the last, so only
+    the last one communicates), then unscale, clip, step."""
+    rt, t = run.rt, run.cfg.train
+    model, opt, scaler = run.model, run.opt, run.scaler
+    idx = run.sampler.rank_indices(run.state.step, rt.rank, rt.world_size)
+    local_loss = torch.zeros((), device=rt.device)
+    for i in range(run.accumulation):
+        x, y = collate(run.data.train, idx[i * t.micro_batch_size:(i + 1) * t.micro_batch_size])
+        x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
+        last = i == run.accumulation - 1
+        # backward must run inside no_sync too: the engines read the flag while backward runs.
+        with contextlib.nullcontext() if last else shardlab.no_sync(model):
+            with autocast(t.precision, rt.device):
+                loss = model(x, y) / run.accumulation
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        local_loss += loss.detach().float()
+    if scaler is not None:
+        scaler.unscale_(opt)  # before clipping: the norm is of the true gradients
+    grad_norm = shardlab.clip_grad_norm_(model, t.grad_clip if t.grad_clip > 0 else float("inf"))
+    skipped = False
+    if scaler is not None:
+        scale = scaler.get_scale()
+        scaler.step(opt)      # skipped when any rank found an inf/nan (one verdict: shardlab.amp)
+        scaler.update()
+        skipped = scaler.get_scale() < scale
+    else:
         opt.step()
-        sched.step()
-        if state.step + 1 == t.steps:  # measured while gradients and optimizer state both exist
-            state_bytes = {**engine.model_state_bytes(), "optimizer": optimizer_state_bytes(opt)}
-        opt.zero_grad(set_to_none=True)
-        global_loss = _all_reduce_mean(local_loss, rt).item()
-        step_time = time.perf_counter() - step_start
-        timer.add(step_time)
-        train_seconds += step_time
-        steps_run += 1
-        state.step += 1
-        state.losses.append(global_loss)
-        if not math.isfinite(global_loss):
-            if bar is not None:
-                bar.close()
+    run.sched.step()
+    return StepResult(_all_reduce_mean(local_loss, rt).item(), float(grad_norm), skipped)
+
+
+# -- logging ----------------------------------------------------------------------------------------
+class StepLogger:
+    """Rank 0's progress bar and TensorBoard scalars; every rank's non-finite loss check."""
+
+    def __init__(self, run: Run):
+        cfg, rt = run.cfg, run.rt
+        self.run = run
+        self.writer = self.bar = None
+        if rt.is_main and cfg.output.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(os.path.join(run.out_dir, "tensorboard"))
+        if rt.is_main and cfg.output.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=cfg.train.steps, initial=run.state.step, unit="step", dynamic_ncols=True,
+                            desc=f"{cfg.parallel.strategy} x{rt.world_size}")
+
+    def log(self, r: StepResult, step_time: float) -> None:
+        step, t = self.run.state.step, self.run.cfg.train
+        if not math.isfinite(r.loss):
+            self.close()
             raise FloatingPointError(
-                f"the loss is {global_loss} at step {state.step}: training stopped. Lower train.lr, "
+                f"the loss is {r.loss} at step {step}: training stopped. Lower train.lr, "
                 "enable train.grad_clip, or check the data; the last good checkpoint (if any) is kept.")
         samples_s = t.global_batch_size / step_time
-        if writer is not None and state.step % t.log_every == 0:
-            writer.add_scalar("train/loss", global_loss, state.step)
-            writer.add_scalar("train/lr", sched.get_last_lr()[0], state.step)
-            writer.add_scalar("train/grad_norm", float(grad_norm), state.step)
-            writer.add_scalar("perf/samples_per_s", samples_s, state.step)
-        if bar is not None:
-            post = {"loss": f"{global_loss:.4f}", "samples/s": f"{samples_s:.1f}"}
-            if data.tokens_per_sample:
-                post["tok/s"] = f"{samples_s * data.tokens_per_sample:.0f}"
-            bar.set_postfix(post)
-            bar.update(1)
-        if t.eval_every and state.step % t.eval_every == 0 and state.step < t.steps:
-            val_losses[state.step] = evaluate(model, data.val, cfg, rt, cfg.seed + 1)
-            if writer is not None and val_losses[state.step] is not None:
-                writer.add_scalar("val/loss", val_losses[state.step], state.step)
-        if manager is not None:
-            manager.maybe_save(model, opt, sched, state)
-    if bar is not None:
-        bar.close()
-    train_comm = _comm_since(comm_before_loop, engine.comm_stats())  # before the final evaluation's traffic
-    if manager is not None:
-        manager.finalize(model, opt, sched, state)
-    val_losses[state.step] = evaluate(model, data.val, cfg, rt, cfg.seed + 1)
+        if self.writer is not None and step % t.log_every == 0:
+            self.writer.add_scalar("train/loss", r.loss, step)
+            self.writer.add_scalar("train/lr", self.run.sched.get_last_lr()[0], step)
+            self.writer.add_scalar("train/grad_norm", r.grad_norm, step)
+            self.writer.add_scalar("perf/samples_per_s", samples_s, step)
+            if self.run.scaler is not None:
+                self.writer.add_scalar("train/loss_scale", self.run.scaler.get_scale(), step)
+        if self.bar is not None:
+            post = {"loss": f"{r.loss:.4f}", "samples/s": f"{samples_s:.1f}"}
+            if self.run.data.tokens_per_sample:
+                post["tok/s"] = f"{samples_s * self.run.data.tokens_per_sample:.0f}"
+            if r.skipped:
+                post["skipped"] = "fp16 overflow"
+            self.bar.set_postfix(post)
+            self.bar.update(1)
 
-    if steps_run == 0:  # resumed at the last step: nothing trained in this run
-        state_bytes = {**engine.model_state_bytes(), "optimizer": optimizer_state_bytes(opt)}
-    per_rank = all_gather_object({"peak_memory_bytes": M.peak_memory_bytes(rt.device), "model_state_bytes": state_bytes,
-                        "comm": train_comm}, rt)
-    wall = time.perf_counter() - t0
-    samples = steps_run * t.global_batch_size
+    def scalar(self, tag: str, value: float | None, step: int) -> None:
+        if self.writer is not None and value is not None:
+            self.writer.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+# -- the loop ---------------------------------------------------------------------------------------
+def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
+    """Train with `cfg` in this worker; returns the metrics (written by rank 0)."""
+    t0 = time.perf_counter()
+    rt = rt or init_runtime(cfg.parallel.backend, cfg.parallel.timeout_s,
+                            force_group=cfg.parallel.strategy != "single")
+    run = build_run(cfg, rt)
+    write_run_args(run)
+    logger = StepLogger(run)
+    state, t = run.state, cfg.train
+    timer = M.StepTimer(warmup=1)
+    val_losses: dict[int, float | None] = {}
+    state_bytes = None
+    run.model.train()
+    comm_before_loop = run.engine.comm_stats()  # wrap-time broadcasts and resume are not step traffic
+    try:
+        while state.step < t.steps:
+            start = time.perf_counter()
+            r = train_step(run)
+            if state.step + 1 == t.steps:  # measured while gradients and optimizer state both exist
+                state_bytes = {**run.engine.model_state_bytes(), "optimizer": optimizer_state_bytes(run.opt)}
+            run.opt.zero_grad(set_to_none=True)
+            timer.add(time.perf_counter() - start)
+            state.step += 1
+            state.losses.append(r.loss)
+            state.skipped_steps += r.skipped
+            logger.log(r, timer.times[-1])
+            if t.eval_every and state.step % t.eval_every == 0 and state.step < t.steps:
+                val_losses[state.step] = evaluate(run.model, run.data.val, cfg, rt, cfg.seed + 1)
+                logger.scalar("val/loss", val_losses[state.step], state.step)
+            run.save_if_due()
+        train_comm = _comm_since(comm_before_loop, run.engine.comm_stats())  # before the final eval's traffic
+        run.save_if_due(final=True)
+        val_losses[state.step] = evaluate(run.model, run.data.val, cfg, rt, cfg.seed + 1)
+    finally:
+        logger.close()
+    if state_bytes is None:  # resumed at the last step: nothing trained in this run
+        state_bytes = {**run.engine.model_state_bytes(), "optimizer": optimizer_state_bytes(run.opt)}
+    per_rank = all_gather_object({"peak_memory_bytes": M.peak_memory_bytes(rt.device),
+                                  "model_state_bytes": state_bytes, "comm": train_comm}, rt)
+    result = summarize(run, timer, per_rank, val_losses, time.perf_counter() - t0)
+    if rt.is_main:
+        M.write_json_atomic(os.path.join(run.out_dir, "metrics.json"), result, default=str)
+    return result
+
+
+def summarize(run: Run, timer: M.StepTimer, per_rank: list[dict], val_losses: dict, wall: float) -> dict[str, Any]:
+    """metrics.json: throughput counts only the steps this process trained (a resumed run's
+    earlier steps are in `losses` but not in its timings)."""
+    cfg, rt, state = run.cfg, run.rt, run.state
+    steps_run = len(timer.times)
+    train_seconds = sum(timer.times)
+    samples = steps_run * cfg.train.global_batch_size
     result: dict[str, Any] = {
         "wall_clock_s": wall,
         "train_time_s": train_seconds,
@@ -268,13 +354,13 @@ def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
         "steps_this_run": steps_run,
         "samples_processed": samples,
         "samples_per_s": samples / train_seconds if train_seconds else None,
-        "step_time_median_s": timer.median(),
+        "step_time_median_s": timer.median() if steps_run else None,
         "step_times_s": timer.times,
         "world_size": rt.world_size,
         "strategy": cfg.parallel.strategy,
         "sharded": cfg.parallel.strategy in SHARDED_STRATEGIES,
         "device": M.device_name(rt.device),
-        "num_parameters": n_params,
+        "num_parameters": run.num_parameters,
         "peak_memory_bytes": [r["peak_memory_bytes"] for r in per_rank],
         "model_state_bytes": [sum(r["model_state_bytes"].values()) for r in per_rank],
         "model_state_breakdown": [r["model_state_bytes"] for r in per_rank],
@@ -285,13 +371,12 @@ def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
         "val_losses": val_losses,
         "restart_count": rt.restart_count,
     }
-    if data.tokens_per_sample:
-        result["tokens_processed"] = samples * data.tokens_per_sample
+    if run.scaler is not None:
+        result["loss_scale"] = run.scaler.get_scale()
+        result["skipped_steps"] = state.skipped_steps
+    if run.data.tokens_per_sample:
+        result["tokens_processed"] = samples * run.data.tokens_per_sample
         result["tokens_per_s"] = result["tokens_processed"] / train_seconds if train_seconds else None
-    if rt.is_main:
-        M.write_json_atomic(os.path.join(out_dir, "metrics.json"), result, default=str)
-    if writer is not None:
-        writer.close()
     return result
 
 
@@ -302,27 +387,27 @@ def print_summary(result: dict[str, Any], out_dir: str) -> None:
     table = Table(title=f"shardlab: {result['strategy']} on {result['world_size']} worker(s), {result['device']}")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    gib = 2**30
-
-    def row(k: str, v: Any) -> None:
-        table.add_row(k, v)
-
+    row = table.add_row
     row("steps", str(result["steps"]))
-    row("final loss", f"{result['final_loss']:.4f}")
+    if result["final_loss"] is not None:
+        row("final loss", f"{result['final_loss']:.4f}")
     if result.get("val_loss") is not None:
         row("validation loss", f"{result['val_loss']:.4f}")
-    row("samples/s", f"{result['samples_per_s']:.1f}")
-    if result.get("tokens_per_s"):
-        row("tokens/s", f"{result['tokens_per_s']:.0f}")
-    row("median step time", f"{result['step_time_median_s'] * 1000:.1f} ms")
+    if result["steps_this_run"]:
+        row("samples/s", f"{result['samples_per_s']:.1f}")
+        if result.get("tokens_per_s"):
+            row("tokens/s", f"{result['tokens_per_s']:.0f}")
+        row("median step time", f"{result['step_time_median_s'] * 1000:.1f} ms")
+    else:
+        row("trained in this run", f"nothing: resumed at step {result['steps']}, the last")
+    if "loss_scale" in result:
+        row("fp16 loss scale (final), skipped steps", f"{result['loss_scale']:g}, {result['skipped_steps']}")
     row("parameters", f"{result['num_parameters'] / 1e6:.2f} M")
     row("model state / rank (params+grads+optim)", ", ".join(f"{b / 2**20:.1f} MiB" for b in result["model_state_bytes"]))
-    row("peak memory / rank", ", ".join(f"{b / gib:.2f} GiB" for b in result["peak_memory_bytes"]))
+    row("peak memory / rank", ", ".join(f"{b / 2**30:.2f} GiB" for b in result["peak_memory_bytes"]))
     row("wall clock", f"{result['wall_clock_s']:.1f} s")
     Console().print(table)
     print(f"run directory: {out_dir}")
-
-
 def worker_main(cfg: Config) -> int:
     """Entry point of one worker process (under shardlab's launcher, torchrun, srun or a pod)."""
     rt = init_runtime(cfg.parallel.backend, cfg.parallel.timeout_s, force_group=cfg.parallel.strategy != "single")
