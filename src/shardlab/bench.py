@@ -60,6 +60,7 @@ def summarize(cells: dict[tuple[str, int], list[dict[str, Any]]], warmup: int) -
     rows = []
     for (strategy, nproc), runs in cells.items():
         steps = [t for m in runs for t in m["step_times_s"][warmup:]]
+        round_medians = [statistics.median(m["step_times_s"][warmup:]) for m in runs]
         m = runs[0]
         psi = m["num_parameters"]
         sharded = m["sharded"]
@@ -68,6 +69,9 @@ def summarize(cells: dict[tuple[str, int], list[dict[str, Any]]], warmup: int) -
         rows.append({
             "strategy": strategy, "world_size": nproc, "num_parameters": psi,
             "step_time_median_s": median, "measured_steps": len(steps),
+            "round_medians_s": round_medians,
+            # how far the rounds' medians disagree, relative to the overall median (0 with one round)
+            "round_spread": (max(round_medians) - min(round_medians)) / median,
             "samples_per_s": m["samples_processed"] / m["steps_this_run"] / median,
             "tokens_per_s": m.get("tokens_processed", 0) / m["steps_this_run"] / median,
             "model_state_bytes_max_rank": max(m["model_state_bytes"]),
@@ -84,6 +88,17 @@ def summarize(cells: dict[tuple[str, int], list[dict[str, Any]]], warmup: int) -
     return rows
 
 
+def _speed_vs(twin: dict[str, Any], r: dict[str, Any]) -> str:
+    """The speed ratio with the rounds' spread beside it; a ratio whose distance from 1 is
+    smaller than the spread of either cell is not resolved, and says so."""
+    ratio = twin["step_time_median_s"] / r["step_time_median_s"]
+    if len(r["round_medians_s"]) < 2:
+        return f"{ratio:.2f}x (1 round: spread unknown)"
+    spread = max(r["round_spread"], twin["round_spread"])
+    verdict = " within noise" if spread > abs(ratio - 1) else ""
+    return f"{ratio:.2f}x (rounds ±{spread * 50:.0f}%{verdict})"
+
+
 def to_markdown(rows: list[dict[str, Any]]) -> str:
     mib = 2**20
     head = ("| strategy | N | median step (ms) | samples/s | speed vs torch twin | model state / rank (MiB) "
@@ -94,7 +109,7 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         t = by.get((twin.get(r["strategy"], ""), r["world_size"]))
         d = by.get(("ddp", r["world_size"])) or by.get(("torch-ddp", r["world_size"]))
-        speed = f"{t['step_time_median_s'] / r['step_time_median_s']:.2f}x" if t else ""
+        speed = _speed_vs(t, r) if t else ""
         mem = f"{r['model_state_bytes_max_rank'] / d['model_state_bytes_max_rank']:.2f}x" if d else ""
         comm = "not counted" if r["comm_bus_bytes_per_step"] is None else f"{r['comm_bus_bytes_per_step'] / mib:.1f}"
         lines.append(f"| {r['strategy']} | {r['world_size']} | {r['step_time_median_s'] * 1000:.0f} | "
@@ -152,17 +167,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="output folder (default: runs/bench-<timestamp>)")
 
 
-def run(args: argparse.Namespace) -> int:
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    worlds = [int(n) for n in str(args.nproc).split(",")]
+def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int]]:
+    """The strategies and world sizes, or a ValueError that says what to fix (before any run)."""
     from shardlab.config import STRATEGY_CHOICES
+    from shardlab.models import GPT_PRESETS
 
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     bad = [s for s in strategies if s not in STRATEGY_CHOICES]
-    if bad:
-        print(f"error: unknown strategies {bad}; valid: {', '.join(STRATEGY_CHOICES)}", file=sys.stderr)
-        return 2
-    if args.warmup >= args.steps:
-        print("error: --warmup must be smaller than --steps", file=sys.stderr)
+    if bad or not strategies:
+        raise ValueError(f"unknown strategies {bad}; valid: {', '.join(STRATEGY_CHOICES)}")
+    try:
+        worlds = [int(n) for n in str(args.nproc).split(",")]
+    except ValueError:
+        raise ValueError(f"--nproc takes comma-separated whole numbers, e.g. 1,2,4; got {args.nproc!r}") from None
+    if any(n < 1 for n in worlds):
+        raise ValueError(f"--nproc values must be >= 1, got {args.nproc}")
+    if args.preset not in GPT_PRESETS:
+        raise ValueError(f"unknown --preset {args.preset!r}; valid: {', '.join(GPT_PRESETS)}")
+    for name in ("micro_batch", "seq_len", "steps", "repeats"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.warmup < args.steps:
+        raise ValueError(f"--warmup must be >= 0 and smaller than --steps ({args.steps}), got {args.warmup}")
+    return strategies, worlds
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        strategies, worlds = check_arguments(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     out = args.out or os.path.join("runs", time.strftime("bench-%Y%m%d-%H%M%S"))
     os.makedirs(out, exist_ok=True)

@@ -37,9 +37,6 @@ class GlobalBatchSampler:
             self._perm_epoch = epoch
         return self._perm
 
-    def epoch_of(self, step: int) -> int:
-        return step // self.steps_per_epoch
-
     def global_indices(self, step: int) -> torch.Tensor:
         """The G sample indices of step `step`."""
         epoch, k = divmod(step, self.steps_per_epoch)

@@ -7,15 +7,13 @@ targets are given, so the training loop and the engines never look inside a mode
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
-from shardlab.models.gpt import GPT, GPT_PRESETS, Block, GPTConfig
+from shardlab.models.gpt import GPT, GPT_PRESETS, GPTConfig
 from shardlab.models.init import canonical_names, init_parameters_
 from shardlab.models.mlp import MLPModel
-from shardlab.models.resnet import BasicBlock, ResNet
+from shardlab.models.resnet import ResNet
 
 __all__ = ["GPT", "GPTConfig", "GPT_PRESETS", "MLPModel", "ResNet", "MODEL_NAMES", "build_model",
            "repeated_blocks", "init_parameters_", "canonical_names", "count_parameters"]
@@ -44,9 +42,6 @@ def build_model(name: str, *, seed: int = 0, device: str | torch.device = "cpu",
     raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODEL_NAMES)}")
 
 
-_BLOCK_TYPES: tuple[type[nn.Module], ...] = (Block, BasicBlock)
-
-
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     """The default wrap units below the root: every child of an nn.ModuleList of blocks
     (GPT blocks, MLP layers) and every ResNet stage, in forward order."""
@@ -57,12 +52,5 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def default_wrap_predicate(module: nn.Module) -> bool:
-    return isinstance(module, _BLOCK_TYPES)
-
-
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-
-
-Factory = Callable[..., nn.Module]
