@@ -52,7 +52,7 @@ def test_rendered_sbatch_runs_two_agents(slurm, tmp_path):
     out = tmp_path / "deploy"
     runs = tmp_path / "runs"
     render = subprocess.run(
-        [sys.executable, "-m", "shardlab.launch", "render", "slurm", str(ROOT / "configs" / "gpt-tiny.yaml"),
+        [sys.executable, "-m", "shardlab", "render", "slurm", str(ROOT / "configs" / "gpt-tiny.yaml"),
          "model.preset=gpt-nano", "data.seq_len=32", "train.steps=4", "output.progress=false",
          f"output.dir={runs}", "output.run_name=slurm-run",
          "--nodes", "2", "--gpus-per-node", "0", "--cpus-per-task", "1", "--max-restarts", "1",

@@ -32,7 +32,7 @@ def tool(name: str) -> str:
 
 
 def run_cli(*argv: str) -> None:
-    subprocess.run([sys.executable, "-m", "shardlab.launch", *argv], check=True, timeout=120,
+    subprocess.run([sys.executable, "-m", "shardlab", *argv], check=True, timeout=120,
                    capture_output=True, text=True)
 
 
@@ -196,7 +196,7 @@ def test_rendered_manifest_validates_against_kubernetes_schemas(rendered):
 
 
 def test_infra_base_validates(tmp_path):
-    from shardlab.launch import kustomize
+    from tests import kustomize_expand as kustomize
 
     objs = kustomize.build(kustomize.load_dir(ROOT / "infra" / "kubernetes"), "base")
     path = tmp_path / "base.yaml"

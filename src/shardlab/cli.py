@@ -1,7 +1,11 @@
 """The `shardlab` command.
 
   shardlab train [CONFIG.yaml] [key=value ...] [--nproc N] [--max-restarts R] [--print-config]
-  shardlab render {slurm,k8s,accelerate} CONFIG.yaml ...   (see shardlab render --help)
+  shardlab bench [--strategies ...] [--nproc 1,2,4] ...     measure every engine side by side
+  shardlab render {slurm,k8s,accelerate} CONFIG.yaml ...    write a job for a cluster
+  shardlab submit {slurm,k8s} CONFIG.yaml ...               render and submit it
+  shardlab export RUN_DIR | generate RUN_DIR | eval RUN_DIR  use a trained checkpoint
+Each command's --help lists its options.
 """
 
 from __future__ import annotations
@@ -99,10 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_arguments(be)
     be.set_defaults(func=bench.run)
 
-    # Commands that live beside their feature: render/submit (shardlab.launch),
+    # Commands that live beside their feature: render/submit (shardlab.deploy),
     # export/generate/eval (shardlab.export). Each module adds its own subparsers.
+    from shardlab.deploy import add_render_parser, add_submit_parser
     from shardlab.export import add_export_parsers
-    from shardlab.launch import add_render_parser, add_submit_parser
 
     add_render_parser(sub)
     add_submit_parser(sub)

@@ -1,7 +1,8 @@
-"""The subset of kustomize that shardlab's own overlays use, in Python.
+"""The subset of kustomize that shardlab's own overlays use, in Python, for the tests.
 
-`render k8s` writes `manifest.yaml` (the overlay fully expanded) so a cluster can be
-applied without kustomize, and the tests validate manifests on machines without kubectl.
+`render k8s` writes both a kustomization and `manifest.yaml` (the objects emitted directly);
+this expansion checks that the two say the same thing, and lets the tests validate the
+infra/kubernetes overlays on machines without kubectl.
 Supported: `resources` (files and directories), `namespace`, `images`,
 `configMapGenerator` with `files` (hash suffix disabled), and `patches` that delete an
 object (`$patch: delete`). Anything else raises, so a kustomization that grows a feature

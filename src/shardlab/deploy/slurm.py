@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardlab.launch.common import (
+from shardlab.deploy.common import (
     RESOLVED_CONFIG_NAME,
     RenderError,
     check_dns_label,
@@ -26,7 +26,7 @@ from shardlab.launch.common import (
     with_defaults,
     write_files,
 )
-from shardlab.launch.templating import fill
+from shardlab.deploy.templating import fill
 
 SBATCH_NAME = "shardlab.sbatch"
 

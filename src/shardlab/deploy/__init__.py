@@ -13,12 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shardlab.launch.common import RenderError
+from shardlab.deploy.common import RenderError
 
 __all__ = ["add_render_parser", "add_submit_parser", "RenderError"]
-
-TARGETS = ("slurm", "k8s", "accelerate")
-
 
 def _add_common(p: argparse.ArgumentParser, target: str) -> None:
     p.add_argument("config", metavar="CONFIG.yaml", help="shardlab config file")
@@ -85,7 +82,7 @@ def _render(args: argparse.Namespace):
     common = dict(config=args.config, overrides=list(args.overrides), nodes=args.nodes,
                   gpus_per_node=args.gpus_per_node, out=_out(args))
     if args.target == "slurm":
-        from shardlab.launch import slurm
+        from shardlab.deploy import slurm
         return slurm.render(slurm.SlurmRequest(
             **common, nproc_per_node=args.nproc_per_node, cpus_per_task=args.cpus_per_task,
             job_name=args.job_name, partition=args.partition, account=args.account, qos=args.qos,
@@ -93,13 +90,13 @@ def _render(args: argparse.Namespace):
             socket_ifname=args.socket_ifname, python=args.python, setup=args.setup, workdir=args.workdir,
             requeue=args.requeue))
     if args.target == "k8s":
-        from shardlab.launch import k8s
+        from shardlab.deploy import k8s
         return k8s.render(k8s.K8sRequest(
             **common, name=args.name, namespace=args.namespace, image=args.image, bucket=args.bucket,
             service_account=args.service_account, accelerator=args.accelerator, cpu_per_node=args.cpu_per_node,
             memory_per_node=args.memory_per_node, shm_size=args.shm_size, max_restarts=args.max_restarts,
             create_namespace=args.create_namespace))
-    from shardlab.launch import accelerate
+    from shardlab.deploy import accelerate
     if args.max_restarts != 3:
         print("note: --max-restarts does not apply to accelerate configs", file=sys.stderr)
     return accelerate.render(accelerate.AccelerateRequest(
@@ -123,7 +120,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     try:
         written, _hint = _render(args)
         if args.target == "slurm":
-            from shardlab.launch import slurm
+            from shardlab.deploy import slurm
             job_id = slurm.submit(_out(args) / slurm.SBATCH_NAME, list(args.sbatch_arg))
             print(f"submitted Slurm job {job_id}; log: {(_out(args) / 'logs').resolve()}/{args.job_name}-{job_id}.out")
             return 0
@@ -162,13 +159,3 @@ def add_submit_parser(subparsers) -> argparse.ArgumentParser:
     _add_k8s(targets.add_parser("k8s", help="render and kubectl apply -k"))
     p.set_defaults(func=cmd_submit)
     return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m shardlab.launch render|submit ...`, usable before the CLI wires these in."""
-    parser = argparse.ArgumentParser(prog="python -m shardlab.launch")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_render_parser(sub)
-    add_submit_parser(sub)
-    args = parser.parse_args(argv)
-    return args.func(args)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardlab.launch import add_render_parser, add_submit_parser, k8s, kustomize
+from shardlab.deploy import add_render_parser, add_submit_parser, k8s
+from tests import kustomize_expand as kustomize
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "gpt-tiny.yaml")
@@ -135,6 +136,16 @@ def _canonical(objs: list[dict]) -> dict:
     return {(o["kind"], o["metadata"]["name"]): o for o in objs}
 
 
+def test_manifest_equals_the_expanded_kustomization(tmp_path):
+    """manifest.yaml is emitted directly; the kustomization beside it must expand to the same."""
+    for extra in ([], ["--no-namespace-object"]):
+        out = tmp_path / f"k{len(extra)}"
+        ours = render_k8s(out, "--namespace", "team-a", "--image", "reg.example/x/shardlab:9", *extra)
+        expanded = kustomize.build(kustomize.load_dir(out))
+        assert _canonical(ours) == _canonical(expanded)
+        assert [o["kind"] for o in ours][:1] == (["ServiceAccount"] if extra else ["Namespace"])
+
+
 @pytest.mark.infra
 def test_python_expansion_matches_kubectl_kustomize(tmp_path):
     kubectl = shutil.which("kubectl")
@@ -154,11 +165,11 @@ def test_python_expansion_matches_kubectl_kustomize(tmp_path):
 
 
 def test_infra_kubernetes_is_in_sync_with_renderer():
-    """infra/kubernetes is generated; edit k8s.py and run `python -m shardlab.launch.k8s write-infra`."""
+    """infra/kubernetes is generated; edit k8s.py and run `python -m shardlab.deploy.k8s write-infra`."""
     expected = k8s.infra_files(k8s.default_infra_config_yaml())
     root = ROOT / "infra" / "kubernetes"
     for rel, text in expected.items():
-        assert (root / rel).read_text() == text, f"{rel} is stale: run python -m shardlab.launch.k8s write-infra"
+        assert (root / rel).read_text() == text, f"{rel} is stale: run python -m shardlab.deploy.k8s write-infra"
 
 
 def test_accelerate_fsdp2_config(tmp_path):

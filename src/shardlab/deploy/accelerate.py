@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from shardlab.launch.common import (
+from shardlab.deploy.common import (
     RESOLVED_CONFIG_NAME,
     RenderError,
     check_positive,
@@ -20,7 +20,7 @@ from shardlab.launch.common import (
     sh_quote,
     write_files,
 )
-from shardlab.launch.templating import fill
+from shardlab.deploy.templating import fill
 
 ACCELERATE_CONFIG_NAME = "accelerate-fsdp.yaml"
 LAUNCH_SCRIPT_NAME = "launch-accelerate.sh"

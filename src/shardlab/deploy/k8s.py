@@ -6,11 +6,12 @@ hostname `<job>-<index>`, and with `subdomain: <service>` pod 0 is reachable as
 `<job>-0.<service>`, which is where the torchrun agents meet (c10d rendezvous).
 
 The manifests are built here as data, once. `infra/kubernetes/base` and the overlays in
-`infra/kubernetes/overlays` are written by `python -m shardlab.launch.k8s write-infra` from
+`infra/kubernetes/overlays` are written by `python -m shardlab.deploy.k8s write-infra` from
 the same functions with default values (a test keeps them in sync), and `render k8s`
 writes a self-contained overlay: a copy of the base with the user's values, a
 kustomization that adds the namespace, the image and the config as a ConfigMap, and the
-same thing fully expanded in `manifest.yaml` for clusters applied without kustomize.
+same objects emitted directly in `manifest.yaml` for clusters applied without kustomize
+(tests/kustomize_expand.py and `kubectl kustomize` check that both agree).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from shardlab.launch.common import (
+from shardlab.deploy.common import (
     RESOLVED_CONFIG_NAME,
     RenderError,
     check_dns_label,
@@ -276,6 +277,16 @@ def base_files(req: K8sRequest, config_yaml: str) -> dict[str, str]:
     return files
 
 
+def manifest_objects(req: K8sRequest, config_yaml: str) -> list[dict]:
+    """Every object of a rendered job, in its namespace, for `kubectl apply -f manifest.yaml`."""
+    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": req.config_map},
+                  "data": {"config.yaml": config_yaml}}
+    objs = [service_account(req), config_map, service(req), network_policy(req), job(req)]
+    for obj in objs:
+        obj["metadata"]["namespace"] = req.namespace
+    return ([namespace(req)] if req.create_namespace else []) + objs
+
+
 def split_image(image: str) -> tuple[str, dict[str, str]]:
     """`repo/name:tag` or `repo/name@sha256:...` -> (name, kustomize images fields)."""
     if "@" in image:
@@ -291,7 +302,7 @@ def split_image(image: str) -> tuple[str, dict[str, str]]:
 
 def overlay_files(req: K8sRequest, config_yaml: str) -> dict[str, str]:
     """What `render k8s` writes: base/ (with the user's values), the overlay kustomization,
-    the resolved config, and manifest.yaml (the same, fully expanded)."""
+    the resolved config (manifest.yaml is added by `render`)."""
     # the base keeps the default image name; the overlay's `images:` entry swaps in the user's
     # (so `kustomize edit set image shardlab=...` keeps working on the rendered directory)
     base_req = dataclasses.replace(req, image=f"{IMAGE_NAME}:{DEFAULT_IMAGE_TAG}")
@@ -368,12 +379,10 @@ def render(req: K8sRequest) -> tuple[list[Path], str]:
     assert req.out is not None
     run = resolve_config(req.config, k8s_overrides(req, req.overrides), req.nodes * req.nproc)
     files = overlay_files(req, run.yaml_text)
-    from shardlab.launch.kustomize import build
-
+    # the same objects the kustomization expands to, emitted directly (the tests check that
+    # `kubectl kustomize` and an offline expansion of the written directory agree with it)
+    files["manifest.yaml"] = dump_all(manifest_objects(req, run.yaml_text))
     out = req.out.resolve()
-    # expand in memory first so a kustomize-level problem also fails before writing
-    manifest = dump_all(build(files))
-    files["manifest.yaml"] = manifest
     written = write_files(out, files)
     return written, f"kubectl apply -k {sh_quote(str(out))}   # or: kubectl apply -f {sh_quote(str(out / 'manifest.yaml'))}"
 
@@ -450,7 +459,7 @@ def default_infra_config_yaml() -> str:
 def _main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m shardlab.launch.k8s")
+    p = argparse.ArgumentParser(prog="python -m shardlab.deploy.k8s")
     p.add_argument("command", choices=["write-infra"])
     p.add_argument("--dir", default="infra/kubernetes")
     args = p.parse_args(argv)

@@ -1,3 +1,0 @@
-from shardlab.launch import main
-
-raise SystemExit(main())
