@@ -74,7 +74,7 @@ def test_export_equals_full_state_dict(tmp_path):
     assert exported.keys() == full.keys()
     for k in full:
         assert torch.equal(exported[k], full[k]), k
-    assert info["model"]["gpt_config"]["n_embd"] == 32 and info["step"] == 1
+    assert info["model"]["kwargs"]["n_embd"] == 32 and info["step"] == 1
 
 
 def test_torn_save_is_ignored_and_cleaned(single_runs, tmp_path):

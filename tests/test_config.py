@@ -45,6 +45,11 @@ CASES = [
     (["model.name=resnet", "data.source=cifar10", "data.path=/no/such/dir"], ["cifar-10-batches-py", "/no/such/dir"]),
     (["data.seq_len=4096"], ["data.seq_len (4096) exceeds the model's block_size"]),
     (["checkpoint.resume=/no/such/ckpt"], ["checkpoint.resume", "does not exist"]),
+    (["model.name=resnet"], ["data.source=builtin gives tokens, but model.name=resnet takes images",
+                             "use model.name=gpt, or data.source=synthetic"]),
+    (["model.name=mlp", "model.mlp_sizes=[4]"], ["model.mlp_sizes must list at least an input and an output"]),
+    (["model.name=resnet", "data.source=synthetic", "model.num_classes=1"], ["model.num_classes >= 2"]),
+    (["model.n_embd=30", "model.n_head=4"], ["model.n_embd (30) must be divisible by model.n_head (4)"]),
 ]
 
 

@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from shardlab.engines.api import ShardPiece, engine_of
 from shardlab.metrics import write_json_atomic
+from shardlab.models import model_record
 from shardlab.runtime import all_gather_object
 
 log = logging.getLogger("shardlab.checkpoint")
@@ -336,31 +337,18 @@ def read_model_state(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]
 
 
 # ============================================================================ model description
-def model_record(cfg: Any) -> dict[str, Any] | None:
-    """What it takes to rebuild the model without the training data (export, generate)."""
-    if cfg is None:
-        return None
-    m = cfg.model
-    if m.name == "resnet":
-        return {"name": "resnet", "seed": cfg.seed,
-                "kwargs": {"blocks": list(m.resnet_blocks), "width": m.resnet_width, "num_classes": m.num_classes}}
-    if m.name == "mlp":
-        return {"name": "mlp", "seed": cfg.seed, "kwargs": {"sizes": list(m.mlp_sizes)}}
-    return {"name": m.name, "seed": cfg.seed}  # gpt: the resolved GPTConfig is added from the model
-
-
 def build_model_from_record(record: dict[str, Any], device: str | torch.device = "cpu") -> nn.Module:
-    from shardlab.models import GPT, GPTConfig, build_model
+    """The checkpointed architecture (shardlab.models.rebuild_model), without the training data."""
+    from shardlab.models import rebuild_model
 
-    if record["name"] == "gpt":
-        with torch.device(device):
-            return GPT(GPTConfig(**record["gpt_config"]), seed=record["seed"])
-    return build_model(record["name"], seed=record["seed"], device=device, **record["kwargs"])
+    if "gpt_config" in record:  # manifests written before the model registry
+        record = {**record, "kwargs": record["gpt_config"]}
+    return rebuild_model(record, device)
 
 
 def _state_dict_keys(record: dict[str, Any] | None) -> dict[str, str] | None:
     """state_dict key -> canonical parameter name (tied parameters share one), from a meta rebuild."""
-    if record is None or (record["name"] == "gpt" and "gpt_config" not in record):
+    if record is None:
         return None
     meta = build_model_from_record(record, "meta")
     canonical = {id(p): n for n, p in meta.named_parameters()}
@@ -387,7 +375,6 @@ class CheckpointManager:
         self.resume = resume
         self.async_save = async_save
         self.config = config
-        self.record = model_record(config)
         self.last_saved_step: int | None = None
         self.last_save_seconds: float | None = None
         self._pending: Future | None = None
@@ -528,10 +515,9 @@ class CheckpointManager:
 
     def _manifest(self, model, opt, sched, state, desc_all: list[dict], world_size: int) -> dict[str, Any]:
         desc = desc_all[0]
-        record = self.record
-        cfg_model = getattr(engine_of(model).unwrapped(), "config", None)
-        if record is not None and record["name"] == "gpt" and dataclasses.is_dataclass(cfg_model):
-            record = {**record, "gpt_config": dataclasses.asdict(cfg_model)}
+        record = None  # what it takes to rebuild the model without the training data (export, generate)
+        if self.config is not None:
+            record = model_record(self.config.model.name, engine_of(model).unwrapped(), self.config.seed)
         sched_state = None
         if sched is not None:
             sched_state = {k: v for k, v in sched.state_dict().items() if _jsonable(v)}

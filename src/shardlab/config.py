@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import glob
 import os
 import types
 import typing
@@ -19,25 +18,25 @@ from typing import Any, Optional
 
 import yaml
 
+from shardlab.data import DATA_SOURCES
+from shardlab.engines import STRATEGIES
+from shardlab.models import MODELS
+
 
 class ConfigError(ValueError):
     """A configuration problem a user can fix; the message says how."""
 
 
 @dataclass
-class ModelConfig:
-    name: str = "gpt"                      # gpt | resnet | mlp
-    preset: str = "gpt-tiny"               # gpt: a key of shardlab.models.GPT_PRESETS
-    n_layer: Optional[int] = None          # gpt: overrides of the preset (null = the preset's)
-    n_head: Optional[int] = None
-    n_embd: Optional[int] = None
-    block_size: Optional[int] = None
-    vocab_size: Optional[int] = None       # null: from the data (256 for byte-level text)
-    dropout: float = 0.0
-    resnet_blocks: list[int] = field(default_factory=lambda: [2, 2, 2])
-    resnet_width: int = 16
-    num_classes: int = 10
-    mlp_sizes: list[int] = field(default_factory=lambda: [32, 64, 10])
+class _ModelName:
+    name: str = "gpt"                      # a key of shardlab.models.MODELS: gpt | resnet | mlp
+
+
+# The `model:` section: the name, then every registered model's own keys (each model file
+# declares them in its ModelSpec.keys), so the YAML keys stay flat (model.preset,
+# model.resnet_width, ...) and a new model adds its keys without touching this file.
+ModelConfig = dataclass(type("ModelConfig", (*reversed([spec.keys for spec in MODELS.values()]), _ModelName),
+                             {"__module__": __name__, "__doc__": "model.name plus every model's keys"}))
 
 
 @dataclass
@@ -120,9 +119,10 @@ class Config:
 _ALIASES = {("checkpoint", "async"): "async_save"}
 _ALIASES_BACK = {(sec, fld): key for (sec, key), fld in _ALIASES.items()}
 
-STRATEGY_CHOICES = ("single", "ddp", "zero3", "fsdp", "torch-ddp", "torch-fsdp")
-MODEL_CHOICES = ("gpt", "resnet", "mlp")
-DATA_CHOICES = ("builtin", "text", "cifar10", "synthetic")
+# The choices come from the registries, so a new engine, model or data source needs no edit here.
+STRATEGY_CHOICES = tuple(STRATEGIES)
+MODEL_CHOICES = tuple(MODELS)
+DATA_CHOICES = tuple(DATA_SOURCES)
 
 
 def _to_dict(obj: Any, section: str = "") -> Any:
@@ -309,38 +309,29 @@ def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
 
 def validate(cfg: Config) -> None:
     """Checks that need no knowledge of the world size."""
-    from shardlab.models import GPT_PRESETS
+    from shardlab.data.cifar import find_cifar_dir
+    from shardlab.data.text import text_files
 
     m, d, t, p, c = cfg.model, cfg.data, cfg.train, cfg.parallel, cfg.checkpoint
     _check(cfg.seed >= 0, f"seed must be >= 0, got {cfg.seed}")
     _choice("model.name", m.name, MODEL_CHOICES)
-    if m.name == "gpt":
-        _choice("model.preset", m.preset, tuple(GPT_PRESETS))
-        for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
-            v = getattr(m, k)
-            _check(v is None or v >= 1, f"model.{k} must be >= 1 (or null for the preset's), got {v}")
-        n_embd = m.n_embd or GPT_PRESETS[m.preset].n_embd
-        n_head = m.n_head or GPT_PRESETS[m.preset].n_head
-        _check(n_embd % n_head == 0, f"model.n_embd ({n_embd}) must be divisible by model.n_head ({n_head})")
-    _check(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
-    _check(len(m.resnet_blocks) >= 1 and all(b >= 1 for b in m.resnet_blocks),
-           f"model.resnet_blocks must be a non-empty list of integers >= 1, got {m.resnet_blocks}")
-    _check(m.resnet_width >= 1 and m.num_classes >= 2, "model.resnet_width must be >= 1 and model.num_classes >= 2")
-    _check(len(m.mlp_sizes) >= 2 and all(s >= 1 for s in m.mlp_sizes),
-           f"model.mlp_sizes must list at least an input and an output size (>= 1), got {m.mlp_sizes}")
+    spec = MODELS[m.name]
+    spec.check(m)  # the model's own keys
 
     _choice("data.source", d.source, DATA_CHOICES)
     if d.source == "text":
         _check(d.path is not None, "data.source=text needs data.path (a file, directory or glob of text files)")
-        _check(bool(_text_files(d.path)), f"data.path {d.path!r}: no such file, directory or glob match; "
+        _check(bool(text_files(d.path)), f"data.path {d.path!r}: no such file, directory or glob match; "
                "point it at existing text files")
     if d.source == "cifar10":
         _check(d.path is not None, "data.source=cifar10 needs data.path (the folder holding cifar-10-batches-py)")
-        _check(_cifar_dir(d.path) is not None, f"data.path {d.path!r}: no cifar-10-batches-py folder with "
+        _check(find_cifar_dir(d.path) is not None, f"data.path {d.path!r}: no cifar-10-batches-py folder with "
                "data_batch_1 there; download CIFAR-10 (python version) and point data.path at it")
-        _check(m.name == "resnet" or m.name == "mlp", f"data.source=cifar10 needs an image model; set model.name=resnet (got {m.name})")
-    if d.source in ("text", "builtin"):
-        _check(m.name == "gpt", f"data.source={d.source} is text and needs model.name=gpt (got {m.name})")
+    kind = DATA_SOURCES[d.source]  # what the source yields; synthetic (None) yields what the model takes
+    if kind is not None and spec.data_kind != kind:
+        fits = [name for name, other in MODELS.items() if other.data_kind == kind]
+        _check(False, f"data.source={d.source} gives {kind}, but model.name={m.name} takes {spec.data_kind}; "
+               f"use model.name={' or '.join(fits)}, or data.source=synthetic")
     if d.tokenizer is not None:
         _check(os.path.isfile(os.path.join(d.tokenizer, "tokenizer.json")),
                f"data.tokenizer {d.tokenizer!r}: no tokenizer.json in that directory")
@@ -366,8 +357,8 @@ def validate(cfg: Config) -> None:
            "train.loss_scale must be > 0 and train.loss_scale_growth_interval >= 1")
     _check(t.eval_every >= 0 and t.eval_batches >= 1 and t.log_every >= 1,
            "train.eval_every must be >= 0, train.eval_batches and train.log_every >= 1")
-    if m.name == "gpt" and d.source in ("text", "builtin", "synthetic"):
-        block = m.block_size or GPT_PRESETS[m.preset].block_size
+    block = spec.max_seq_len(m) if spec.data_kind == "tokens" else None
+    if block is not None:
         _check(d.seq_len <= block, f"data.seq_len ({d.seq_len}) exceeds the model's block_size ({block}); "
                f"lower data.seq_len or set model.block_size >= {d.seq_len}")
 
@@ -395,18 +386,3 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
            f"train.global_batch_size ({t.global_batch_size}) must be divisible by world size x "
            f"train.micro_batch_size ({world_size} x {t.micro_batch_size} = {per_step}); "
            f"e.g. train.global_batch_size={per_step * max(1, round(t.global_batch_size / per_step))}")
-
-
-def _text_files(path: str) -> list[str]:
-    if os.path.isdir(path):
-        return sorted(os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs)
-    if os.path.isfile(path):
-        return [path]
-    return sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
-
-
-def _cifar_dir(path: str) -> str | None:
-    for cand in (os.path.join(path, "cifar-10-batches-py"), path):
-        if os.path.isfile(os.path.join(cand, "data_batch_1")):
-            return cand
-    return None

@@ -53,15 +53,7 @@ def run_dir(cfg: Config) -> str:
 
 
 def build_model_for(cfg: Config, vocab_size: int | None, device: str) -> nn.Module:
-    m = cfg.model
-    if m.name == "gpt":
-        overrides = {k: getattr(m, k) for k in ("n_layer", "n_head", "n_embd", "block_size")}
-        return build_model("gpt", seed=cfg.seed, device=device, preset=m.preset, dropout=m.dropout,
-                           vocab_size=m.vocab_size or vocab_size, **overrides)
-    if m.name == "resnet":
-        return build_model("resnet", seed=cfg.seed, device=device, blocks=tuple(m.resnet_blocks),
-                           width=m.resnet_width, num_classes=m.num_classes)
-    return build_model("mlp", seed=cfg.seed, device=device, sizes=tuple(m.mlp_sizes))
+    return build_model(cfg.model, seed=cfg.seed, vocab_size=vocab_size, device=device)
 
 
 def engine_options(cfg: Config) -> dict[str, Any]:

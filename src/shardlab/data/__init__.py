@@ -14,7 +14,10 @@ import torch
 
 from shardlab.data.sampler import GlobalBatchSampler
 
-__all__ = ["GlobalBatchSampler", "Datasets", "build_datasets", "collate"]
+__all__ = ["GlobalBatchSampler", "Datasets", "DATA_SOURCES", "build_datasets", "collate"]
+
+# data.source -> what it yields (a ModelSpec.data_kind); None: whatever the model takes.
+DATA_SOURCES: dict[str, str | None] = {"builtin": "tokens", "text": "tokens", "cifar10": "images", "synthetic": None}
 
 
 @dataclass
@@ -47,10 +50,9 @@ def build_datasets(cfg) -> Datasets:
                         text.TokenWindows(val_t, d.seq_len) if val_t.numel() > d.seq_len else None,
                         vocab_size=tok.vocab_size, tokens_per_sample=d.seq_len, info=info)
     if d.source == "cifar10":
-        from shardlab.config import _cifar_dir
-        from shardlab.data.cifar import CIFAR10
+        from shardlab.data.cifar import CIFAR10, find_cifar_dir
 
-        folder = _cifar_dir(d.path)
+        folder = find_cifar_dir(d.path)
         train = CIFAR10(folder, train=True)
         try:
             val = CIFAR10(folder, train=False)
@@ -59,14 +61,13 @@ def build_datasets(cfg) -> Datasets:
         return Datasets(train, val, info={"cifar10": folder, "train_samples": len(train)})
     if d.source == "synthetic":
         from shardlab.data.synthetic import SyntheticDataset
+        from shardlab.models import model_spec
 
-        kind = {"gpt": "tokens", "resnet": "images", "mlp": "vectors"}[m.name]
-        vocab = m.vocab_size or 256
-        kw = dict(seq_len=d.seq_len, vocab_size=vocab, in_features=m.mlp_sizes[0], num_classes=m.num_classes
-                  if m.name == "resnet" else m.mlp_sizes[-1])
+        spec = model_spec(m.name)  # synthetic data shaped for the model: its kind and sizes
+        kind, kw = spec.data_kind, {"seq_len": d.seq_len, **spec.synthetic(m)}
         train = SyntheticDataset(kind, d.synthetic_samples, cfg.seed, **kw)
         val = SyntheticDataset(kind, max(64, d.synthetic_samples // 20), cfg.seed + 7919, **kw)
-        return Datasets(train, val, vocab_size=vocab if kind == "tokens" else None,
+        return Datasets(train, val, vocab_size=kw.get("vocab_size") if kind == "tokens" else None,
                         tokens_per_sample=d.seq_len if kind == "tokens" else None, info={"synthetic": kind})
     raise ValueError(d.source)
 

@@ -22,6 +22,14 @@ MEAN = torch.tensor([0.4914, 0.4822, 0.4465]).view(1, 3, 1, 1)
 STD = torch.tensor([0.2470, 0.2435, 0.2616]).view(1, 3, 1, 1)
 
 
+def find_cifar_dir(path: str) -> str | None:
+    """The `cifar-10-batches-py` folder at or inside `path`, or None."""
+    for cand in (os.path.join(path, "cifar-10-batches-py"), path):
+        if os.path.isfile(os.path.join(cand, "data_batch_1")):
+            return cand
+    return None
+
+
 class _SafeUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in _ALLOWED:

@@ -3,14 +3,24 @@ loaded from a local directory (tokenizer.json, via the `tokenizers` package) whe
 
 from __future__ import annotations
 
+import glob
+import os
+
 import torch
 
-from shardlab.config import _text_files
+
+def text_files(path: str) -> list[str]:
+    """data.path as files: a file, every file below a directory, or a (recursive) glob."""
+    if os.path.isdir(path):
+        return sorted(os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs)
+    if os.path.isfile(path):
+        return [path]
+    return sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
 
 
 def read_text_files(path: str) -> str:
     parts = []
-    for p in _text_files(path):
+    for p in text_files(path):
         with open(p, "rb") as f:
             parts.append(f.read().decode("utf-8", errors="replace"))
     return "\n".join(parts)

@@ -1,4 +1,5 @@
-"""Model registry: `build_model(name, ...)` for the names the config accepts.
+"""The model registry: every name `model.name` accepts, each with its config keys, builder and
+rebuild record (`ModelSpec`, models/spec.py). Adding a model: one file, one line in MODELS.
 
 Every model's forward is `forward(inputs, targets=None)` and returns the mean loss when
 targets are given, so the training loop and the engines never look inside a model.
@@ -7,39 +8,48 @@ targets are given, so the training loop and the engines never look inside a mode
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
+from shardlab.models import gpt, mlp, resnet
 from shardlab.models.gpt import GPT, GPT_PRESETS, GPTConfig
 from shardlab.models.init import canonical_names, init_parameters_
 from shardlab.models.mlp import MLPModel
 from shardlab.models.resnet import ResNet
+from shardlab.models.spec import ModelSpec
 
-__all__ = ["GPT", "GPTConfig", "GPT_PRESETS", "MLPModel", "ResNet", "MODEL_NAMES", "build_model",
-           "repeated_blocks", "init_parameters_", "canonical_names", "count_parameters"]
+__all__ = ["GPT", "GPTConfig", "GPT_PRESETS", "MLPModel", "ResNet", "MODELS", "ModelSpec", "model_spec",
+           "build_model", "rebuild_model", "model_record", "repeated_blocks", "init_parameters_",
+           "canonical_names", "count_parameters"]
 
-MODEL_NAMES: tuple[str, ...] = ("gpt", "resnet", "mlp")
+# name -> spec. The order is the order help texts list them in.
+MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (gpt.SPEC, resnet.SPEC, mlp.SPEC)}
 
 
-def build_model(name: str, *, seed: int = 0, device: str | torch.device = "cpu", **kw) -> nn.Module:
-    """Build a model. On device="meta" only shapes exist; an engine materializes its shard.
+def model_spec(name: str) -> ModelSpec:
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODELS)}")
+    return MODELS[name]
 
-    gpt: preset=<GPT_PRESETS key> and any GPTConfig field as override.
-    resnet: blocks=(2,2,2), width=16, num_classes=10.  mlp: sizes=(7,15,3).
-    """
+
+def build_model(section: Any, *, seed: int = 0, vocab_size: int | None = None,
+                device: str | torch.device = "cpu") -> nn.Module:
+    """Build the model a config's `model:` section describes. On device="meta" only shapes
+    exist; an engine then materializes what it holds. vocab_size: what the data offers."""
     with torch.device(device):
-        if name == "gpt":
-            preset = kw.pop("preset", "gpt-tiny")
-            base = GPT_PRESETS[preset]
-            fields = {k: v for k, v in kw.items() if v is not None}
-            cfg = GPTConfig(**{**base.__dict__, **fields})
-            return GPT(cfg, seed=seed)
-        if name == "resnet":
-            return ResNet(blocks=tuple(kw.get("blocks", (2, 2, 2))), width=kw.get("width", 16),
-                          num_classes=kw.get("num_classes", 10), seed=seed)
-        if name == "mlp":
-            return MLPModel(sizes=tuple(kw.get("sizes", (7, 15, 3))), seed=seed)
-    raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODEL_NAMES)}")
+        return model_spec(section.name).build(section, seed, vocab_size)
+
+
+def model_record(name: str, model: nn.Module, seed: int) -> dict[str, Any]:
+    """JSON that `rebuild_model` turns back into the same architecture (checkpoints keep it)."""
+    return {"name": name, "seed": seed, "kwargs": model_spec(name).record(model)}
+
+
+def rebuild_model(record: dict[str, Any], device: str | torch.device = "cpu") -> nn.Module:
+    with torch.device(device):
+        return model_spec(record["name"]).rebuild(record["kwargs"], record["seed"])
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:

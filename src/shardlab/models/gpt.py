@@ -3,13 +3,15 @@ GELU MLP, learned positions, and a head whose weight is tied to the token embedd
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shardlab.models.init import INIT_STD_ATTR, init_parameters_
+from shardlab.models.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -120,3 +122,52 @@ class GPT(nn.Module):
             nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
             idx = torch.cat((idx, nxt), dim=1)
         return idx
+
+
+# -- registry entry (shardlab.models.MODELS) -------------------------------------------------------
+@dataclass
+class GPTKeys:
+    """`model.*` keys of model.name=gpt: a preset and per-field overrides of it."""
+
+    preset: str = "gpt-tiny"               # a key of GPT_PRESETS
+    n_layer: Optional[int] = None          # overrides of the preset (null = the preset's)
+    n_head: Optional[int] = None
+    n_embd: Optional[int] = None
+    block_size: Optional[int] = None
+    vocab_size: Optional[int] = None       # null: from the data (256 for byte-level text)
+    dropout: float = 0.0
+
+
+def gpt_config(section, vocab_size: int | None = None) -> GPTConfig:
+    """The preset with the section's overrides; vocab from the section, else the data's, else the preset's."""
+    base = GPT_PRESETS[section.preset]
+    overrides = {k: getattr(section, k) for k in ("n_layer", "n_head", "n_embd", "block_size")}
+    fields = {k: v for k, v in overrides.items() if v is not None}
+    vocab = section.vocab_size or vocab_size or base.vocab_size
+    return GPTConfig(**{**asdict(base), **fields, "vocab_size": vocab, "dropout": section.dropout})
+
+
+def _check(section) -> None:
+    from shardlab.config import ConfigError
+
+    if section.preset not in GPT_PRESETS:
+        raise ConfigError(f"model.preset: unknown value {section.preset!r}; valid: {', '.join(GPT_PRESETS)}")
+    for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+        v = getattr(section, k)
+        if v is not None and v < 1:
+            raise ConfigError(f"model.{k} must be >= 1 (or null for the preset's), got {v}")
+    cfg = gpt_config(section)
+    if cfg.n_embd % cfg.n_head:
+        raise ConfigError(f"model.n_embd ({cfg.n_embd}) must be divisible by model.n_head ({cfg.n_head})")
+    if not 0.0 <= section.dropout < 1.0:
+        raise ConfigError(f"model.dropout must be in [0, 1), got {section.dropout}")
+
+
+SPEC = ModelSpec(
+    name="gpt", keys=GPTKeys, data_kind="tokens",
+    build=lambda section, seed, vocab: GPT(gpt_config(section, vocab), seed=seed),
+    record=lambda model: asdict(model.config),
+    rebuild=lambda kwargs, seed: GPT(GPTConfig(**kwargs), seed=seed),
+    check=_check,
+    synthetic=lambda section: {"vocab_size": section.vocab_size or 256},
+    max_seq_len=lambda section: gpt_config(section).block_size)

@@ -3,11 +3,14 @@ Shapes like (7, 15) and (15, 3) make some ranks' shards empty, on purpose."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shardlab.models.init import init_parameters_
+from shardlab.models.spec import ModelSpec
 
 
 class MLPModel(nn.Module):
@@ -29,3 +32,28 @@ class MLPModel(nn.Module):
             if i < len(self.layers) - 1:
                 x = F.gelu(x)
         return x if targets is None else F.cross_entropy(x.float(), targets)
+
+
+# -- registry entry (shardlab.models.MODELS) -------------------------------------------------------
+@dataclass
+class MLPKeys:
+    """`model.*` keys of model.name=mlp."""
+
+    mlp_sizes: list[int] = field(default_factory=lambda: [32, 64, 10])  # input, hidden..., classes
+
+
+def _check(section) -> None:
+    from shardlab.config import ConfigError
+
+    if len(section.mlp_sizes) < 2 or any(s < 1 for s in section.mlp_sizes):
+        raise ConfigError(f"model.mlp_sizes must list at least an input and an output size (>= 1), "
+                          f"got {section.mlp_sizes}")
+
+
+SPEC = ModelSpec(
+    name="mlp", keys=MLPKeys, data_kind="vectors",
+    build=lambda section, seed, vocab: MLPModel(tuple(section.mlp_sizes), seed=seed),
+    record=lambda model: {"sizes": list(model.sizes)},
+    rebuild=lambda kwargs, seed: MLPModel(tuple(kwargs["sizes"]), seed=seed),
+    check=_check,
+    synthetic=lambda section: {"in_features": section.mlp_sizes[0], "num_classes": section.mlp_sizes[-1]})

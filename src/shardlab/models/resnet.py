@@ -10,11 +10,14 @@ Running statistics are buffers: engines broadcast them from rank 0 at wrap time.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shardlab.models.init import init_parameters_
+from shardlab.models.spec import ModelSpec
 
 
 class BasicBlock(nn.Module):
@@ -38,6 +41,7 @@ class ResNet(nn.Module):
                  in_channels: int = 3, seed: int = 0):
         super().__init__()
         self.init_seed = seed
+        self.arch = {"blocks": list(blocks), "width": width, "num_classes": num_classes, "in_channels": in_channels}
         self.stem = nn.Sequential(nn.Conv2d(in_channels, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
         stages, c = [], width
         for i, n in enumerate(blocks):
@@ -56,3 +60,32 @@ class ResNet(nn.Module):
             x = stage(x)
         logits = self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
         return logits if targets is None else F.cross_entropy(logits.float(), targets)
+
+
+# -- registry entry (shardlab.models.MODELS) -------------------------------------------------------
+@dataclass
+class ResNetKeys:
+    """`model.*` keys of model.name=resnet."""
+
+    resnet_blocks: list[int] = field(default_factory=lambda: [2, 2, 2])  # BasicBlocks per stage
+    resnet_width: int = 16                 # channels of the first stage (doubling per stage)
+    num_classes: int = 10
+
+
+def _check(section) -> None:
+    from shardlab.config import ConfigError
+
+    if not section.resnet_blocks or any(b < 1 for b in section.resnet_blocks):
+        raise ConfigError(f"model.resnet_blocks must be a non-empty list of integers >= 1, got {section.resnet_blocks}")
+    if section.resnet_width < 1 or section.num_classes < 2:
+        raise ConfigError("model.resnet_width must be >= 1 and model.num_classes >= 2")
+
+
+SPEC = ModelSpec(
+    name="resnet", keys=ResNetKeys, data_kind="images",
+    build=lambda section, seed, vocab: ResNet(tuple(section.resnet_blocks), section.resnet_width,
+                                              section.num_classes, seed=seed),
+    record=lambda model: dict(model.arch),
+    rebuild=lambda kwargs, seed: ResNet(**{**kwargs, "blocks": tuple(kwargs["blocks"])}, seed=seed),
+    check=_check,
+    synthetic=lambda section: {"num_classes": section.num_classes})
