@@ -104,7 +104,9 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
     head = ("| strategy | N | median step (ms) | samples/s | speed vs torch twin | model state / rank (MiB) "
             "| theory (MiB) | vs ddp | sent / rank / step (MiB) | theory (MiB) | peak RSS / rank (GiB) |")
     lines = [head, "|" + "---|" * 11]
-    twin = {"ddp": "torch-ddp", "fsdp": "torch-fsdp", "zero3": "torch-fsdp"}
+    from shardlab.engines import STRATEGIES
+
+    twin = {name: entry.torch_twin for name, entry in STRATEGIES.items() if entry.torch_twin}
     by = {(r["strategy"], r["world_size"]): r for r in rows}
     for r in rows:
         t = by.get((twin.get(r["strategy"], ""), r["world_size"]))

@@ -29,7 +29,7 @@ from shardlab import metrics as M
 from shardlab.amp import autocast, make_loss_scaler
 from shardlab.config import Config, dump_config, validate_for_world
 from shardlab.data import GlobalBatchSampler, build_datasets, collate
-from shardlab.engines import SHARDED_STRATEGIES, Engine, engine_class, engine_of, optimizer_state_bytes
+from shardlab.engines import Engine, engine_class, engine_of, is_sharded, optimizer_state_bytes
 from shardlab.engines.api import MixedPrecision
 from shardlab.evaluate import evaluate
 from shardlab.models import build_model, count_parameters
@@ -350,7 +350,7 @@ def summarize(run: Run, timer: M.StepTimer, per_rank: list[dict], val_losses: di
         "step_times_s": timer.times,
         "world_size": rt.world_size,
         "strategy": cfg.parallel.strategy,
-        "sharded": cfg.parallel.strategy in SHARDED_STRATEGIES,
+        "sharded": is_sharded(cfg.parallel.strategy),
         "device": M.device_name(rt.device),
         "num_parameters": run.num_parameters,
         "peak_memory_bytes": [r["peak_memory_bytes"] for r in per_rank],

@@ -7,6 +7,7 @@ lazily, so `single` needs nothing distributed).
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,26 +24,43 @@ from shardlab.engines.api import (
     resolve_units,
 )
 
-# name -> "module:Class". The order is the order help texts list them in.
-STRATEGIES: dict[str, str] = {
-    "single": "shardlab.engines.api:LocalEngine",
-    "ddp": "shardlab.engines.ddp:DDPEngine",
-    "zero3": "shardlab.engines.zero3:Zero3Engine",
-    "fsdp": "shardlab.engines.fsdp:FSDPEngine",
-    "torch-ddp": "shardlab.engines.native:TorchDDPEngine",
-    "torch-fsdp": "shardlab.engines.native:TorchFSDPEngine",
-}
-SHARDED_STRATEGIES = frozenset({"zero3", "fsdp", "torch-fsdp"})
 
-__all__ = ["STRATEGIES", "SHARDED_STRATEGIES", "Engine", "MixedPrecision", "parallelize", "engine_class",
-           "engine_of", "optimizer_state_bytes", "ENGINE_ATTR"]
+@dataclass(frozen=True)
+class EngineEntry:
+    """One strategy: where its Engine class lives (imported on first use, so `single` needs
+    nothing distributed) and, for shardlab's own engines, PyTorch's engine that does the same
+    job (`shardlab bench` reports their speed ratio). What it shards and which options it
+    takes the class itself declares (`grads_sharded`, `options`)."""
+
+    target: str                  # "module:Class"
+    torch_twin: str | None = None
+
+
+# name -> entry. The order is the order help texts list them in. Adding an engine: its file,
+# and one line here.
+STRATEGIES: dict[str, EngineEntry] = {
+    "single": EngineEntry("shardlab.engines.api:LocalEngine"),
+    "ddp": EngineEntry("shardlab.engines.ddp:DDPEngine", torch_twin="torch-ddp"),
+    "zero3": EngineEntry("shardlab.engines.zero3:Zero3Engine", torch_twin="torch-fsdp"),
+    "fsdp": EngineEntry("shardlab.engines.fsdp:FSDPEngine", torch_twin="torch-fsdp"),
+    "torch-ddp": EngineEntry("shardlab.engines.native:TorchDDPEngine"),
+    "torch-fsdp": EngineEntry("shardlab.engines.native:TorchFSDPEngine"),
+}
+
+__all__ = ["STRATEGIES", "EngineEntry", "Engine", "MixedPrecision", "parallelize", "engine_class", "engine_of",
+           "is_sharded", "optimizer_state_bytes", "ENGINE_ATTR"]
 
 
 def engine_class(strategy: str) -> type[Engine]:
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
-    mod, cls = STRATEGIES[strategy].split(":")
+    mod, cls = STRATEGIES[strategy].target.split(":")
     return getattr(importlib.import_module(mod), cls)
+
+
+def is_sharded(strategy: str) -> bool:
+    """Whether each rank holds a disjoint part of the parameters and gradients (16 Psi / N state)."""
+    return engine_class(strategy).grads_sharded
 
 
 def default_device() -> torch.device:
