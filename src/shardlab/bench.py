@@ -1,15 +1,22 @@
 """The engine benchmark: every engine at every world size, measured through the real
 `shardlab train` path, side by side with the theory.
 
-Each cell is one `shardlab train --nproc N` run on synthetic tokens (no data loading
-cost), whose metrics.json gives per-step times, model-state bytes per rank (exact tensor
-byte counts of parameters + gradients + optimizer state, taken at the last step) and, for
-shardlab's own engines, bytes per collective kind. Nothing in the tables is computed from
-the formulas except the columns named "theory". Cells run in interleaved order over
-`--repeats` rounds, so drift on a shared machine hits every engine alike; the reported
-step time is the median over all measured steps of all rounds (warmup steps excluded).
+Each cell is one `shardlab train --nproc N` run whose metrics.json gives per-step times,
+model-state bytes per rank (exact tensor byte counts of parameters + gradients + optimizer
+state, taken at the last step), peak memory per rank (live tensor bytes where the run
+reports them, and RSS / CUDA max allocated) and, for shardlab's own engines, bytes per
+collective kind. Nothing in the tables is computed from the formulas except the columns
+named "theory". Cells run in interleaved order over `--repeats` rounds, so drift on a
+shared machine hits every engine alike; the reported step time is the median over all
+measured steps of all rounds (warmup steps excluded), with the 90th percentile beside it.
+
+Without a config, a GPT preset on synthetic tokens (no data-loading cost). With one, that
+config (and key=value overrides) as it is, with the per-rank micro batch held fixed so
+each world size does the same work per rank (weak scaling):
 
   shardlab bench --strategies ddp,torch-ddp,fsdp,torch-fsdp,zero3 --nproc 2 --preset gpt-mini
+  shardlab bench configs/resnet-cifar10.yaml data.source=synthetic --nproc 1,2,4 \\
+      --strategies ddp,fsdp --reshard-after-forward true,false --mixed-precision fp32,bf16
 """
 
 from __future__ import annotations
@@ -26,24 +33,50 @@ from typing import Any
 BYTES_FP32 = 4
 
 
-def _run_cell(args: argparse.Namespace, strategy: str, nproc: int, out_dir: str, tag: str) -> dict[str, Any]:
-    name = f"{strategy}-n{nproc}-{tag}"
-    cmd = [sys.executable, "-m", "shardlab", "train",
-           f"model.preset={args.preset}", "data.source=synthetic", f"data.seq_len={args.seq_len}",
-           f"data.synthetic_samples={max(256, args.micro_batch * nproc * (args.steps + 2))}",
-           f"train.steps={args.steps}", f"train.micro_batch_size={args.micro_batch}",
-           f"train.global_batch_size={args.micro_batch * nproc}", "train.optimizer=adamw", "train.warmup_steps=0",
-           "train.eval_batches=1", f"parallel.strategy={strategy}", f"parallel.mixed_precision={args.mixed_precision}",
-           "checkpoint.resume=none", "checkpoint.every_steps=0",
-           f"output.dir={out_dir}", f"output.run_name={name}", "output.tensorboard=false", "output.progress=false"]
+def _cell_overrides(args: argparse.Namespace, strategy: str, nproc: int, variant: dict[str, str]) -> list[str]:
+    """What bench sets on top of the config: the engine, the world, the step count, and no
+    checkpoints, TensorBoard or progress bar (they would cost time inside the steps)."""
+    micro = args.micro_batch
+    out = []
+    if args.config is None:  # the GPT shortcut
+        micro = micro or 8
+        out += [f"model.preset={args.preset}", "data.source=synthetic", f"data.seq_len={args.seq_len}",
+                f"data.synthetic_samples={max(256, micro * nproc * (args.steps + 2))}", "train.optimizer=adamw"]
+    out += list(args.overrides)
+    if micro is not None:
+        out += [f"train.micro_batch_size={micro}", f"train.global_batch_size={micro * nproc}"]
+    out += [f"train.steps={args.steps}", "train.warmup_steps=0", "train.eval_batches=1",
+            f"parallel.strategy={strategy}", *(f"parallel.{k}={v}" for k, v in variant.items()),
+            "checkpoint.resume=none", "checkpoint.every_steps=0", "output.tensorboard=false", "output.progress=false"]
+    return out
+
+
+def _weak_scaling_micro_batch(args: argparse.Namespace) -> None:
+    """With a config and no --micro-batch: keep its micro batch per rank at every N."""
+    if args.config is not None and args.micro_batch is None:
+        from shardlab.config import load_config
+
+        args.micro_batch = load_config(args.config, args.overrides).train.micro_batch_size
+
+
+def _run_cell(args: argparse.Namespace, strategy: str, nproc: int, variant: dict[str, str], out_dir: str,
+              tag: str) -> dict[str, Any]:
+    label = "".join(f"-{k[:2]}{v}" for k, v in variant.items())
+    name = f"{strategy}-n{nproc}{label}-{tag}"
+    cmd = [sys.executable, "-m", "shardlab", "train", *([args.config] if args.config else []),
+           *_cell_overrides(args, strategy, nproc, variant), f"output.dir={out_dir}", f"output.run_name={name}"]
     if strategy != "single":
         cmd += ["--nproc", str(nproc)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"{strategy} x{nproc} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"{strategy} x{nproc} {variant} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     with open(os.path.join(out_dir, name, "metrics.json")) as f:
         m = json.load(f)
+    with open(os.path.join(out_dir, name, "run_args.json")) as f:
+        train = json.load(f)["config"]["train"]
+    # bytes per parameter of params + grads + optimizer state, fp32: AdamW 4+4+8, SGD 4+4(+4 momentum)
+    m["state_bytes_per_param"] = 16 if train["optimizer"] == "adamw" else 12 if train["momentum"] else 8
     m["process_wall_s"] = time.perf_counter() - t0
     return m
 
@@ -56,26 +89,34 @@ def _comm_per_step(m: dict[str, Any], field: str) -> float | None:
     return sum(sum(kind[field] for kind in s.values()) for s in per_rank) / len(per_rank) / m["steps_this_run"]
 
 
-def summarize(cells: dict[tuple[str, int], list[dict[str, Any]]], warmup: int) -> list[dict[str, Any]]:
+def _p90(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
+
+
+def summarize(cells: dict[tuple, list[dict[str, Any]]], warmup: int) -> list[dict[str, Any]]:
+    """cells: (strategy, world size[, variant label]) -> the metrics of each round."""
     rows = []
-    for (strategy, nproc), runs in cells.items():
+    for key, runs in cells.items():
+        strategy, nproc = key[0], key[1]
+        variant = key[2] if len(key) > 2 else ""
         steps = [t for m in runs for t in m["step_times_s"][warmup:]]
         round_medians = [statistics.median(m["step_times_s"][warmup:]) for m in runs]
         m = runs[0]
         psi = m["num_parameters"]
         sharded = m["sharded"]
         median = statistics.median(steps)
-
+        live = [max(r["peak_live_bytes"]) for r in runs if r.get("peak_live_bytes")]
         rows.append({
-            "strategy": strategy, "world_size": nproc, "num_parameters": psi,
-            "step_time_median_s": median, "measured_steps": len(steps),
+            "strategy": strategy, "world_size": nproc, "variant": variant, "num_parameters": psi,
+            "step_time_median_s": median, "step_time_p90_s": _p90(steps), "measured_steps": len(steps),
             "round_medians_s": round_medians,
             # how far the rounds' medians disagree, relative to the overall median (0 with one round)
             "round_spread": (max(round_medians) - min(round_medians)) / median,
             "samples_per_s": m["samples_processed"] / m["steps_this_run"] / median,
             "tokens_per_s": m.get("tokens_processed", 0) / m["steps_this_run"] / median,
             "model_state_bytes_max_rank": max(m["model_state_bytes"]),
-            "model_state_theory_bytes": 16 * psi / (nproc if sharded else 1),
+            "model_state_theory_bytes": m.get("state_bytes_per_param", 16) * psi / (nproc if sharded else 1),
             "sharded": sharded,
             "comm_payload_bytes_per_step": _comm_per_step(m, "payload_bytes"),
             "comm_bus_bytes_per_step": _comm_per_step(m, "bus_bytes"),
@@ -83,6 +124,9 @@ def summarize(cells: dict[tuple[str, int], list[dict[str, Any]]], warmup: int) -
             "comm_bus_theory_bytes_per_step": 0 if strategy == "single" else
             (3 if sharded else 2) * (nproc - 1) / nproc * psi * BYTES_FP32,
             "peak_rss_bytes_max_rank": max(m["peak_memory_bytes"]),
+            # live tensor bytes at the step's peak (the memory tracker), median over rounds
+            "peak_live_bytes_max_rank": statistics.median(live) if live else None,
+            "peak_breakdown": (m.get("peak_breakdown") or [None])[0],
             "final_loss": m["final_loss"],
         })
     return rows
@@ -101,30 +145,50 @@ def _speed_vs(twin: dict[str, Any], r: dict[str, Any]) -> str:
 
 def to_markdown(rows: list[dict[str, Any]]) -> str:
     mib = 2**20
-    head = ("| strategy | N | median step (ms) | samples/s | speed vs torch twin | model state / rank (MiB) "
-            "| theory (MiB) | vs ddp | sent / rank / step (MiB) | theory (MiB) | peak RSS / rank (GiB) |")
-    lines = [head, "|" + "---|" * 11]
+    head = ("| strategy | N | variant | median step (ms) | p90 (ms) | samples/s | speed vs torch twin "
+            "| model state / rank (MiB) | theory (MiB) | vs ddp | peak live / rank (MiB) | vs ddp "
+            "| peak RSS / rank (GiB) | sent / rank / step (MiB) | theory (MiB) |")
+    lines = [head, "|" + "---|" * 15]
     from shardlab.engines import STRATEGIES
 
     twin = {name: entry.torch_twin for name, entry in STRATEGIES.items() if entry.torch_twin}
-    by = {(r["strategy"], r["world_size"]): r for r in rows}
+    by = {(r["strategy"], r["world_size"], r["variant"]): r for r in rows}
+
+    def cell(strategy: str, n: int, variant: str) -> dict[str, Any] | None:
+        """The other engine's cell with the same settings, as far as it takes them."""
+        if strategy not in STRATEGIES:
+            return None
+        from shardlab.engines import engine_class
+
+        accepted = engine_class(strategy).options
+        own = ",".join(kv for kv in variant.split(",") if kv and kv.split("=")[0] in accepted)
+        return by.get((strategy, n, own))
+
     for r in rows:
-        t = by.get((twin.get(r["strategy"], ""), r["world_size"]))
-        d = by.get(("ddp", r["world_size"])) or by.get(("torch-ddp", r["world_size"]))
+        n, v = r["world_size"], r["variant"]
+        t = cell(twin.get(r["strategy"], ""), n, v)
+        d = cell("ddp", n, v) or cell("torch-ddp", n, v)
         speed = _speed_vs(t, r) if t else ""
         mem = f"{r['model_state_bytes_max_rank'] / d['model_state_bytes_max_rank']:.2f}x" if d else ""
+        live = "" if r["peak_live_bytes_max_rank"] is None else f"{r['peak_live_bytes_max_rank'] / mib:.1f}"
+        live_vs = (f"{r['peak_live_bytes_max_rank'] / d['peak_live_bytes_max_rank']:.2f}x"
+                   if live and d and d["peak_live_bytes_max_rank"] else "")
         comm = "not counted" if r["comm_bus_bytes_per_step"] is None else f"{r['comm_bus_bytes_per_step'] / mib:.1f}"
-        lines.append(f"| {r['strategy']} | {r['world_size']} | {r['step_time_median_s'] * 1000:.0f} | "
-                     f"{r['samples_per_s']:.2f} | {speed} | {r['model_state_bytes_max_rank'] / mib:.1f} | "
-                     f"{r['model_state_theory_bytes'] / mib:.1f} | {mem} | {comm} | "
-                     f"{r['comm_bus_theory_bytes_per_step'] / mib:.1f} | {r['peak_rss_bytes_max_rank'] / 2**30:.2f} |")
+        lines.append(f"| {r['strategy']} | {n} | {v or 'default'} | {r['step_time_median_s'] * 1000:.0f} | "
+                     f"{r['step_time_p90_s'] * 1000:.0f} | {r['samples_per_s']:.2f} | {speed} | "
+                     f"{r['model_state_bytes_max_rank'] / mib:.1f} | {r['model_state_theory_bytes'] / mib:.1f} | {mem} | "
+                     f"{live} | {live_vs} | {r['peak_rss_bytes_max_rank'] / 2**30:.2f} | {comm} | "
+                     f"{r['comm_bus_theory_bytes_per_step'] / mib:.1f} |")
     return "\n".join(lines) + (
         "\n'sent' is what one rank sends per training step on a ring (nccl-tests' bus bytes), counted by "
-        "shardlab.engines.collectives; PyTorch's engines are not instrumented. Theory: 16 bytes/param for DDP "
-        "+ AdamW, 16/N sharded; 2(N-1)/N x 4 bytes/param (all-reduce) vs 3(N-1)/N x 4 bytes/param (sharded).\n")
+        "shardlab.engines.collectives. Theory: 16 bytes/param for DDP + AdamW (12 SGD with momentum, 8 "
+        "without), /N sharded; "
+        "2(N-1)/N x 4 bytes/param (all-reduce) vs 3(N-1)/N x 4 bytes/param (sharded). 'peak live' is the "
+        "largest live-tensor total of a rank during a step (metrics.json peak_live_bytes).\n")
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> bool:
+    """Throughput and peak memory per rank against world size, one line per engine (and variant)."""
     try:
         import matplotlib
 
@@ -132,16 +196,23 @@ def plot(rows: list[dict[str, Any]], path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    labels = [f"{r['strategy']}\nN={r['world_size']}" for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.3 * len(rows) * 2), 4))
-    axes[0].bar(labels, [r["samples_per_s"] for r in rows], color="tab:blue")
+    series: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        series.setdefault(r["strategy"] + (f" {r['variant']}" if r["variant"] else ""), []).append(r)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for label, rs in series.items():
+        rs = sorted(rs, key=lambda r: r["world_size"])
+        ns = [r["world_size"] for r in rs]
+        axes[0].plot(ns, [r["samples_per_s"] for r in rs], "o-", label=label)
+        mem = [(r["peak_live_bytes_max_rank"] or r["peak_rss_bytes_max_rank"]) / 2**20 for r in rs]
+        axes[1].plot(ns, mem, "o-", label=label)
     axes[0].set_ylabel("samples / s (median step)")
-    axes[1].bar(labels, [r["model_state_bytes_max_rank"] / 2**20 for r in rows], color="tab:orange", label="measured")
-    axes[1].plot(labels, [r["model_state_theory_bytes"] / 2**20 for r in rows], "k_", markersize=20, label="theory")
-    axes[1].set_ylabel("params + grads + AdamW state per rank (MiB)")
-    axes[1].legend()
+    live = all(r["peak_live_bytes_max_rank"] for r in rows)
+    axes[1].set_ylabel(("peak live tensor" if live else "peak RSS") + " MiB per rank")
     for ax in axes:
-        ax.tick_params(axis="x", labelsize=8)
+        ax.set_xlabel("world size N")
+        ax.set_xticks(sorted({r["world_size"] for r in rows}))
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
@@ -155,25 +226,47 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", default=None,
+                   help="a train config (default: a GPT preset on synthetic tokens, see --preset)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of the config, as for train")
     p.add_argument("--strategies", default="ddp,torch-ddp,fsdp,torch-fsdp,zero3",
                    help="comma-separated engines (default: %(default)s)")
     p.add_argument("--nproc", default="2", help="comma-separated world sizes (default: %(default)s)")
-    p.add_argument("--preset", default="gpt-mini", help="GPT preset (default: %(default)s, ~10.8M parameters)")
-    p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--preset", default="gpt-mini", help="without a config: GPT preset (default: %(default)s)")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="per-rank micro batch; the global batch is micro x N (default: 8, or the config's)")
+    p.add_argument("--seq-len", type=int, default=128, help="without a config: tokens per sample")
     p.add_argument("--steps", type=int, default=12, help="steps per run, warmup included")
     p.add_argument("--warmup", type=int, default=2, help="steps per run excluded from the median")
     p.add_argument("--repeats", type=int, default=1, help="interleaved rounds over all cells")
-    p.add_argument("--mixed-precision", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--mixed-precision", default=None,
+                   help="comma-separated axis of parallel.mixed_precision values, e.g. fp32,bf16")
+    p.add_argument("--reshard-after-forward", default=None,
+                   help="comma-separated axis of parallel.reshard_after_forward values: true,false "
+                        "(FULL_SHARD vs SHARD_GRAD_OP)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default=None, help="output folder (default: runs/bench-<timestamp>)")
 
 
-def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int]]:
-    """The strategies and world sizes, or a ValueError that says what to fix (before any run)."""
-    from shardlab.config import STRATEGY_CHOICES
+def _axis(value: str | None, key: str, choices: tuple[str, ...]) -> list[str]:
+    if value is None:
+        return []
+    values = [v.strip().lower() for v in value.split(",") if v.strip()]
+    bad = [v for v in values if v not in choices]
+    if bad or not values:
+        raise ValueError(f"--{key.replace('_', '-')} takes comma-separated values from {', '.join(choices)}; "
+                         f"got {value!r}")
+    return values
+
+
+def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], list[dict[str, str]]]:
+    """The strategies, world sizes and variants, or a ValueError that says what to fix (before any run)."""
+    from shardlab.config import STRATEGY_CHOICES, ConfigError, load_config
     from shardlab.models import GPT_PRESETS
 
+    if args.config is not None and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
+        args.overrides.insert(0, args.config)  # key=value given without a config
+        args.config = None
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     bad = [s for s in strategies if s not in STRATEGY_CHOICES]
     if bad or not strategies:
@@ -184,42 +277,66 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int]]:
         raise ValueError(f"--nproc takes comma-separated whole numbers, e.g. 1,2,4; got {args.nproc!r}") from None
     if any(n < 1 for n in worlds):
         raise ValueError(f"--nproc values must be >= 1, got {args.nproc}")
-    if args.preset not in GPT_PRESETS:
+    if args.config is None and args.preset not in GPT_PRESETS:
         raise ValueError(f"unknown --preset {args.preset!r}; valid: {', '.join(GPT_PRESETS)}")
-    for name in ("micro_batch", "seq_len", "steps", "repeats"):
+    for name in ("seq_len", "steps", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.micro_batch is not None and args.micro_batch < 1:
+        raise ValueError(f"--micro-batch must be >= 1, got {args.micro_batch}")
     if not 0 <= args.warmup < args.steps:
         raise ValueError(f"--warmup must be >= 0 and smaller than --steps ({args.steps}), got {args.warmup}")
-    return strategies, worlds
+    axes = {"mixed_precision": _axis(args.mixed_precision, "mixed_precision", ("fp32", "bf16", "fp16")),
+            "reshard_after_forward": _axis(args.reshard_after_forward, "reshard_after_forward", ("true", "false"))}
+    variants: list[dict[str, str]] = [{}]
+    for key, values in axes.items():
+        if values:
+            variants = [{**v, key: value} for v in variants for value in values]
+    try:  # the config and overrides themselves, before any worker starts
+        load_config(args.config, args.overrides)
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
+    return strategies, worlds, variants
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        strategies, worlds = check_arguments(args)
+        strategies, worlds, variants = check_arguments(args)
+        _weak_scaling_micro_batch(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = args.out or os.path.join("runs", time.strftime("bench-%Y%m%d-%H%M%S"))
     os.makedirs(out, exist_ok=True)
-    cells: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    order = [(s, n) for n in worlds for s in strategies if not (s == "single" and n != 1)]
+    cells: dict[tuple, list[dict[str, Any]]] = {}
+    from shardlab.engines import engine_class
+
+    order = []
+    for n in worlds:
+        for s in strategies:
+            if s == "single" and n != 1:
+                continue
+            # an axis the engine does not take (ddp has no reshard_after_forward) is not a variant of it
+            accepted = engine_class(s).options
+            own = {tuple((k, x) for k, x in v.items() if k in accepted) for v in variants}
+            order += [(s, n, dict(v)) for v in sorted(own)]
     for rep in range(args.repeats):
-        for s, n in order:
-            print(f"[round {rep + 1}/{args.repeats}] {s} x{n} ...", flush=True)
-            cells.setdefault((s, n), []).append(_run_cell(args, s, n, out, f"r{rep}"))
+        for s, n, v in order:
+            label = ",".join(f"{k}={x}" for k, x in v.items())
+            print(f"[round {rep + 1}/{args.repeats}] {s} x{n} {label}...", flush=True)
+            cells.setdefault((s, n, label), []).append(_run_cell(args, s, n, v, out, f"r{rep}"))
     rows = summarize(cells, args.warmup)
     table = to_markdown(rows)
     import platform
 
     import torch
 
+    what = (f"config {args.config}" if args.config else f"GPT {args.preset}, seq {args.seq_len}, synthetic tokens")
     header = (f"shardlab bench, {time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, "
               f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs\n"
               f"command: shardlab bench {' '.join(sys.argv[2:] if sys.argv[1:2] == ['bench'] else sys.argv[1:])}\n"
-              f"model: GPT {args.preset} ({rows[0]['num_parameters'] / 1e6:.2f}M params), micro batch {args.micro_batch}, "
-              f"seq {args.seq_len}, AdamW fp32 state, {args.steps} steps x {args.repeats} round(s), "
-              f"{args.warmup} warmup steps per run excluded\n")
+              f"model: {what} ({rows[0]['num_parameters'] / 1e6:.2f}M params), micro batch {args.micro_batch} "
+              f"per rank, {args.steps} steps x {args.repeats} round(s), {args.warmup} warmup steps per run excluded\n")
     with open(os.path.join(out, "bench.json"), "w") as f:
         json.dump({"args": {k: v for k, v in vars(args).items() if not callable(v)}, "rows": rows}, f, indent=2)
     with open(os.path.join(out, "bench.md"), "w") as f:

@@ -1,7 +1,7 @@
 """The `shardlab` command.
 
   shardlab train [CONFIG.yaml] [key=value ...] [--nproc N] [--max-restarts R] [--print-config]
-  shardlab bench [--strategies ...] [--nproc 1,2,4] ...     measure every engine side by side
+  shardlab bench [CONFIG.yaml] [key=value ...] [--nproc 1,2,4]  measure every engine side by side
   shardlab render {slurm,k8s,accelerate} CONFIG.yaml ...    write a job for a cluster
   shardlab submit {slurm,k8s} CONFIG.yaml ...               render and submit it
   shardlab export RUN_DIR | generate RUN_DIR | eval RUN_DIR  use a trained checkpoint
@@ -133,7 +133,13 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += extra  # render/submit: key=value after the options, as for train
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    return int(args.func(args) or 0)
+    from shardlab.checkpoint import CheckpointError
+
+    try:
+        return int(args.func(args) or 0)
+    except CheckpointError as e:  # a checkpoint that cannot be used: its message says what to do
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
