@@ -18,15 +18,20 @@ class SimulatedCrash(Exception):
     """Raised right after the checkpoint of step K: the run dies there."""
 
 
-def make_cfg(strategy: str, out: str, name: str, *extra: str, steps: int = TOTAL, every: int = K):
+def overrides(strategy: str, out: str, name: str, *extra: str, steps: int = TOTAL, every: int = K) -> list[str]:
+    """The tiny run's key=value overrides (for load_config, or a `shardlab train` command line)."""
     # dropout > 0: the RNG states must be restored too for the losses to match bitwise
-    return load_config(None, [
+    return [
         f"parallel.strategy={strategy}", "model.preset=gpt-nano", "model.dropout=0.1",
         "data.source=synthetic", "data.seq_len=16", "data.synthetic_samples=256",
         f"train.steps={steps}", "train.global_batch_size=12", "train.micro_batch_size=2", "train.warmup_steps=1",
         "train.lr=0.01", "train.eval_batches=1", f"checkpoint.every_steps={every}", "checkpoint.keep_last=3",
         f"output.dir={out}", f"output.run_name={name}", "output.tensorboard=false", "output.progress=false",
-        "parallel.timeout_s=60", *extra])
+        "parallel.timeout_s=60", *extra]
+
+
+def make_cfg(strategy: str, out: str, name: str, *extra: str, steps: int = TOTAL, every: int = K):
+    return load_config(None, overrides(strategy, out, name, *extra, steps=steps, every=every))
 
 
 def runtime(rank: int, world: int, strategy: str) -> Runtime:

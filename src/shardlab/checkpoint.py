@@ -6,6 +6,7 @@ On disk (see docs/checkpointing.md):
         .metadata                          torch.distributed.checkpoint (DCP) index
         __0_0.distcp, __1_0.distcp, ...    one data file per rank that wrote something
         shardlab.json                      manifest, written last: step, shapes, schedule, files
+                                           with their sizes and SHA-256
     <checkpoint dir>/step_00000050.tmp/    a save in progress, or torn by a crash: ignored
 
 One format for every engine. Each original parameter is stored as its *flattened* 1-D full
@@ -19,16 +20,25 @@ engine at any world size reads any checkpoint (DCP's resharding, on 1-D chunks).
 
 Besides model and optimizer: persistent buffers, the LR schedule, the train state (step =
 data position, per-step losses) and every rank's RNG states (torch CPU, CUDA, python,
-numpy) under `rng/<rank>/...`. Nothing is pickled: tensors go through DCP, the rest is JSON.
+numpy) under `rng/<rank>/...`. Tensors go through DCP, the rest is JSON.
+
+Loading never runs code from the checkpoint: DCP's `.metadata` is a pickle, so it is read by
+an unpickler that admits only the classes DCP's metadata is made of (`_SafeReader`), the
+data files are read by `torch.load(weights_only=True)`, and every file's SHA-256 is checked
+against the manifest before anything is read (see "Security and integrity" in the docs).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import io
 import json
 import logging
 import math
 import os
+import pathlib
+import pickle
 import random
 import re
 import shutil
@@ -45,10 +55,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import filesystem as _dcp_filesystem
+from torch.distributed.checkpoint import metadata as _dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
+    Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -193,7 +207,17 @@ class _FlatPieceSavePlanner(DefaultSavePlanner):
         return super().resolve_data(write_item)
 
 
-class _FlatPieceLoadPlanner(DefaultLoadPlanner):
+class _TensorOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, minus the one path that unpickles freely: a "bytes" entry is
+    read by `torch.load(weights_only=False)`. shardlab saves tensors only, and `_SafeReader`
+    already refuses metadata that declares bytes entries; this refuses them a second time."""
+
+    def load_bytes(self, read_item, value) -> None:
+        raise CheckpointError(f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object, which shardlab "
+                              "never saves; refusing to unpickle it (the checkpoint was not written by shardlab)")
+
+
+class _FlatPieceLoadPlanner(_TensorOnlyLoadPlanner):
     """Reads each flat piece this rank holds from whichever saved chunks overlap it (resharding)."""
 
     def __init__(self, pieces: list[_Piece]):
@@ -253,8 +277,217 @@ def read_manifest(path: str) -> dict[str, Any]:
     return manifest
 
 
-def verify_checkpoint(path: str) -> dict[str, Any]:
-    """Check that `path` is a complete, intact checkpoint; return its manifest. Cheap: stats only."""
+# ============================================================================ integrity
+# [Note: what the hashes and the unpickler each guarantee]
+# The manifest records every file's size and SHA-256 (computed after DCP finished writing,
+# before the manifest and the rename). Sizes are checked whenever checkpoints are listed:
+# a wrong size is what a torn save or a half-done non-atomic rename looks like, and such a
+# directory is skipped. The hashes are checked when a checkpoint is loaded (they cost a read
+# of every byte): a file whose content differs from what was saved (a bit flip on disk or in
+# transfer, an edit) or a file nobody listed makes the load fail with a CheckpointError that
+# names the file. A loader never falls back to another checkpoint by itself: training from an
+# older state than the user believes is worse than stopping with an explanation.
+# The hashes do not stop an attacker who can rewrite files, since the manifest can be
+# rewritten too. What makes loading safe against a crafted checkpoint is that no byte of it
+# can run code: `.metadata` goes through _MetadataUnpickler (an allowlist of DCP's own
+# dataclasses, torch.Size, dtypes and layouts), tensors through torch.load(weights_only=True),
+# and "bytes" entries (DCP would unpickle them freely) are refused.
+HASH_KEY = "sha256"
+_HASH_BLOCK = 4 << 20
+
+
+def file_sha256(path: str) -> str:
+    """SHA-256 (hex) of a file, read in blocks into one reused buffer."""
+    h = hashlib.sha256()
+    buf = bytearray(_HASH_BLOCK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def _what_to_do(path: str) -> str:
+    """The way out when checkpoint `path` cannot be used: name the previous complete checkpoint."""
+    path = os.path.abspath(path.rstrip("/"))
+    m = _STEP_DIR.match(os.path.basename(path))
+    earlier = [p for s, p in list_checkpoints(os.path.dirname(path))
+               if m and s < int(m.group(1)) and os.path.abspath(p) != path]
+    if earlier:
+        return (f"delete it (or move it out of {os.path.dirname(path)}) and resume from the previous complete "
+                f"checkpoint, {earlier[-1]} (checkpoint.resume=auto then picks it), or restore the file from a copy")
+    return "delete it and restore the checkpoint from a copy; no earlier complete checkpoint exists beside it"
+
+
+def _corrupt(path: str, what: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint {path} is corrupt or was modified: {what}; {_what_to_do(path)}")
+
+
+def check_file_hashes(path: str, manifest: dict[str, Any], names: list[str] | None = None) -> None:
+    """The load-time check: no file in `path` beyond the manifest's list, and the SHA-256 of
+    each of `names` (default: every listed file) equal to the recorded one."""
+    files = manifest.get("files", {})
+    unlisted = sorted(set(os.listdir(path)) - set(files) - {MANIFEST})
+    if unlisted:
+        raise _corrupt(path, f"file {unlisted[0]} is not listed in {MANIFEST}"
+                             + (f" (nor are {unlisted[1:4]})" if len(unlisted) > 1 else ""))
+    recorded = manifest.get(HASH_KEY)
+    if recorded is None:
+        # written before shardlab recorded hashes: still loaded (and still without running code)
+        log.warning("checkpoint %s records no SHA-256 of its files (saved by an older shardlab): its content "
+                    "cannot be verified", path)
+        return
+    for name in sorted(files) if names is None else names:
+        expected = recorded.get(name)
+        if not isinstance(expected, str):
+            raise _corrupt(path, f"{MANIFEST} records no {HASH_KEY} for file {name}")
+        actual = file_sha256(os.path.join(path, name))
+        if actual != expected:
+            raise _corrupt(path, f"file {name} has sha256 {actual}, expected {expected}")
+
+
+def _expected_hash(path: str, manifest: dict[str, Any] | None, name: str) -> str | None:
+    if manifest is None or manifest.get(HASH_KEY) is None:
+        return None
+    expected = manifest[HASH_KEY].get(name)
+    if not isinstance(expected, str):
+        raise _corrupt(path, f"{MANIFEST} records no {HASH_KEY} for file {name}")
+    return expected
+
+
+# ============================================================================ DCP metadata without code
+def _metadata_globals() -> dict[tuple[str, str], Any]:
+    """Everything a `.metadata` written by DCP refers to by name (found by recording the
+    find_class calls of real files of every engine; tests/test_checkpoint_security.py keeps it
+    complete): DCP's metadata dataclasses, its file-slice record, torch.Size, dtypes and
+    layouts, and the path in StorageMeta.checkpoint_id. Each is a plain record or a constructor
+    that only builds a value; none imports, opens, runs or evaluates anything."""
+    allowed: dict[tuple[str, str], Any] = {
+        ("torch.distributed.checkpoint.metadata", n): getattr(_dcp_metadata, n)
+        for n in ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+                  "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+    }
+    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _dcp_filesystem._StorageInfo
+    allowed[("torch", "Size")] = torch.Size
+    # torch.layout pickles as _get_layout("torch.strided"): a lookup in a table of layouts
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    for name, value in vars(torch).items():  # every dtype pickles as the global torch.<name>
+        if isinstance(value, torch.dtype):
+            allowed[("torch", name)] = value
+    # Python >= 3.13 names the module of PosixPath pathlib._local; same class, same safety
+    allowed[("pathlib", "PosixPath")] = allowed[("pathlib._local", "PosixPath")] = pathlib.PosixPath
+    return allowed
+
+
+_ALLOWED_GLOBALS = _metadata_globals()
+
+
+class _Refused(pickle.UnpicklingError):
+    pass
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """pickle.Unpickler that resolves only the names in _ALLOWED_GLOBALS. A pickle can run
+    code only through the callables it names (GLOBAL/STACK_GLOBAL, and extension codes, all
+    resolved by find_class) or through persistent ids (refused by the base class), so a file
+    naming anything else (os.system, builtins.eval, ...) is refused before it is called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return _ALLOWED_GLOBALS[(module, name)]
+        except KeyError:
+            raise _Refused(f"{module}.{name}") from None
+
+
+def read_dcp_metadata(path: str, manifest: dict[str, Any] | None = None) -> Metadata:
+    """DCP's `.metadata` of checkpoint `path`, without running code from it: its bytes are
+    checked against the manifest's SHA-256 (when given and recorded), unpickled through the
+    allowlist, and their structure checked (tensor entries only; storage in listed files)."""
+    fp = os.path.join(path, DCP_METADATA)
+    try:
+        with open(fp, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path}: cannot read {DCP_METADATA} ({e})") from None
+    expected = _expected_hash(path, manifest, DCP_METADATA)
+    if expected is not None and hashlib.sha256(data).hexdigest() != expected:
+        # the same bytes are hashed and unpickled: nothing can change between check and use
+        raise _corrupt(path, f"file {DCP_METADATA} has sha256 {hashlib.sha256(data).hexdigest()}, expected {expected}")
+    try:
+        md = _MetadataUnpickler(io.BytesIO(data)).load()
+    except _Refused as e:
+        raise CheckpointError(
+            f"checkpoint {path}: {DCP_METADATA} refers to {e}, which DCP metadata never contains; refusing to "
+            f"load it (nothing was run). The file was crafted to run code or is corrupt: do not use this checkpoint; "
+            f"{_what_to_do(path)}") from None
+    except Exception as e:  # noqa: BLE001 - any malformed pickle is a corrupt checkpoint
+        raise _corrupt(path, f"{DCP_METADATA} is not valid DCP metadata ({type(e).__name__}: {e})") from None
+    problem = _metadata_problem(md, None if manifest is None else set(manifest.get("files", {})))
+    if problem:
+        raise _corrupt(path, f"{DCP_METADATA} {problem}")
+    return md
+
+
+def _metadata_problem(md: Any, files: set[str] | None) -> str | None:
+    """What is wrong with unpickled metadata (allowed classes can still be put together in ways
+    DCP would trip over, or point outside the checkpoint); None when it is well formed."""
+    def size_ok(s: Any) -> bool:
+        return isinstance(s, torch.Size) and all(isinstance(d, int) and d >= 0 for d in s)
+
+    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict) \
+            or not isinstance(md.storage_data, dict):
+        return f"holds a {type(md).__name__}, not a DCP Metadata with entries and storage"
+    for fqn, tm in md.state_dict_metadata.items():
+        if not isinstance(fqn, str) or not isinstance(tm, TensorStorageMetadata):
+            return f"entry {fqn!r} is a {type(tm).__name__}: shardlab checkpoints hold tensors only"
+        if not (isinstance(tm.properties, TensorProperties) and isinstance(tm.properties.dtype, torch.dtype)
+                and size_ok(tm.size) and isinstance(tm.chunks, list)):
+            return f"entry {fqn!r} has malformed tensor properties"
+        for c in tm.chunks:
+            if not (isinstance(c, ChunkStorageMetadata) and size_ok(c.offsets) and size_ok(c.sizes)
+                    and len(c.offsets) == len(c.sizes) == len(tm.size)):
+                return f"entry {fqn!r} has a malformed chunk"
+    for index, info in md.storage_data.items():
+        if not (isinstance(index, MetadataIndex) and isinstance(info, _dcp_filesystem._StorageInfo)):
+            return "has a malformed storage record"
+        rel = info.relative_path
+        if not isinstance(rel, str) or os.path.basename(rel) != rel or rel in ("", ".", "..") \
+                or (files is not None and rel not in files):
+            return f"points entry {index.fqn!r} at {rel!r}, not a data file listed in {MANIFEST}"
+        if not (isinstance(info.offset, int) and isinstance(info.length, int) and info.offset >= 0
+                and info.length >= 0) or info.transform_descriptors:
+            return f"has a malformed storage record for {index.fqn!r}"
+    return None
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's FileSystemReader whose read_metadata goes through read_dcp_metadata. It reads
+    (and verifies) once and returns that same metadata to DCP's later calls.
+
+    [Note: read before dcp.load] Callers call read_metadata() themselves before dcp.load:
+    inside dcp.load a failing read_metadata is logged with its traceback and retried as
+    rank-local metadata, so errors must surface earlier, as a CheckpointError. The
+    signature takes no **kwargs on purpose: DCP tries rank-local metadata only on readers
+    whose read_metadata accepts keyword arguments."""
+
+    def __init__(self, path: str, manifest: dict[str, Any] | None = None):
+        super().__init__(path)
+        self._manifest = manifest
+        self._metadata: Metadata | None = None
+
+    def read_metadata(self) -> Metadata:  # type: ignore[override]
+        if self._metadata is None:
+            self._metadata = read_dcp_metadata(str(self.path), self._manifest)
+        if self._metadata.storage_meta is None:
+            self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+
+def verify_checkpoint(path: str, *, hashes: bool = False) -> dict[str, Any]:
+    """Check that `path` is a complete checkpoint (every listed file there at its listed size;
+    cheap: stats only) and, with hashes=True, intact (check_file_hashes: reads every byte);
+    return its manifest."""
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} does not exist (or is not a directory)")
     if path.rstrip("/").endswith(".tmp"):
@@ -271,6 +504,8 @@ def verify_checkpoint(path: str) -> dict[str, Any]:
         if actual != size:
             raise CheckpointError(f"checkpoint {path} is corrupted: {name} has {actual} bytes, the manifest "
                                   f"says {size}; resume from an earlier checkpoint")
+    if hashes:
+        check_file_hashes(path, manifest)
     return manifest
 
 
@@ -308,31 +543,45 @@ def resolve_checkpoint(path: str) -> str:
                           "some (a run directory, its checkpoints/ directory or a step_* directory is accepted)")
 
 
-def read_tensors(path: str, prefix: str = "") -> dict[str, torch.Tensor]:
+def read_tensors(path: str, prefix: str = "", *, manifest: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """Read every tensor whose key starts with `prefix` as a full tensor, in this process alone
-    (no process group): DCP reassembles each from the chunks all ranks wrote."""
-    reader = FileSystemReader(path)
+    (no process group): DCP reassembles each from the chunks all ranks wrote. The checkpoint
+    is verified first (sizes and SHA-256 of every file) unless its already verified manifest
+    is given."""
+    if manifest is None:
+        manifest = verify_checkpoint(path, hashes=True)
+    reader = _SafeReader(path, manifest)
     md = reader.read_metadata()
     state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
-             if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
-    with warnings.catch_warnings():  # DCP warns that no process group exists: that is the point here
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=reader, no_dist=True)
+             if k.startswith(prefix)}
+    try:
+        with warnings.catch_warnings():  # DCP warns that no process group exists: that is the point here
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=reader, planner=_TensorOnlyLoadPlanner(), no_dist=True)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"reading checkpoint {path} failed ({type(e).__name__}: {e}); it is damaged: "
+                              f"{_what_to_do(path)}") from e
     return state
 
 
 def read_model_state(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The consolidated model state_dict (original names, tied names included, original
     shapes) of a checkpoint, read in one process; and its manifest."""
-    manifest = verify_checkpoint(path)
-    flat = read_tensors(path, "model/")
-    shapes = {**manifest["params"], **manifest["buffers"]}
-    by_name = {k[len("model/"):]: v.view(shapes[k[len("model/"):]]) for k, v in flat.items()}
-    keys = manifest.get("state_dict_keys") or {k: k for k in shapes}
-    out = {}
-    for key, canonical in keys.items():
-        t = by_name[canonical]
-        out[key] = t if key == canonical else t.clone()  # safetensors refuses shared storage
+    manifest = verify_checkpoint(path, hashes=True)
+    flat = read_tensors(path, "model/", manifest=manifest)
+    try:
+        shapes = {**manifest["params"], **manifest["buffers"]}
+        by_name = {k[len("model/"):]: v.view(shapes[k[len("model/"):]]) for k, v in flat.items()}
+        keys = manifest.get("state_dict_keys") or {k: k for k in shapes}
+        out = {}
+        for key, canonical in keys.items():
+            t = by_name[canonical]
+            out[key] = t if key == canonical else t.clone()  # safetensors refuses shared storage
+    except (KeyError, RuntimeError, TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} and the stored tensors disagree ({type(e).__name__}: "
+                              f"{e}); the checkpoint is damaged: {_what_to_do(path)}") from None
     return out, manifest
 
 
@@ -573,7 +822,8 @@ class CheckpointManager:
             except Exception as e:
                 raise CheckpointError(f"rank {self.rt.rank}: saving checkpoint step {step} failed ({e}); if another "
                                       "rank died, its log says why; the previous checkpoint is intact") from e
-            error = self._commit(tmp, final, manifest, t0) if self.rt.rank == 0 else None
+            hashes, hash_s = self._hash_own_files(tmp)
+            error = self._commit(tmp, final, manifest, t0, hashes, hash_s) if self.rt.rank == 0 else None
             self._agree(error)
             self.last_saved_step = step
             return final
@@ -616,7 +866,25 @@ class CheckpointManager:
             error = f"committing checkpoint step {step} failed: {self._commit_error}"
         self._agree(error)
 
-    def _commit(self, tmp: str, final: str, manifest: dict[str, Any], t0: float) -> str | None:
+    def _hash_own_files(self, tmp: str) -> tuple[dict[str, str], float]:
+        """After a synchronous save, every rank hashes the data files it wrote itself (DCP names
+        them __<rank>_<i>.distcp), in parallel and from its own page cache; rank 0 receives all
+        (the gather is collective: every rank calls). Rank 0's commit hashes whatever is left
+        (.metadata; everything, should DCP ever name files otherwise). Returns the hashes and
+        the slowest rank's hashing seconds."""
+        t0 = time.perf_counter()
+        own = re.compile(rf"^__{self.rt.rank}_\d+\.distcp$")
+        mine: dict[str, str] | str = {}
+        try:
+            mine = {n: file_sha256(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp)) if own.match(n)}
+        except OSError as e:
+            mine = f"rank {self.rt.rank}: hashing its checkpoint files in {tmp} failed: {e}"
+        gathered = self._all_gather((mine, time.perf_counter() - t0))
+        self._agree(next((m for m, _ in gathered if isinstance(m, str)), None))
+        return {k: v for m, _ in gathered for k, v in m.items()}, max(s for _, s in gathered)
+
+    def _commit(self, tmp: str, final: str, manifest: dict[str, Any], t0: float,
+                hashes: dict[str, str] | None = None, hash_s: float = 0.0) -> str | None:
         """Rank 0, after every rank's data is written: manifest last, then the atomic rename.
 
         [Note: atomicity] Until the rename the checkpoint exists only as step_N.tmp, which no
@@ -624,13 +892,19 @@ class CheckpointManager:
         which DCP writes only once all ranks finished; it lists every file with its size. So a
         crash at any moment leaves either no step_N or a complete one, and a directory that a
         non-atomic rename (object stores) or a deletion left half-there fails the size check.
-        Old checkpoints are pruned only after the new one is in place.
+        The SHA-256 of every file goes in the manifest too (checked on load). Old checkpoints
+        are pruned only after the new one is in place.
         """
         try:
             if not os.path.exists(os.path.join(tmp, DCP_METADATA)):
                 return f"checkpoint {tmp}: DCP wrote no {DCP_METADATA}; not committed"
             manifest = dict(manifest)
-            manifest["files"] = {n: os.path.getsize(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))}
+            names = sorted(os.listdir(tmp))
+            manifest["files"] = {n: os.path.getsize(os.path.join(tmp, n)) for n in names}
+            t_hash = time.perf_counter()
+            hashes = hashes or {}
+            manifest[HASH_KEY] = {n: hashes.get(n) or file_sha256(os.path.join(tmp, n)) for n in names}
+            manifest["hash_seconds"] = hash_s + time.perf_counter() - t_hash
             manifest["save_seconds"] = time.perf_counter() - t0
             write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
             _fsync_dir(tmp)
@@ -654,6 +928,18 @@ class CheckpointManager:
                 _remove_tree(os.path.join(self.root, name))
 
     # -- load -------------------------------------------------------------------------------------
+    def _hash_error(self, path: str, manifest: dict[str, Any]) -> str | None:
+        """Every rank hashes a share of the files (the whole checkpoint is read once, in parallel);
+        the result goes through _agree, so all ranks stop together on a mismatch."""
+        names = sorted(manifest.get("files", {}))[self.rt.rank::self.rt.world_size]
+        try:
+            check_file_hashes(path, manifest, names)
+        except CheckpointError as e:
+            return str(e)
+        except OSError as e:
+            return f"rank {self.rt.rank}: cannot read checkpoint {path} to verify it ({e})"
+        return None
+
     def load(self, path: str, model: nn.Module, opt, sched, state) -> dict[str, Any]:
         """Restore everything from checkpoint `path` (a step dir, checkpoints dir or run dir)
         into this engine at this world size; every rank calls it."""
@@ -673,11 +959,17 @@ class CheckpointManager:
             error = (f"rank {self.rt.rank} cannot read {path} ({e}): the checkpoint directory must be on a "
                      "filesystem every node shares (NFS, Lustre, a GCS FUSE mount)")
         self._agree(error)
+        self._agree(self._hash_error(path, manifest))
 
         layout = checkpoint_layout(model)
         shapes = self._param_shapes(layout)
         self._agree(_compatibility_error(path, manifest, shapes, _model_buffers(model), opt))
-        md = FileSystemReader(path).read_metadata().state_dict_metadata
+        reader = _SafeReader(path, manifest)
+        try:
+            md = reader.read_metadata().state_dict_metadata
+        except CheckpointError as e:
+            error = str(e)
+        self._agree(error)
 
         pieces: list[_Piece] = []
         plain: dict[str, torch.Tensor] = {}
@@ -714,7 +1006,7 @@ class CheckpointManager:
             plain[k] = torch.empty(md[k].size, dtype=md[k].properties.dtype)
         try:
             with torch.no_grad():
-                dcp.load(plain, storage_reader=FileSystemReader(path), planner=_FlatPieceLoadPlanner(pieces),
+                dcp.load(plain, storage_reader=reader, planner=_FlatPieceLoadPlanner(pieces),
                          no_dist=not _dist_ready())
         except CheckpointError:
             raise
