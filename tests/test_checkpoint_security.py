@@ -192,6 +192,12 @@ def test_verification_names_unlisted_and_unrecorded_files(trained, tmp_path, cap
     manifest_path = os.path.join(ckpt, "shardlab.json")
     with open(manifest_path) as f:
         manifest = json.load(f)
+    (tmp_path / "run" / "checkpoints" / "outside").write_bytes(b"x")  # exists, right size: only the name is wrong
+    with open(manifest_path, "w") as f:
+        json.dump({**manifest, "files": {**manifest["files"], "../outside": 1}}, f)
+    with pytest.raises(CheckpointError, match="shardlab.json lists '../outside', which is not a file of the checkpoint"):
+        read_model_state(ckpt)
+
     del manifest["sha256"]["__0_0.distcp"]
     with open(manifest_path, "w") as f:
         json.dump(manifest, f)

@@ -327,6 +327,9 @@ def check_file_hashes(path: str, manifest: dict[str, Any], names: list[str] | No
     """The load-time check: no file in `path` beyond the manifest's list, and the SHA-256 of
     each of `names` (default: every listed file) equal to the recorded one."""
     files = manifest.get("files", {})
+    outside = [n for n in files if os.path.basename(n) != n or n in ("", ".", "..")]
+    if outside:
+        raise _corrupt(path, f"{MANIFEST} lists {outside[0]!r}, which is not a file of the checkpoint directory")
     unlisted = sorted(set(os.listdir(path)) - set(files) - {MANIFEST})
     if unlisted:
         raise _corrupt(path, f"file {unlisted[0]} is not listed in {MANIFEST}"
@@ -455,7 +458,7 @@ def _metadata_problem(md: Any, files: set[str] | None) -> str | None:
                 or (files is not None and rel not in files):
             return f"points entry {index.fqn!r} at {rel!r}, not a data file listed in {MANIFEST}"
         if not (isinstance(info.offset, int) and isinstance(info.length, int) and info.offset >= 0
-                and info.length >= 0) or info.transform_descriptors:
+                and info.length >= 0) or getattr(info, "transform_descriptors", None):
             return f"has a malformed storage record for {index.fqn!r}"
     return None
 
