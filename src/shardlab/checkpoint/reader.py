@@ -1,0 +1,140 @@
+"""The offline reader (`shardlab export`, `generate`, `eval`): find, verify and read a
+checkpoint in one process, with no process group, and rebuild its model."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from shardlab.checkpoint.format import _STEP_DIR, DCP_METADATA, MANIFEST, CheckpointError, read_manifest
+from shardlab.checkpoint.integrity import _SafeReader, _what_to_do, check_file_hashes
+from shardlab.checkpoint.planners import _TensorOnlyLoadPlanner
+
+log = logging.getLogger("shardlab.checkpoint")
+
+
+def verify_checkpoint(path: str, *, hashes: bool = False) -> dict[str, Any]:
+    """Check that `path` is a complete checkpoint (every listed file there at its listed size;
+    cheap: stats only) and, with hashes=True, intact (check_file_hashes: reads every byte);
+    return its manifest."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} does not exist (or is not a directory)")
+    if path.rstrip("/").endswith(".tmp"):
+        raise CheckpointError(f"checkpoint {path} is incomplete: a save still in progress or torn by a crash "
+                              "(its name ends in .tmp); resume from an earlier checkpoint")
+    if not os.path.exists(os.path.join(path, DCP_METADATA)):
+        raise CheckpointError(f"checkpoint {path} is incomplete: no {DCP_METADATA}; resume from an earlier one")
+    manifest = read_manifest(path)
+    for name, size in manifest.get("files", {}).items():
+        fp = os.path.join(path, name)
+        if not os.path.exists(fp):
+            raise CheckpointError(f"checkpoint {path} is incomplete: file {name} is missing")
+        actual = os.path.getsize(fp)
+        if actual != size:
+            raise CheckpointError(f"checkpoint {path} is corrupted: {name} has {actual} bytes, the manifest "
+                                  f"says {size}; resume from an earlier checkpoint")
+    if hashes:
+        check_file_hashes(path, manifest)
+    return manifest
+
+
+def list_checkpoints(root: str, *, complete_only: bool = True) -> list[tuple[int, str]]:
+    """(step, path) of the checkpoints under `root`, oldest first; torn or corrupted ones skipped."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        m = _STEP_DIR.match(name)
+        if not m:
+            continue
+        path = os.path.join(root, name)
+        if complete_only:
+            try:
+                verify_checkpoint(path)
+            except CheckpointError as e:
+                log.warning("skipping %s", e)
+                continue
+        found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint directory from a checkpoint, a checkpoints directory or a run directory."""
+    if os.path.exists(os.path.join(path, MANIFEST)) or os.path.exists(os.path.join(path, DCP_METADATA)) \
+            or _STEP_DIR.match(os.path.basename(path.rstrip("/"))) or path.rstrip("/").endswith(".tmp"):
+        verify_checkpoint(path)
+        return path
+    for root in (path, os.path.join(path, "checkpoints")):
+        found = list_checkpoints(root)
+        if found:
+            return found[-1][1]
+    raise CheckpointError(f"no complete checkpoint under {path}; train with checkpoint.every_steps=N to write "
+                          "some (a run directory, its checkpoints/ directory or a step_* directory is accepted)")
+
+
+def read_tensors(path: str, prefix: str = "", *, manifest: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """Read every tensor whose key starts with `prefix` as a full tensor, in this process alone
+    (no process group): DCP reassembles each from the chunks all ranks wrote. The checkpoint
+    is verified first (sizes and SHA-256 of every file) unless its already verified manifest
+    is given."""
+    if manifest is None:
+        manifest = verify_checkpoint(path, hashes=True)
+    reader = _SafeReader(path, manifest)
+    md = reader.read_metadata()
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
+             if k.startswith(prefix)}
+    try:
+        with warnings.catch_warnings():  # DCP warns that no process group exists: that is the point here
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=reader, planner=_TensorOnlyLoadPlanner(), no_dist=True)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"reading checkpoint {path} failed ({type(e).__name__}: {e}); it is damaged: "
+                              f"{_what_to_do(path)}") from e
+    return state
+
+
+def read_model_state(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The consolidated model state_dict (original names, tied names included, original
+    shapes) of a checkpoint, read in one process; and its manifest."""
+    manifest = verify_checkpoint(path, hashes=True)
+    flat = read_tensors(path, "model/", manifest=manifest)
+    try:
+        shapes = {**manifest["params"], **manifest["buffers"]}
+        by_name = {k[len("model/"):]: v.view(shapes[k[len("model/"):]]) for k, v in flat.items()}
+        keys = manifest.get("state_dict_keys") or {k: k for k in shapes}
+        out = {}
+        for key, canonical in keys.items():
+            t = by_name[canonical]
+            out[key] = t if key == canonical else t.clone()  # safetensors refuses shared storage
+    except (KeyError, RuntimeError, TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} and the stored tensors disagree ({type(e).__name__}: "
+                              f"{e}); the checkpoint is damaged: {_what_to_do(path)}") from None
+    return out, manifest
+
+
+
+# ============================================================================ model description
+def build_model_from_record(record: dict[str, Any], device: str | torch.device = "cpu") -> nn.Module:
+    """The checkpointed architecture (shardlab.models.rebuild_model), without the training data."""
+    from shardlab.models import rebuild_model
+
+    if "gpt_config" in record:  # manifests written before the model registry
+        record = {**record, "kwargs": record["gpt_config"]}
+    return rebuild_model(record, device)
+
+
+def _state_dict_keys(record: dict[str, Any] | None) -> dict[str, str] | None:
+    """state_dict key -> canonical parameter name (tied parameters share one), from a meta rebuild."""
+    if record is None:
+        return None
+    meta = build_model_from_record(record, "meta")
+    canonical = {id(p): n for n, p in meta.named_parameters()}
+    return {k: canonical.get(id(v), k) for k, v in meta.state_dict(keep_vars=True).items()}
