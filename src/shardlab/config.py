@@ -71,6 +71,9 @@ class TrainConfig:
     eval_every: int = 0                    # 0 = only at the end
     eval_batches: int = 4
     log_every: int = 1
+    memory_tracking: str = "last"          # live tensor bytes by part/phase (docs/memory.md): last | all | none
+    profile: bool = False                  # torch.profiler Chrome trace of a few steps -> <run dir>/profile/
+    profile_steps: int = 2                 # steps traced, after the first step of the run
 
 
 @dataclass
@@ -357,6 +360,8 @@ def validate(cfg: Config) -> None:
            "train.loss_scale must be > 0 and train.loss_scale_growth_interval >= 1")
     _check(t.eval_every >= 0 and t.eval_batches >= 1 and t.log_every >= 1,
            "train.eval_every must be >= 0, train.eval_batches and train.log_every >= 1")
+    _choice("train.memory_tracking", t.memory_tracking, ("last", "all", "none"))
+    _check(t.profile_steps >= 1, f"train.profile_steps must be >= 1, got {t.profile_steps}")
     block = spec.max_seq_len(m) if spec.data_kind == "tokens" else None
     if block is not None:
         _check(d.seq_len <= block, f"data.seq_len ({d.seq_len}) exceeds the model's block_size ({block}); "

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shardlab
+from shardlab import memory
 from shardlab import metrics as M
 from shardlab.amp import autocast, make_loss_scaler
 from shardlab.config import Config, dump_config, validate_for_world
@@ -199,10 +200,12 @@ class StepResult:
     skipped: bool         # fp16 overflow: the optimizer did not step
 
 
-def train_step(run: Run) -> StepResult:
+def train_step(run: Run, tracker: memory.LiveMemoryTracker | None = None) -> StepResult:
     """One global batch: k micro batches (backward inside no_sync for all but the last, so only
-    the last one communicates), then unscale, clip, step."""
+    the last one communicates), then unscale, clip, step. The phases are marked for the memory
+    tracker and the profiler."""
     rt, t = run.rt, run.cfg.train
+    phase = tracker.phase if tracker is not None else memory.phase_range
     model, opt, scaler = run.model, run.opt, run.scaler
     idx = run.sampler.rank_indices(run.state.step, rt.rank, rt.world_size)
     local_loss = torch.zeros((), device=rt.device)
@@ -212,22 +215,24 @@ def train_step(run: Run) -> StepResult:
         last = i == run.accumulation - 1
         # backward must run inside no_sync too: the engines read the flag while backward runs.
         with contextlib.nullcontext() if last else shardlab.no_sync(model):
-            with autocast(t.precision, rt.device):
+            with phase("forward"), autocast(t.precision, rt.device):
                 loss = model(x, y) / run.accumulation
-            (scaler.scale(loss) if scaler is not None else loss).backward()
+            with phase("backward"):
+                (scaler.scale(loss) if scaler is not None else loss).backward()
         local_loss += loss.detach().float()
-    if scaler is not None:
-        scaler.unscale_(opt)  # before clipping: the norm is of the true gradients
-    grad_norm = shardlab.clip_grad_norm_(model, t.grad_clip if t.grad_clip > 0 else float("inf"))
-    skipped = False
-    if scaler is not None:
-        scale = scaler.get_scale()
-        scaler.step(opt)      # skipped when any rank found an inf/nan (one verdict: shardlab.amp)
-        scaler.update()
-        skipped = scaler.get_scale() < scale
-    else:
-        opt.step()
-    run.sched.step()
+    with phase("optimizer"):
+        if scaler is not None:
+            scaler.unscale_(opt)  # before clipping: the norm is of the true gradients
+        grad_norm = shardlab.clip_grad_norm_(model, t.grad_clip if t.grad_clip > 0 else float("inf"))
+        skipped = False
+        if scaler is not None:
+            scale = scaler.get_scale()
+            scaler.step(opt)      # skipped when any rank found an inf/nan (one verdict: shardlab.amp)
+            scaler.update()
+            skipped = scaler.get_scale() < scale
+        else:
+            opt.step()
+        run.sched.step()
     return StepResult(_all_reduce_mean(local_loss, rt).item(), float(grad_norm), skipped)
 
 
@@ -301,14 +306,30 @@ def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
     state_bytes = None
     run.model.train()
     comm_before_loop = run.engine.comm_stats()  # wrap-time broadcasts and resume are not step traffic
+    # live tensor bytes by part and phase (docs/memory.md); "last" tracks only the last step,
+    # so the other steps' times carry none of its overhead
+    tracker = None if t.memory_tracking == "none" else memory.LiveMemoryTracker(rt.device, engine=run.engine,
+                                                                              optimizer=run.opt)
+    profiler = None
+    if t.profile:  # the first step of this run is its warm-up
+        first = state.step + 1 if t.steps - state.step > 1 else state.step
+        profiler = memory.StepProfiler(run.out_dir, rt.rank, first, t.profile_steps, rt.device)
     try:
         while state.step < t.steps:
+            if profiler is not None:
+                profiler.before_step(state.step)
             start = time.perf_counter()
-            r = train_step(run)
+            if tracker is not None:
+                with tracker.step(state.step, active=t.memory_tracking == "all" or state.step + 1 == t.steps):
+                    r = train_step(run, tracker)
+            else:
+                r = train_step(run)
             if state.step + 1 == t.steps:  # measured while gradients and optimizer state both exist
                 state_bytes = {**run.engine.model_state_bytes(), "optimizer": optimizer_state_bytes(run.opt)}
             run.opt.zero_grad(set_to_none=True)
             timer.add(time.perf_counter() - start)
+            if profiler is not None:
+                profiler.after_step(state.step)
             state.step += 1
             state.losses.append(r.loss)
             state.skipped_steps += r.skipped
@@ -322,10 +343,16 @@ def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
         val_losses[state.step] = evaluate(run.model, run.data.val, cfg, rt, cfg.seed + 1)
     finally:
         logger.close()
+        if profiler is not None:
+            profiler.close()
     if state_bytes is None:  # resumed at the last step: nothing trained in this run
         state_bytes = {**run.engine.model_state_bytes(), "optimizer": optimizer_state_bytes(run.opt)}
-    per_rank = all_gather_object({"peak_memory_bytes": M.peak_memory_bytes(rt.device),
-                                  "model_state_bytes": state_bytes, "comm": train_comm}, rt)
+    peak = M.peak_memory_bytes(rt.device)
+    if tracker is not None:  # on CUDA the tracker resets the allocator's peak between phases
+        peak = max(peak, tracker.allocator_peak_seen)
+    live = tracker.summary() if tracker is not None and tracker.steps_tracked else None
+    per_rank = all_gather_object({"peak_memory_bytes": peak, "model_state_bytes": state_bytes,
+                                  "comm": train_comm, "live": live}, rt)
     result = summarize(run, timer, per_rank, val_losses, time.perf_counter() - t0)
     if rt.is_main:
         M.write_json_atomic(os.path.join(run.out_dir, "metrics.json"), result, default=str)
@@ -354,6 +381,10 @@ def summarize(run: Run, timer: M.StepTimer, per_rank: list[dict], val_losses: di
         "device": M.device_name(rt.device),
         "num_parameters": run.num_parameters,
         "peak_memory_bytes": [r["peak_memory_bytes"] for r in per_rank],
+        # live tensor bytes at each rank's peak and what they were then (shardlab.memory); null: not tracked
+        "peak_live_bytes": None if per_rank[0]["live"] is None else [r["live"]["peak_live_bytes"] for r in per_rank],
+        "peak_breakdown": None if per_rank[0]["live"] is None else
+        [{k: v for k, v in r["live"].items() if k != "peak_live_bytes"} for r in per_rank],
         "model_state_bytes": [sum(r["model_state_bytes"].values()) for r in per_rank],
         "model_state_breakdown": [r["model_state_bytes"] for r in per_rank],
         "comm_bytes": [r["comm"] for r in per_rank],  # per collective kind, training steps only; null: not counted
@@ -397,6 +428,9 @@ def print_summary(result: dict[str, Any], out_dir: str) -> None:
     row("parameters", f"{result['num_parameters'] / 1e6:.2f} M")
     row("model state / rank (params+grads+optim)", ", ".join(f"{b / 2**20:.1f} MiB" for b in result["model_state_bytes"]))
     row("peak memory / rank", ", ".join(f"{b / 2**30:.2f} GiB" for b in result["peak_memory_bytes"]))
+    if result.get("peak_live_bytes"):
+        row("peak live tensors / rank (phase)", ", ".join(
+            f"{b / 2**20:.1f} MiB ({d['phase']})" for b, d in zip(result["peak_live_bytes"], result["peak_breakdown"])))
     row("wall clock", f"{result['wall_clock_s']:.1f} s")
     Console().print(table)
     print(f"run directory: {out_dir}")

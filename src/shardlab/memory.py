@@ -1,0 +1,703 @@
+"""Live memory per rank: the bytes of live tensors over training steps, attributed to parts
+(parameters, gathered parameters, gradients, optimizer state, activations, communication
+buffers) and phases (forward, backward, optimizer), with the breakdown *at the peak*.
+
+Two sources, one report (`LiveMemoryTracker.summary()`, docs/memory.md):
+
+- Tensor storages, on any device. A `TorchDispatchMode` sees every tensor an operator
+  returns while a step is tracked; each new storage gets a record (its bytes, its part) and a
+  weakref whose callback subtracts it when the storage dies. `UntypedStorage.resize_`, which
+  the sharded engines use to free and refill gathered buffers and which does not dispatch,
+  is wrapped. Storages made before tracking (parameters, optimizer state, engine buffers)
+  are adopted from what the engine and the optimizer expose.
+- On CUDA also the caching allocator: `max_memory_allocated` / `max_memory_reserved`, read
+  and reset at every phase boundary, so each phase has its own allocator peak.
+
+On CPU `peak_live_bytes` is the storage peak and its parts sum to it exactly. On CUDA it is
+the allocator's peak over the tracked steps; the storage breakdown at the storage peak is
+reported beside it, with the difference (allocations no operator returned: library
+workspaces, communicator buffers, block rounding) as the part "unattributed".
+
+Why not torch's `torch.distributed._tools.mem_tracker.MemTracker` (evaluated on gpt-mini at
+N=2, docs/memory.md): it labels a storage once, by the phase it was born in, so gathered
+parameters, unsharded gradients and activations all land in "Activation"/"Temp"; storages
+resized from zero that it did not see born (fsdp's gathered buffers) are invisible to it;
+gradients our engines assign outside autograd are not "Gradient"; it refuses a second
+iteration without a reset; and it updates every module's peak on every operator (+50-75 %
+step time there). Here parts come from what the engines hold, which is what the question
+"where is fsdp's extra memory" needs.
+
+[Note: the breakdown at the peak, cheaply]
+Classifying every live storage at every new peak would cost O(live storages) per operator.
+Instead each record carries a part that changes only when something claims it, and running
+totals per part are kept. A new peak only sets a flag; the *first decrease after it* (a
+storage freed or shrunk) settles it first: it asks the engine, the optimizer and the
+parameters' `.grad` what each storage is now (`_settle`), then copies the per-part totals.
+Between a peak and the next decrease nothing was freed, and any allocation would have been a
+new peak, so the storages settled are exactly those live at the peak.
+
+[Note: a gradient is a gradient from birth]
+The peak of a step is typically the moment autograd has just computed a gradient that no
+one holds yet: AccumulateGrad stores it in `.grad` (and fsdp moves a unit's full gradient to
+its pending reduce-scatters) only after the operator that made it returned, often after the
+settle. So gradient hooks on the autograd leaves (local parameters; fsdp's gathered flat
+buffers; zero3's gathered tensors; FSDP2's unsharded parameters) claim each gradient the
+moment autograd delivers it, and a claim of a storage that was live and unclaimed at the
+peak moves its bytes in the peak's breakdown too (`_peak_pending`): the breakdown says what
+each byte at the peak *was for*, not what it had been named yet.
+
+Limits: allocations made inside an operator and freed before it returns (kernel scratch),
+inside the communication library (gloo's and NCCL's own buffers) or by C++ code outside the
+dispatcher are not seen on CPU. Storages created between tracked steps (evaluation,
+checkpointing) and kept are not counted unless an engine or the optimizer exposes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+#: Every part a byte can be attributed to, in report order.
+PARTS = ("params", "gathered_params", "grads", "unsharded_grads", "optimizer", "activations", "comm", "other")
+#: The phases `train_step` marks; bytes allocated outside them belong to the phase "other".
+PHASES = ("forward", "backward", "optimizer")
+
+# Part a storage gets when born, by the phase it is born in: forward and backward make
+# activations (saved tensors, activation gradients, temporaries); the rest (the input batch,
+# clipping's and the optimizer's temporaries) is "other" until something claims it.
+_BIRTH_PART = {"forward": "activations", "backward": "activations"}
+
+# Later claims override earlier ones when one storage is seen in several roles (fsdp's fp32
+# all-gather input *is* the shard; a zero3 owner's reduce buffer becomes its `.grad`).
+# Parameters, buffers and optimizer state are pinned once claimed.
+_CLAIM_ORDER = ("comm", "unsharded_grads", "gathered_params", "grads")
+_PINNED = ("params", "optimizer")
+
+# Every tracker alive in this process hears of storage resizes (weakly held: a dropped tracker leaves).
+_trackers: weakref.WeakSet[LiveMemoryTracker] = weakref.WeakSet()
+
+
+def _storage(t: Any) -> torch.UntypedStorage | None:
+    """The storage behind a tensor (a DTensor's local shard), or None for what has none here."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    local = getattr(t, "_local_tensor", None)  # DTensor: the shard this rank holds
+    if local is not None:
+        t = local
+    if t.is_meta or t.layout != torch.strided:
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # wrapper subclasses without storage
+        return None
+
+
+class _Record:
+    """One live storage: its bytes now and the part they count in."""
+
+    __slots__ = ("nbytes", "part", "ref", "__weakref__")
+
+    def __init__(self, nbytes: int, part: str):
+        self.nbytes = nbytes
+        self.part = part
+        self.ref: weakref.ref | None = None
+
+
+class _Watch(TorchDispatchMode):
+    """Hands every tensor an operator returns to the tracker."""
+
+    def __init__(self, tracker: LiveMemoryTracker):
+        super().__init__()
+        self.tracker = tracker
+        self.fresh: dict[Any, bool] = {}   # operator -> its outputs are new storages
+        try:
+            from torch.distributed.tensor import DTensor
+
+            self.subclasses: tuple[type, ...] = (DTensor,)
+        except ImportError:  # a torch build without distributed
+            self.subclasses = ()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # DTensor (FSDP2's parameters) must first unwrap into its local tensors; those ops
+        # come back through this mode, and the local storages are what occupy memory.
+        if self.subclasses and any(issubclass(t, self.subclasses) for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        fresh = self.fresh.get(func)
+        if fresh is None:
+            fresh = self.fresh[func] = _returns_fresh(func)
+        see = self.tracker._see
+        if isinstance(out, torch.Tensor):
+            see(out, fresh)
+        elif isinstance(out, (tuple, list)):
+            for t in out:
+                if isinstance(t, torch.Tensor):
+                    see(t, fresh)
+                elif isinstance(t, (tuple, list)):
+                    for u in tree_flatten(t)[0]:
+                        if isinstance(u, torch.Tensor):
+                            see(u, fresh)
+        return out
+
+
+def _returns_fresh(func: Any) -> bool:
+    """Whether an operator's outputs are new storages. Views, in-place and out= operators
+    return (parts of) their inputs, per their schema's alias annotations: such an output
+    may show a storage made before tracking (a dataset's token tensor sliced by `__getitem__`),
+    which did not just come to life and must not be counted from here."""
+    schema = getattr(func, "_schema", None)
+    return schema is None or all(r.alias_info is None for r in schema.returns)
+
+
+class LiveMemoryTracker:
+    """Per-rank live tensor bytes by part and phase over the steps it tracks.
+
+    Use: one tracker per run; for each step `with tracker.step(index, active=...)`, and
+    inside it `with tracker.phase("forward")` etc. An inactive step costs a scan of
+    parameters, gradients, optimizer state and engine buffers at its end (so storages made
+    then, such as PyTorch DDP's gradient buckets, are known to the next tracked step).
+
+    engine: the shardlab Engine (its local parameters, buffers and transient buffers);
+    optimizer: its state is the part "optimizer". Both optional: without an engine, pass
+    `params` (and `buffers`) to tell parameters from activations.
+    """
+
+    def __init__(self, device: torch.device | str, *, engine: Any = None, optimizer: torch.optim.Optimizer | None = None,
+                 params: Iterable[torch.Tensor] | None = None, buffers: Iterable[torch.Tensor] | None = None):
+        self.device = torch.device(device)
+        self.engine = engine
+        self.optimizer = optimizer
+        if engine is not None:
+            params = engine.local_parameters() if params is None else params
+            buffers = list(engine.unwrapped().buffers()) if buffers is None else buffers
+        self.params = list({id(p): p for p in params or ()}.values())
+        self.buffers = list(buffers or ())
+        self._lock = threading.RLock()
+        self._records: dict[int, _Record] = {}   # id(storage) -> record; the weakref removes it
+        self.live = 0
+        self.by_part = dict.fromkeys(PARTS, 0)
+        self.phase_name = "other"
+        self.step_index: int | None = None
+        self.tracking = False
+        self._watch: _Watch | None = None
+        self._dirty = False
+        self._unclaimed_grads: set[_Record] = set()      # born in backward, not claimed yet
+        self._peak_pending: dict[_Record, int] = {}       # those of them live at the peak: bytes
+        self._hooked: dict[int, weakref.ref] = {}        # id(leaf) -> leaf, for leaves with our hook
+        self._handles: list[Any] = []
+        # the result
+        self.peak = 0
+        self.peak_parts = dict.fromkeys(PARTS, 0)
+        self.peak_phase: str | None = None
+        self.peak_step: int | None = None
+        self.phase_peaks: dict[str, int] = {}
+        self.steps_tracked = 0
+        self.step_end: dict[str, Any] | None = None
+        self.inconsistencies = 0
+        # CUDA allocator figures (per phase, over tracked steps)
+        self.cuda = self.device.type == "cuda"
+        self.alloc_phase_peaks: dict[str, int] = {}
+        self.reserved_peak = 0
+        self.allocator_peak_seen = 0  # max_memory_allocated over the whole run, across our resets
+        _patch_resize()
+        _trackers.add(self)
+        for p in self.params:  # see [Note: a gradient is a gradient from birth]
+            self._hook_leaf(p, "grads")
+        if engine is not None:
+            reader = _ENGINE_READERS.get(getattr(engine, "strategy", None))
+            if reader is not None and reader.install is not None:
+                reader.install(self, engine)
+
+    # -- the public surface ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def step(self, index: int | None = None, active: bool = True) -> Iterator[None]:
+        """One training step; tracked when `active`. Its end adopts gradients and optimizer state."""
+        if not active:
+            try:
+                yield
+            finally:
+                self._adopt_known()
+            return
+        self.step_index = index
+        self._adopt_known()
+        self._start()
+        try:
+            yield
+        finally:
+            self._stop()
+            self._adopt_known()
+            self.steps_tracked += 1
+            # what stays between steps (before zero_grad): parameters, gradients, optimizer state
+            self.step_end = {"live_bytes": self.live, "parts": dict(self.by_part)}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Mark a phase; also a named range in a torch.profiler trace."""
+        previous = self.phase_name
+        self._phase_boundary(name)
+        try:
+            with torch.profiler.record_function(f"shardlab.{name}"):
+                yield
+        finally:
+            self._phase_boundary(previous)
+
+    def summary(self) -> dict[str, Any]:
+        """What metrics.json reports for this rank: `peak_live_bytes` and `peak_breakdown`."""
+        with self._lock:
+            if self._dirty:
+                self._settle()
+            parts = dict(self.peak_parts)
+            peak, phase = self.peak, self.peak_phase
+            source = "tensor storages"
+            phase_peaks = {p: self.phase_peaks[p] for p in (*PHASES, "other") if p in self.phase_peaks}
+            out: dict[str, Any] = {}
+            if self.cuda and self.alloc_phase_peaks:
+                # The allocator sees every allocation; the storage breakdown is kept, and what
+                # it does not explain is named as such rather than spread over the parts.
+                phase = max(self.alloc_phase_peaks, key=self.alloc_phase_peaks.__getitem__)
+                storage_peak = peak
+                peak = self.alloc_phase_peaks[phase]
+                parts["unattributed"] = max(0, peak - storage_peak)
+                source = "cuda allocator (parts: tensor storages at their own peak)"
+                out["cuda"] = {"max_allocated_by_phase": dict(self.alloc_phase_peaks),
+                               "max_reserved": self.reserved_peak, "storage_peak_bytes": storage_peak}
+            out.update({"peak_live_bytes": int(peak), "phase": phase, "step": self.peak_step, "parts": parts,
+                        "phase_peaks": phase_peaks, "step_end": self.step_end, "steps_tracked": self.steps_tracked,
+                        "source": source})
+            if self.inconsistencies:
+                out["inconsistencies"] = self.inconsistencies
+            return out
+
+    def close(self) -> None:
+        """Remove the gradient hooks this tracker put on the model."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        _trackers.discard(self)
+
+    # -- start / stop ---------------------------------------------------------------------------
+    def _start(self) -> None:
+        if self.cuda:  # what happened before this step is not this step's peak
+            self.allocator_peak_seen = max(self.allocator_peak_seen, torch.cuda.max_memory_allocated(self.device))
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.tracking = True
+        self._watch = _Watch(self)
+        self._watch.__enter__()
+
+    def _stop(self) -> None:
+        try:
+            self._close_window(self.phase_name)
+            if self._watch is not None:
+                self._watch.__exit__(None, None, None)
+        finally:
+            self._watch = None
+            self.tracking = False
+            with self._lock:
+                if self._dirty:
+                    self._settle()
+                self._unclaimed_grads.clear()
+
+    def _phase_boundary(self, new_phase: str) -> None:
+        if self.tracking:
+            self._close_window(self.phase_name)
+        self.phase_name = new_phase
+
+    def _close_window(self, ended: str) -> None:
+        """CUDA: the allocator's peak since the last boundary belongs to the phase ending now;
+        reset it for the next phase."""
+        if not (self.tracking and self.cuda):
+            return
+        allocated = torch.cuda.max_memory_allocated(self.device)
+        self.alloc_phase_peaks[ended] = max(self.alloc_phase_peaks.get(ended, 0), allocated)
+        self.reserved_peak = max(self.reserved_peak, torch.cuda.max_memory_reserved(self.device))
+        self.allocator_peak_seen = max(self.allocator_peak_seen, allocated)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+    def _see(self, t: torch.Tensor, fresh: bool = True) -> None:
+        """A tensor an operator returned: a new storage, or a known one that changed size."""
+        st = _storage(t)
+        if st is None or st.device.type != self.device.type:
+            return
+        rec = self._records.get(id(st))
+        if rec is None:
+            if fresh:
+                self._add(st, _BIRTH_PART.get(self.phase_name, "other"))
+        elif rec.nbytes != st.nbytes():
+            self._resize(rec, st.nbytes())
+
+    def _add(self, st: torch.UntypedStorage, part: str) -> _Record:
+        with self._lock:
+            rec = self._records.get(id(st))
+            if rec is not None:
+                return rec
+            rec = _Record(0, part)
+            key = id(st)
+            records, tracker_ref = self._records, weakref.ref(self)
+
+            def dead(_ref: weakref.ref, key: int = key, rec: _Record = rec) -> None:
+                tracker = tracker_ref()
+                if tracker is not None and records.get(key) is rec:
+                    with tracker._lock:
+                        tracker._resize(rec, 0)
+                        del records[key]
+                        tracker._unclaimed_grads.discard(rec)
+                        tracker._peak_pending.pop(rec, None)
+
+            rec.ref = weakref.ref(st, dead)
+            records[key] = rec
+            if self.tracking and self.phase_name == "backward" and part == "activations":
+                self._unclaimed_grads.add(rec)
+            self._resize(rec, st.nbytes())
+            return rec
+
+    def _resize(self, rec: _Record, nbytes: int) -> None:
+        with self._lock:
+            delta = nbytes - rec.nbytes
+            if delta < 0 and self._dirty:
+                self._settle()  # the last moment the peak's storages are all alive
+            rec.nbytes = nbytes
+            self.live += delta
+            self.by_part[rec.part] += delta
+            if delta > 0 and self.tracking:  # the peak is over tracked steps
+                phase = self.phase_name
+                if self.live > self.phase_peaks.get(phase, 0):
+                    self.phase_peaks[phase] = self.live
+                if self.live > self.peak:
+                    self.peak = self.live
+                    self.peak_phase = phase
+                    self.peak_step = self.step_index
+                    self._dirty = True
+
+    def _claim(self, t: Any, part: str, adopt: bool = False) -> None:
+        st = _storage(t)
+        if st is None or st.device.type != self.device.type:
+            return
+        rec = self._records.get(id(st))
+        if rec is None:
+            if adopt:
+                self._add(st, part)
+            return
+        if rec.part == part or rec.part in _PINNED:
+            return
+        self.by_part[rec.part] -= rec.nbytes
+        self.by_part[part] += rec.nbytes
+        self._unclaimed_grads.discard(rec)
+        at_peak = self._peak_pending.pop(rec, None)
+        if at_peak is not None:  # it was live and unclaimed at the peak: it counts as `part` there
+            self.peak_parts[rec.part] -= at_peak
+            self.peak_parts[part] += at_peak
+        rec.part = part
+
+    def _settle(self) -> None:
+        """Ask what each live storage is now, then take the totals as the peak's breakdown."""
+        self._claim_dynamic(adopt=False)
+        if self.live != self.peak:  # cannot happen (see the Note); counted, never raised in a weakref callback
+            self.inconsistencies += 1
+        self.peak_parts = dict(self.by_part)
+        self._peak_pending = {r: r.nbytes for r in self._unclaimed_grads}
+        self._dirty = False
+
+    def _claim_dynamic(self, adopt: bool) -> None:
+        if self.phase_name == "optimizer" or adopt:  # optimizer state only appears in its step
+            for t in self._optimizer_tensors():
+                self._claim(t, "optimizer", adopt)
+        claims = list(engine_buffers(self.engine)) if self.engine is not None else []
+        for part in _CLAIM_ORDER:
+            for p, t in claims:
+                if p == part:
+                    self._claim(t, part, adopt)
+            if part == "grads":
+                for p in self.params:
+                    if p.grad is not None:
+                        self._claim(p.grad, "grads", adopt)
+
+    def _adopt_known(self) -> None:
+        """Parameters, buffers, gradients, optimizer state and engine buffers made outside a
+        tracked step (model build, untracked steps) start counting from here."""
+        with self._lock:
+            for rec in list(self._records.values()):  # sizes changed where nothing reported them
+                st = rec.ref() if rec.ref is not None else None
+                if st is not None and st.nbytes() != rec.nbytes:
+                    self._resize(rec, st.nbytes())
+            self._hooked = {k: r for k, r in self._hooked.items() if r() is not None}
+            for t in (*self.params, *self.buffers):
+                self._claim(t, "params", adopt=True)
+            self._claim_dynamic(adopt=True)
+            reader = _ENGINE_READERS.get(getattr(self.engine, "strategy", None))
+            if reader is not None and reader.install is not None:
+                reader.install(self, self.engine)  # leaves made since (FSDP2's unsharded parameters)
+
+    def _optimizer_tensors(self) -> Iterator[torch.Tensor]:
+        if self.optimizer is None:
+            return
+        for state in self.optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    yield v
+
+    def _hook_leaf(self, t: torch.Tensor, part: str) -> None:
+        """Claim the gradient autograd accumulates into leaf `t` when it arrives."""
+        if not (isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf) or self._is_hooked(t):
+            return
+        if getattr(t, "_local_tensor", None) is not None:
+            return  # DTensor parameters get `.grad` from FSDP2, not from autograd
+        tracker_ref = weakref.ref(self)
+
+        def arrived(leaf: torch.Tensor) -> None:
+            tracker = tracker_ref()
+            if tracker is not None and tracker.tracking and leaf.grad is not None:
+                with tracker._lock:
+                    tracker._claim(leaf.grad, part)
+
+        # Registered after the engine's own hooks: ddp has copied the gradient into its bucket
+        # and it is still `.grad`. Where the engine takes `.grad` away in its hook (fsdp, zero3)
+        # a pre-hook on the gradient is used instead (`_hook_incoming`).
+        self._handles.append(t.register_post_accumulate_grad_hook(arrived))
+        self._hooked[id(t)] = weakref.ref(t)
+
+    def _hook_incoming(self, t: torch.Tensor, part: str) -> None:
+        """Claim the gradient flowing into leaf `t` before AccumulateGrad (and the engine's
+        post-accumulate hook, which may hand it on) sees it."""
+        if not (isinstance(t, torch.Tensor) and t.requires_grad) or self._is_hooked(t):
+            return
+        tracker_ref = weakref.ref(self)
+
+        def incoming(grad: torch.Tensor) -> None:
+            tracker = tracker_ref()
+            if tracker is not None and tracker.tracking:
+                with tracker._lock:
+                    tracker._claim(grad, part)
+
+        self._handles.append(t.register_hook(incoming))
+        self._hooked[id(t)] = weakref.ref(t)
+
+    def _is_hooked(self, t: torch.Tensor) -> bool:
+        ref = self._hooked.get(id(t))
+        return ref is not None and ref() is t
+
+
+# -- what the engines hold ----------------------------------------------------------------------------
+class _Reader:
+    """How the tracker reads one engine: `buffers(engine)` yields (part, tensor) for what it
+    holds right now; `install(tracker, engine)` puts gradient hooks on its gathered leaves."""
+
+    def __init__(self, buffers: Callable[[Any], Iterator[tuple[str, torch.Tensor]]],
+                 install: Callable[[LiveMemoryTracker, Any], None] | None = None):
+        self.buffers = buffers
+        self.install = install
+
+
+def engine_buffers(engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(part, tensor) for the transient buffers an engine holds right now: gathered
+    parameters, unsharded gradients, communication buffers. Read-only. Parameters, `.grad`
+    and optimizer state are not listed here (the tracker reads them directly)."""
+    reader = _ENGINE_READERS.get(getattr(engine, "strategy", None))
+    return reader.buffers(engine) if reader is not None else iter(())
+
+
+def _fsdp_buffers(engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    for g in engine.groups:
+        yield "gathered_params", g.full_data       # resized to 0 when sharded
+        if g.send is not None:
+            yield "comm", g.send                   # the low-precision all-gather input (fp32: the shard)
+        if g.unsharded_grad is not None:
+            yield "unsharded_grads", g.unsharded_grad  # no_sync accumulation
+    for _g, out, full_grad, _handle in engine.pending_reduces:
+        yield "unsharded_grads", full_grad         # the whole unit's gradient, kept until backward ends
+        yield "grads", out                         # the reduce-scatter's output: becomes shard.grad
+
+
+def _fsdp_install(tracker: LiveMemoryTracker, engine: Any) -> None:
+    for g in engine.groups:  # each group's flat buffer is one leaf for the whole step
+        tracker._hook_incoming(g.full, "unsharded_grads")
+
+
+def _zero3_buffers(engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    for gather in engine._live:
+        for b in gather.buffers:
+            yield "gathered_params", b
+        for b in gather.grad_buffers.values():
+            yield "unsharded_grads", b             # a unit's gradients per owner, before the reduce
+    for _handle, _unit, _group, buffer in engine._inflight:
+        yield "unsharded_grads", buffer            # being reduced (the owner's `.grad` views claim it later)
+    for slot in engine.slots:
+        if slot.pending_grad is not None:
+            yield "unsharded_grads", slot.pending_grad
+
+
+def _zero3_install(tracker: LiveMemoryTracker, engine: Any) -> None:
+    """zero3 makes new leaves at every gather: a forward hook on each unit (after the
+    engine's, which gathered) hooks the gathered tensors of this forward."""
+    if getattr(tracker, "_zero3_units_hooked", False):
+        return
+    tracker._zero3_units_hooked = True
+    tracker_ref = weakref.ref(tracker)
+
+    def after_gather(unit: Any, *_: Any) -> None:
+        t = tracker_ref()
+        if t is not None and t.tracking and unit.bound is not None:
+            for full in unit.bound.fulls:
+                t._hook_incoming(full, "unsharded_grads")
+
+    for unit in engine.unit_list:
+        tracker._handles.append(unit.module.register_forward_pre_hook(
+            lambda _m, *a, unit=unit: after_gather(unit), with_kwargs=True))
+
+
+def _ddp_buffers(engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    for b in engine.buckets:
+        yield "comm", b.buffer                     # "grads" once `.grad` are views into it
+
+
+def _torch_fsdp_buffers(engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """FSDP2's per-parameter all-gather outputs (the unsharded parameters), their gradients,
+    and the flat communication buffers of each parameter group. Private attributes of
+    torch 2.13's `_fully_shard`, read with getattr: another version degrades to
+    "activations" instead of failing (tests/test_memory.py checks they are found)."""
+    for fp, pg in _fsdp2_params(engine):
+        if fp is not None:
+            for t in getattr(fp, "all_gather_outputs", ()):
+                yield "gathered_params", t
+            unsharded = getattr(fp, "_unsharded_param", None)
+            if unsharded is not None:
+                yield "gathered_params", unsharded
+                if unsharded.grad is not None:
+                    yield "unsharded_grads", unsharded.grad
+            continue
+        result = getattr(pg, "_all_gather_result", None)
+        if result is not None:
+            yield "comm", result.all_gather_output
+        partial = getattr(pg, "_partial_reduce_output", None)
+        if partial is not None:
+            yield "grads", partial
+        ctx = getattr(pg, "comm_ctx", None)
+        state = getattr(ctx, "all_gather_state", None)
+        if state is not None:
+            yield "comm", state.all_gather_result.all_gather_output
+        for rs in getattr(ctx, "reduce_scatter_states", ()):
+            yield "comm", rs.reduce_scatter_input
+
+
+def _fsdp2_params(engine: Any) -> Iterator[tuple[Any, Any]]:
+    """(FSDPParam, None) for every parameter, then (None, group) for every parameter group."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in engine.module.modules():
+        if isinstance(m, FSDPModule):
+            pg = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
+            if pg is not None:
+                for fp in pg.fsdp_params:
+                    yield fp, None
+                yield None, pg
+
+
+def _torch_fsdp_install(tracker: LiveMemoryTracker, engine: Any) -> None:
+    for fp, _pg in _fsdp2_params(engine):  # unsharded parameters exist from the first forward on
+        unsharded = getattr(fp, "_unsharded_param", None) if fp is not None else None
+        if unsharded is not None:
+            tracker._hook_leaf(unsharded, "unsharded_grads")
+
+
+_ENGINE_READERS = {"fsdp": _Reader(_fsdp_buffers, _fsdp_install),
+                   "zero3": _Reader(_zero3_buffers, _zero3_install),
+                   "ddp": _Reader(_ddp_buffers),
+                   "torch-fsdp": _Reader(_torch_fsdp_buffers, _torch_fsdp_install)}
+
+
+# -- UntypedStorage.resize_ does not dispatch: wrap it --------------------------------------------------
+_original_resize = torch.UntypedStorage.resize_
+
+
+def _tracked_resize(storage: torch.UntypedStorage, size: int):
+    out = _original_resize(storage, size)
+    for tracker in list(_trackers):
+        if storage.device.type != tracker.device.type:
+            continue
+        rec = tracker._records.get(id(storage))
+        if rec is not None:
+            tracker._resize(rec, storage.nbytes())
+        elif storage.nbytes() > 0 and tracker.tracking:
+            # made before tracking and refilled now (FSDP2's all-gather outputs after a
+            # warm-up step): it counts from here, as what the phase makes until claimed
+            tracker._add(storage, _BIRTH_PART.get(tracker.phase_name, "other"))
+    return out
+
+
+def _patch_resize() -> None:
+    # Installed once and left in place: with no tracker alive it only forwards the call.
+    if torch.UntypedStorage.resize_ is not _tracked_resize:
+        torch.UntypedStorage.resize_ = _tracked_resize  # type: ignore[method-assign]
+
+
+# -- marks without a tracker, and the profiler ---------------------------------------------------------
+@contextlib.contextmanager
+def phase_range(name: str) -> Iterator[None]:
+    """A phase mark when no tracker runs: only the profiler's named range."""
+    with torch.profiler.record_function(f"shardlab.{name}"):
+        yield
+
+
+def bytes_of(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of distinct storages (views counted once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = _storage(t)
+        if st is not None:
+            seen[id(st)] = st.nbytes()
+    return sum(seen.values())
+
+
+class StepProfiler:
+    """A torch.profiler trace of steps [first, first + count) written as Chrome trace JSON to
+    `<out_dir>/profile/rank<r>.json`: CPU (and CUDA) operators with input shapes, memory
+    allocations and frees, collectives (c10d/gloo/nccl ranges) and shardlab's phase ranges.
+    Open it in https://ui.perfetto.dev or chrome://tracing (docs/memory.md)."""
+
+    def __init__(self, out_dir: str, rank: int, first: int, count: int, device: torch.device,
+                 with_stack: bool = False):
+        self.path = os.path.join(out_dir, "profile", f"rank{rank}.json")
+        self.first, self.last = first, first + count - 1
+        self.device = device
+        self.with_stack = with_stack
+        self.prof: torch.profiler.profile | None = None
+        self.written: str | None = None
+
+    def before_step(self, step: int) -> None:
+        if step == self.first and self.prof is None and self.written is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=activities, record_shapes=True, profile_memory=True,
+                                               with_stack=self.with_stack)
+            self.prof.__enter__()
+
+    def after_step(self, step: int) -> None:
+        if self.prof is not None:
+            self.prof.step()
+            if step >= self.last:
+                self.close()
+
+    def close(self) -> None:
+        """Stop and write (also when training ends before the last profiled step)."""
+        if self.prof is None:
+            return
+        prof, self.prof = self.prof, None
+        prof.__exit__(None, None, None)
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        prof.export_chrome_trace(self.path)
+        self.written = self.path
+
+
+def module_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters of a plain module (no engine), deduplicated: for trackers used outside the loop."""
+    return list({id(p): p for p in model.parameters()}.values())
