@@ -23,7 +23,7 @@ N=2, docs/memory.md): it labels a storage once, by the phase it was born in, so 
 parameters, unsharded gradients and activations all land in "Activation"/"Temp"; storages
 resized from zero that it did not see born (fsdp's gathered buffers) are invisible to it;
 gradients our engines assign outside autograd are not "Gradient"; it refuses a second
-iteration without a reset; and it updates every module's peak on every operator (+50-75 %
+iteration without a reset; and it updates every module's peak on every operator (+42-77 %
 step time there). Here parts come from what the engines hold, which is what the question
 "where is fsdp's extra memory" needs.
 
@@ -645,16 +645,6 @@ def phase_range(name: str) -> Iterator[None]:
     """A phase mark when no tracker runs: only the profiler's named range."""
     with torch.profiler.record_function(f"shardlab.{name}"):
         yield
-
-
-def bytes_of(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of distinct storages (views counted once)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        st = _storage(t)
-        if st is not None:
-            seen[id(st)] = st.nbytes()
-    return sum(seen.values())
 
 
 class StepProfiler:
