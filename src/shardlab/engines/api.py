@@ -36,9 +36,10 @@ WrapSpec = Union[None, set, frozenset, tuple, list, Callable[[nn.Module], bool]]
 
 @dataclass(frozen=True)
 class MixedPrecision:
-    """param_dtype: dtype of the gathered parameters used for compute (None: keep fp32).
-    reduce_dtype: dtype gradients are communicated in (None: param_dtype, else fp32).
-    Sharded/local parameters and the optimizer state always stay in fp32."""
+    """param_dtype: dtype of the gathered parameters used for compute (None: the parameters' own).
+    reduce_dtype: dtype gradients are communicated in (None: param_dtype, else the parameters' own).
+    Sharded/local parameters and the optimizer state always stay in the parameters' own dtype
+    (fp32 for a model built as usual, fp64 for the float64 parity tests)."""
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
@@ -221,19 +222,24 @@ def global_grad_norm(grads: Iterable[torch.Tensor], norm_type: float, group: dis
                      device: torch.device, *, sharded: bool) -> torch.Tensor:
     """Norm over all ranks' gradients. sharded=False: every rank holds the whole gradient, so
     the local norm is the global one and nothing is communicated. (group=None means the
-    default WORLD group, as everywhere in torch.distributed, never "no group".)"""
+    default WORLD group, as everywhere in torch.distributed, never "no group".)
+
+    Computed in fp32, or in fp64 when any gradient is fp64: a float64 model's norm (and so
+    its clipping coefficient) must be as exact as torch.nn.utils.clip_grad_norm_'s, which
+    works in the gradients' dtype."""
     norm_type = float(norm_type)
     grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     if norm_type == float("inf"):
-        local = max((g.detach().abs().max().float() for g in grads if g.numel()), default=torch.tensor(0.0))
-        local = torch.as_tensor(local, dtype=torch.float32, device=device)
+        local = max((g.detach().abs().max().to(dtype) for g in grads if g.numel()), default=torch.tensor(0.0))
+        local = torch.as_tensor(local, dtype=dtype, device=device)
         if sharded and dist.is_initialized():
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
         return local
-    local = torch.zeros((), dtype=torch.float32, device=device)
+    local = torch.zeros((), dtype=dtype, device=device)
     for g in grads:
         if g.numel():
-            local += g.detach().float().norm(norm_type) ** norm_type
+            local += g.detach().to(dtype).norm(norm_type) ** norm_type
     if sharded and dist.is_initialized():
         dist.all_reduce(local, group=group)
     return local ** (1.0 / norm_type)
@@ -263,19 +269,6 @@ def materialize_whole_(module: nn.Module, device: torch.device) -> nn.Module:
 
         materialize_(module, device, getattr(module, "init_seed", 0))
     return module.to(device)
-
-
-@torch.no_grad()
-def broadcast_module_state_(module: nn.Module, group: dist.ProcessGroup | None, src_rank: int = 0) -> None:
-    """Make every rank's parameters and buffers equal to rank src_rank's (global rank)."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return
-    seen: set[int] = set()
-    for t in [*module.parameters(), *module.buffers()]:
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        dist.broadcast(t.data, src=src_rank, group=group)
 
 
 def unwrapped_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:

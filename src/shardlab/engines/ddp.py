@@ -11,8 +11,11 @@ order (roughly the order backward produces gradients). A hook on each parameter 
 its gradient is final for this backward; it copies the gradient into its bucket's flat
 buffer, and when a bucket is full it is all-reduced asynchronously (averaged), so the
 communication of late layers overlaps the backward of early layers. Before backward returns,
-a callback waits for every bucket and copies the averaged gradients back into `p.grad`.
-The optimizer then takes the same step on every rank, which keeps the replicas identical.
+a callback waits for every bucket and points each `p.grad` at its averaged slice of the
+bucket: a view, nothing is copied back (see [Note: gradients as bucket views]). The
+optimizer then takes the same step on every rank, which keeps the replicas identical.
+Frozen parameters (requires_grad=False) are broadcast at wrap like the others and are in
+no bucket: their gradients are never communicated.
 
 Memory per rank (fp32 AdamW, Ψ parameters): 4Ψ params + 4Ψ grads + 8Ψ Adam moments = 16Ψ
 bytes. Gradients live in the bucket buffers between steps (views, as PyTorch's
@@ -212,7 +215,3 @@ class DDPEngine(Engine):
     # -- the rest of the contract ---------------------------------------------------------------
     def comm_stats(self) -> dict[str, dict[str, int]]:
         return self.counter.snapshot()
-
-    def bucket_sizes(self) -> list[int]:
-        """Bytes per bucket, in launch order (for tests and the benchmark)."""
-        return [b.buffer.numel() * b.buffer.element_size() for b in self.buckets]
