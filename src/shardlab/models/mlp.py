@@ -31,7 +31,7 @@ class MLPModel(nn.Module):
             x = layer(x)
             if i < len(self.layers) - 1:
                 x = F.gelu(x)
-        return x if targets is None else F.cross_entropy(x.float(), targets)
+        return x if targets is None else F.cross_entropy(x.to(torch.promote_types(x.dtype, torch.float32)), targets)
 
 
 # -- registry entry (shardlab.models.MODELS) -------------------------------------------------------

@@ -59,7 +59,7 @@ class ResNet(nn.Module):
         for stage in self.stages:
             x = stage(x)
         logits = self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
-        return logits if targets is None else F.cross_entropy(logits.float(), targets)
+        return logits if targets is None else F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets)
 
 
 # -- registry entry (shardlab.models.MODELS) -------------------------------------------------------
