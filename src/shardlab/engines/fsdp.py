@@ -2,14 +2,17 @@
 
 The algorithm
 -------------
-The model is cut into *groups*: one per wrap unit (a transformer block, a ResNet stage)
+The model is cut into *units*: one per wrap unit (a transformer block, a ResNet stage)
 and one for the root's remaining parameters (embeddings, tied head, final norm). A
-group's parameters are laid end to end in one flat buffer, padded to a multiple of the
+unit's parameters form one *group* per (requires_grad, dtype) present, usually just one:
+a group's parameters are laid end to end in one flat buffer, padded to a multiple of the
 world size N; rank r keeps elements [r*S, (r+1)*S) (S = padded/N) as an ordinary
-`nn.Parameter`, the *shard*. Shards are all `module.parameters()` yields, so any
-`torch.optim` optimizer updates them and keeps its state 1/N-sized.
+`nn.Parameter`, the *shard*, in the parameters' own dtype. Shards are all
+`module.parameters()` yields, so any `torch.optim` optimizer updates them and keeps its
+state 1/N-sized. A frozen group's shard has requires_grad=False: it is gathered with the
+unit, never gets a gradient, and nothing of it is reduce-scattered; optimizers skip it.
 
-Around each group's forward and backward (hooks only; the model's code runs unchanged):
+Around each unit's forward and backward (hooks only; the model's code runs unchanged):
 
     pre-forward    all-gather the shards into the full buffer (wait for the prefetch if
                    one is in flight), point module.weight etc. at views of it, and start
@@ -17,8 +20,9 @@ Around each group's forward and backward (hooks only; the model's code runs unch
     post-forward   free the full buffer (reshard_after_forward=True) and hook the outputs
     pre-backward   (a hook on the outputs' gradients) all-gather again, prefetch the
                    unit backward reaches next
-    post-backward  (the full buffer's grad-accumulation hook) reduce-scatter the full
-                   gradient with averaging into a new shard-sized gradient, free the buffer
+    post-backward  (each trainable full buffer's grad-accumulation hook) reduce-scatter
+                   the full gradient with averaging into a new shard-sized gradient, and
+                   free the unit (with frozen groups: see the Note on when that is)
     end of backward  wait for every reduce-scatter, add the results into `shard.grad`
 
 Who holds what, N ranks, units B0 B1 and the root R ('#' gathered, '~' all-gather in
@@ -37,10 +41,11 @@ Memory per rank with AdamW in fp32: 16 bytes per parameter / N (4 shard + 4 grad
 Adam moments), plus transiently the gathered parameters of the root and of the one or two
 units in flight (the current one and a prefetched one), and each unit's full gradient
 until its reduce-scatter completes. Under `no_sync`, each group additionally keeps its
-whole unsharded fp32 gradient (4 bytes per parameter, not divided by N) until the next
+whole unsharded gradient (4 bytes per parameter in fp32, not divided by N) until the next
 synchronized backward: accumulation trades memory for communication. With mixed
 precision the gathered copies are in param_dtype (2 bytes for bf16); shards, gradients
-and optimizer state stay fp32.
+and optimizer state stay in the parameters' own dtype (fp32, or fp64 in the parity tests).
+Frozen parameters cost 4 bytes / N each (their shard) and nothing else between steps.
 
 Traffic per step, with Psi = parameter bytes: all-gather in forward (Psi), all-gather in
 backward (Psi, minus the root group, which stays gathered as backward needs it at once),
@@ -53,13 +58,14 @@ the N local gradients, so the reduce-scatter divides by N. Summing would multipl
 effective learning rate by N (the classic bug); the SGD parity test would catch it.
 
 [Note: when each hook fires]
-The full buffer is a leaf tensor `full` (requires_grad); the original parameters are
+A trainable group's full buffer is a leaf tensor `full` (requires_grad); the original parameters are
 `full.split(sizes)` viewed to their shapes. Autograd therefore sums every use of every
 parameter of the group (tied names, a unit called twice) into one SplitBackward node,
 which concatenates them into one flat gradient (zeros for unused parameters and for the
 padding) and hands it to `full`'s AccumulateGrad exactly once, after the group's last
 gradient contribution. Its post-accumulate hook is our post-backward: no counting, and
-it does not depend on the unit's inputs requiring grad. The pre-backward is a hook on
+(for a unit without frozen parameters) it does not depend on the unit's inputs requiring
+grad. The pre-backward is a hook on
 the gradient of each forward output; the first one to fire gathers, later ones find the
 group gathered. With activation checkpointing the unit's forward runs again inside
 backward; we recognise it (an autograd graph task is running), make sure the buffer is
@@ -97,7 +103,7 @@ forward (no grad) or of the backward.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -109,7 +115,7 @@ from shardlab.engines.api import Engine, MixedPrecision, ShardPiece, is_meta
 from shardlab.models.init import canonical_names, init_parameters_
 
 
-@dataclass
+@dataclass(eq=False)
 class FlatEntry:
     """One original parameter inside a group's flat buffer."""
 
@@ -120,23 +126,43 @@ class FlatEntry:
     bindings: list[tuple[nn.Module, str]]  # every (module, attribute) that refers to it
 
 
-@dataclass
+@dataclass(eq=False)
 class FlatGroup:
-    """A unit's (or the root's remaining) parameters as one sharded flat buffer."""
+    """Parameters of one unit that share requires_grad and dtype, as one sharded flat buffer."""
 
-    module: nn.Module
-    is_root: bool
+    unit: FlatUnit
     entries: list[FlatEntry]
-    shard: nn.Parameter                    # this rank's slice, fp32, what the optimizer sees
+    shard: nn.Parameter                    # this rank's slice, in the parameters' dtype: what the optimizer sees
     full: torch.Tensor                     # gathered buffer (leaf, compute dtype), storage freed when sharded
     full_data: torch.Tensor                # full.data: same storage, own version counter
     sizes: list[int]                       # split sizes: entries, then padding
-    state: str = "sharded"                 # sharded | gathering | gathered
     handle: Any = None                     # in-flight all-gather
     send: torch.Tensor | None = None       # kept alive while the all-gather runs
+    unsharded_grad: torch.Tensor | None = None  # no_sync accumulation (full size, the shard's dtype)
+
+    @property
+    def trainable(self) -> bool:
+        return self.shard.requires_grad
+
+
+@dataclass(eq=False)
+class FlatUnit:
+    """A wrap unit (or the root's remaining parameters): its groups are gathered, used and freed
+    together. One group per (requires_grad, dtype) found in it, trainable groups first."""
+
+    module: nn.Module
+    is_root: bool
+    groups: list[FlatGroup] = field(default_factory=list)
+    state: str = "sharded"                 # sharded | gathering | gathered
     tracked_views: bool = False            # autograd-connected views installed for this step
     needs_backward: bool = False           # ran forward with grad; its post-backward is due
-    unsharded_grad: torch.Tensor | None = None  # no_sync accumulation (full size, fp32)
+    grads_due: int = 0                     # trainable groups whose gradient has not arrived yet
+    input_hooks: int = 0                   # input-gradient hooks armed this step (units with frozen groups)
+    inputs_due: int = 0                    # ... of which not fired yet
+
+    @property
+    def has_frozen(self) -> bool:
+        return any(not g.trainable for g in self.groups)
 
 
 class FSDPEngine(Engine):
@@ -150,13 +176,14 @@ class FSDPEngine(Engine):
         self.reshard_after_forward = bool(reshard_after_forward)
         self.prefetch = bool(prefetch)
         mp = MixedPrecision.parse(mixed_precision) or MixedPrecision()
-        self.param_dtype = mp.param_dtype or torch.float32
-        self.reduce_dtype = mp.reduce_dtype or mp.param_dtype or torch.float32
+        # None: each group computes and communicates in its parameters' own dtype.
+        self.param_dtype = mp.param_dtype
+        self.reduce_dtype = mp.reduce_dtype or mp.param_dtype
         self.counter = collectives.CommCounter()
         self.sync_grads = True
         self.callback_queued = False
         self.pending_reduces: list[tuple[FlatGroup, torch.Tensor, torch.Tensor, Any]] = []
-        self.forward_order: list[FlatGroup] = []
+        self.forward_order: list[FlatUnit] = []
         self._build_groups(module)
         self._install_hooks()
 
@@ -200,7 +227,7 @@ class FSDPEngine(Engine):
             return path[::-1]
 
         # Parameters by id, with all their bindings; a tied parameter goes to the innermost
-        # group that contains all of its bindings (so that group is gathered at every use).
+        # unit that contains all of its bindings (so that unit is gathered at every use).
         bindings: dict[int, list[tuple[nn.Module, str]]] = {}
         tensors: dict[int, nn.Parameter] = {}
         for m in root.modules():
@@ -219,13 +246,14 @@ class FSDPEngine(Engine):
                 common = level[0]
             members[common].append(pid)
 
+        self.flat_units: list[FlatUnit] = []
         self.groups: list[FlatGroup] = []
         materialized: dict[int, str] = dict(names)
         for gi, owner in enumerate(owners):
             pids = members[gi]
             region = [m for m in owner.modules() if group_of_module.get(id(m)) == gi]
             if meta:
-                # Materialize this group only: its parameters and its modules' buffers.
+                # Materialize this unit only: its parameters and its modules' buffers.
                 for pid in pids:
                     p = tensors[pid]
                     new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.device),
@@ -246,23 +274,42 @@ class FSDPEngine(Engine):
                         if b is not None:
                             m._buffers[bname] = b.to(self.device)
             if pids:
-                params = [(names[pid], tensors.pop(pid), bindings[pid]) for pid in pids]
-                self.groups.append(self._make_group(owner, gi == 0, params))
-                del params  # the group's full tensors die here: one unit materialized at a time
+                unit = FlatUnit(owner, gi == 0)
+                # [Note: frozen and trainable parameters in one unit]
+                # One flat group per (requires_grad, dtype): a shard is one Parameter, so it is
+                # either trained or not, and holds one dtype. Frozen groups are gathered and
+                # freed with the unit's trainable ones, but their shard has requires_grad=False
+                # (torch optimizers and clip_grad_norm_ skip it: it never has a .grad), their
+                # full buffer is no autograd leaf, and nothing of theirs is reduce-scattered.
+                keys: dict[tuple[bool, torch.dtype], list[int]] = {}
+                for pid in pids:
+                    keys.setdefault((tensors[pid].requires_grad, tensors[pid].dtype), []).append(pid)
+                first_dtype = tensors[pids[0]].dtype
+                for (trainable, dtype), group_pids in sorted(keys.items(), key=lambda kv: not kv[0][0]):
+                    name = "flat_shard" + ("" if trainable else "_frozen")
+                    name += "" if dtype == first_dtype else "_" + str(dtype).removeprefix("torch.")
+                    params = [(names[pid], tensors.pop(pid), bindings[pid]) for pid in group_pids]
+                    unit.groups.append(self._make_group(unit, params, name))
+                    del params  # the full tensors die here: one unit materialized at a time
+                self.flat_units.append(unit)
+                self.groups.extend(unit.groups)
         # Buffers stay whole on every rank; rank 0's values win (as in DDP).
         with torch.no_grad():
             for b in {id(b): b for b in root.buffers()}.values():
                 collectives.broadcast(b, 0, self.group, counter=self.counter)
-        self.root_group: FlatGroup | None = self.groups[0] if self.groups and self.groups[0].is_root else None
-        self.unit_groups = [g for g in self.groups if not g.is_root]
-        self.unit_index = {id(g): i for i, g in enumerate(self.unit_groups)}
+        first = self.flat_units[0] if self.flat_units else None
+        self.root_unit: FlatUnit | None = first if first is not None and first.is_root else None
+        self.wrap_units = [u for u in self.flat_units if not u.is_root]
+        self.unit_index = {id(u): i for i, u in enumerate(self.wrap_units)}
+
+    def _compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return self.param_dtype if self.param_dtype is not None and dtype.is_floating_point else dtype
 
     @torch.no_grad()
-    def _make_group(self, owner: nn.Module, is_root: bool, params: list) -> FlatGroup:
-        """Flatten `params` (name, full tensor, bindings), keep this rank's slice, drop the rest."""
-        grads = {p.requires_grad for _, p, _ in params}
-        if len(grads) > 1:
-            raise NotImplementedError(f"{type(owner).__name__}: frozen and trainable parameters in one unit")
+    def _make_group(self, unit: FlatUnit, params: list, shard_name: str) -> FlatGroup:
+        """Flatten `params` (name, full tensor, bindings), all of one requires_grad and dtype,
+        keep this rank's slice, drop the rest."""
+        dtype, trainable = params[0][1].dtype, params[0][1].requires_grad
         entries, offset = [], 0
         for name, p, binds in params:
             entries.append(FlatEntry(name, p.shape, offset, p.numel(), binds))
@@ -270,7 +317,7 @@ class FSDPEngine(Engine):
         padded = -(-offset // self.world_size) * self.world_size
         shard_numel = padded // self.world_size
         lo = self.rank * shard_numel
-        shard = torch.zeros(shard_numel, dtype=torch.float32, device=self.device)
+        shard = torch.zeros(shard_numel, dtype=dtype, device=self.device)
         for e, (_, p, _) in zip(entries, params):
             a, b = max(lo, e.offset), min(lo + shard_numel, e.offset + e.numel)
             if a < b:
@@ -278,79 +325,98 @@ class FSDPEngine(Engine):
         for e in entries:  # the full tensors are freed here: no attribute refers to them now
             for m, attr in e.bindings:
                 del m._parameters[attr]
-        shard_param = nn.Parameter(shard, requires_grad=grads != {False})
-        owner.register_parameter("flat_shard", shard_param)
-        full = torch.empty(padded, dtype=self.param_dtype, device=self.device)
-        full.requires_grad_(shard_param.requires_grad)
+        shard_param = nn.Parameter(shard, requires_grad=trainable)
+        unit.module.register_parameter(shard_name, shard_param)
+        compute_dtype = self._compute_dtype(dtype)
+        full = torch.empty(padded, dtype=compute_dtype, device=self.device)
+        full.requires_grad_(trainable)
         full.untyped_storage().resize_(0)
-        group = FlatGroup(owner, is_root, entries, shard_param, full, full.data,
-                          [e.numel for e in entries] + [padded - offset])
-        if full.requires_grad:
+        group = FlatGroup(unit, entries, shard_param, full, full.data, [e.numel for e in entries] + [padded - offset])
+        if trainable:
             full.register_post_accumulate_grad_hook(lambda _t, g=group: self._post_backward(g))
         for e in entries:  # outside forward/backward the original names are shape-only placeholders
             for m, attr in e.bindings:
-                setattr(m, attr, torch.empty(e.shape, dtype=self.param_dtype, device="meta"))
+                setattr(m, attr, torch.empty(e.shape, dtype=compute_dtype, device="meta"))
         return group
 
     def _install_hooks(self) -> None:
         root = self.module
         root.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
         root.register_forward_hook(self._root_post_forward)
-        for g in self.unit_groups:
+        for u in self.wrap_units:
             # prepend: gather before an activation-checkpointing pre-hook sees the unit run
-            g.module.register_forward_pre_hook(lambda m, a, k, g=g: self._pre_forward(g, a, k),
+            u.module.register_forward_pre_hook(lambda m, a, k, u=u: self._pre_forward(u, a, k),
                                                with_kwargs=True, prepend=True)
-            g.module.register_forward_hook(lambda m, a, out, g=g: self._post_forward(g, out))
+            u.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out))
 
     # -- gather / free --------------------------------------------------------------------------
-    def _start_gather(self, g: FlatGroup, async_op: bool) -> None:
-        if g.state != "sharded":
+    def _start_gather(self, u: FlatUnit, async_op: bool) -> None:
+        if u.state != "sharded":
             return
-        g.full_data.untyped_storage().resize_(g.full_data.numel() * g.full_data.element_size())
-        g.send = g.shard.detach().to(self.param_dtype)  # no copy in fp32: the shard itself is sent
-        g.handle = collectives.all_gather_into(g.full_data, g.send, self.group, async_op=async_op,
-                                               counter=self.counter)
-        g.state = "gathering" if g.handle is not None and async_op else "gathered"
+        in_flight = False
+        for g in u.groups:
+            g.full_data.untyped_storage().resize_(g.full_data.numel() * g.full_data.element_size())
+            g.send = g.shard.detach().to(g.full.dtype)  # no copy without mixed precision: the shard itself is sent
+            g.handle = collectives.all_gather_into(g.full_data, g.send, self.group, async_op=async_op,
+                                                   counter=self.counter)
+            in_flight |= g.handle is not None and async_op
+        u.state = "gathering" if in_flight else "gathered"
 
-    def _wait_gather(self, g: FlatGroup) -> None:
-        if g.state == "gathering":
-            g.handle.wait()
-            g.state = "gathered"
-        g.handle = g.send = None
+    def _wait_gather(self, u: FlatUnit) -> None:
+        if u.state == "gathering":
+            for g in u.groups:
+                if g.handle is not None:
+                    g.handle.wait()
+            u.state = "gathered"
+        for g in u.groups:
+            g.handle = g.send = None
 
-    def _gather(self, g: FlatGroup) -> None:
-        self._start_gather(g, async_op=False)
-        self._wait_gather(g)
+    def _gather(self, u: FlatUnit) -> None:
+        self._start_gather(u, async_op=False)
+        self._wait_gather(u)
 
-    def _reshard(self, g: FlatGroup) -> None:
-        if g.state == "sharded":
+    def _reshard(self, u: FlatUnit) -> None:
+        if u.state == "sharded":
             return
-        self._wait_gather(g)
-        g.full_data.untyped_storage().resize_(0)
-        g.state = "sharded"
+        self._wait_gather(u)
+        for g in u.groups:
+            g.full_data.untyped_storage().resize_(0)
+        u.state = "sharded"
 
-    def _install_views(self, g: FlatGroup) -> None:
-        """Point every binding at its view of the full buffer. With grad enabled the views
-        are autograd-connected to `g.full`, so their gradients reach the post-backward hook."""
-        pieces = torch.split(g.full, g.sizes)
-        for e, piece in zip(g.entries, pieces):
-            view = piece.view(e.shape)
-            for m, attr in e.bindings:
-                setattr(m, attr, view)
-
-    def _use_views(self, g: FlatGroup) -> None:
+    def _use_views(self, u: FlatUnit) -> None:
+        """Point every binding at its view of the full buffers. With grad enabled the views of
+        trainable groups are autograd-connected to their `full`, so their gradients reach the
+        post-backward hook; frozen groups' views are plain views."""
         grad = torch.is_grad_enabled()
         if grad:
-            g.needs_backward = True  # its backward reads these parameters (even frozen ones)
-        if not g.tracked_views:  # a unit used twice keeps its first views: one gradient sum
-            track = grad and g.full.requires_grad
-            with torch.set_grad_enabled(track):
-                self._install_views(g)
-            g.tracked_views = track
+            u.needs_backward = True  # its backward reads these parameters (even frozen ones)
+        if u.tracked_views:  # a unit used twice keeps its first views: one gradient sum
+            return
+        track = grad and any(g.trainable for g in u.groups)
+        for g in u.groups:
+            with torch.set_grad_enabled(track and g.trainable):
+                for e, piece in zip(g.entries, torch.split(g.full, g.sizes)):
+                    view = piece.view(e.shape)
+                    for m, attr in e.bindings:
+                        setattr(m, attr, view)
+        if track:
+            u.tracked_views = True
+            u.grads_due = sum(g.trainable for g in u.groups)
+
+    def _arm_inputs(self, u: FlatUnit, args: tuple, kwargs: dict) -> None:
+        """For a unit with frozen groups: a hook that fires once the gradients of the unit's
+        inputs are complete (see [Note: when a unit with frozen parameters is done])."""
+        if not (u.has_frozen and torch.is_grad_enabled()):
+            return
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if inputs:
+            u.input_hooks += 1
+            u.inputs_due += 1
+            torch.autograd.graph.register_multi_grad_hook(inputs, lambda _grads, u=u: self._inputs_done(u))
 
     # -- forward hooks --------------------------------------------------------------------------
     def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self.param_dtype == torch.float32:
+        if self.param_dtype is None:
             return args, kwargs
         def cast(t: Any) -> Any:
             return t.to(self.param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
@@ -360,12 +426,15 @@ class FSDPEngine(Engine):
     def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         if _in_backward():
             return None
-        if not any(g.needs_backward for g in self.groups):
+        if not any(u.needs_backward for u in self.flat_units):
             self.forward_order.clear()  # the last forward's backward is done (or never comes)
-        first_unit = self.unit_groups[0] if self.unit_groups else None
-        if self.root_group is not None:
-            self._gather_for_forward(self.root_group, first_unit)
-        elif self.prefetch and first_unit is not None:
+        first_unit = self.wrap_units[0] if self.wrap_units else None
+        if self.root_unit is not None:
+            self._gather_for_forward(self.root_unit, first_unit)
+            args, kwargs = self._cast_inputs(args, kwargs)
+            self._arm_inputs(self.root_unit, args, kwargs)
+            return args, kwargs
+        if self.prefetch and first_unit is not None:
             self._start_gather(first_unit, async_op=True)
         return self._cast_inputs(args, kwargs)
 
@@ -374,44 +443,46 @@ class FSDPEngine(Engine):
             return
         if not torch.is_grad_enabled():
             # No backward will follow: free everything, including unused prefetches.
-            for g in self.groups:
-                self._reshard(g)
+            for u in self.flat_units:
+                self._reshard(u)
             return
-        if self.root_group is not None:
-            self._hook_outputs(self.root_group, output)
+        if self.root_unit is not None:
+            self._hook_outputs(self.root_unit, output)
 
-    def _gather_for_forward(self, g: FlatGroup, prefetch: FlatGroup | None) -> None:
-        self._start_gather(g, async_op=True)
+    def _gather_for_forward(self, u: FlatUnit, prefetch: FlatUnit | None) -> None:
+        self._start_gather(u, async_op=True)
         if self.prefetch and prefetch is not None:
             self._start_gather(prefetch, async_op=True)
-        self._wait_gather(g)
-        self._use_views(g)
+        self._wait_gather(u)
+        self._use_views(u)
 
-    def _pre_forward(self, g: FlatGroup, args: tuple, kwargs: dict):
+    def _pre_forward(self, u: FlatUnit, args: tuple, kwargs: dict):
         if _in_backward():  # activation-checkpointing recompute: just make sure we are gathered
-            self._gather(g)
+            self._gather(u)
             return None
-        i = self.unit_index[id(g)]
-        nxt = self.unit_groups[i + 1] if i + 1 < len(self.unit_groups) else None
-        self._gather_for_forward(g, nxt)
+        i = self.unit_index[id(u)]
+        nxt = self.wrap_units[i + 1] if i + 1 < len(self.wrap_units) else None
+        self._gather_for_forward(u, nxt)
         if torch.is_grad_enabled():
-            self.forward_order.append(g)
-        return self._cast_inputs(args, kwargs)
+            self.forward_order.append(u)
+        args, kwargs = self._cast_inputs(args, kwargs)
+        self._arm_inputs(u, args, kwargs)
+        return args, kwargs
 
-    def _post_forward(self, g: FlatGroup, output: Any) -> None:
+    def _post_forward(self, u: FlatUnit, output: Any) -> None:
         if _in_backward():
             return
         if not torch.is_grad_enabled():
-            self._reshard(g)
+            self._reshard(u)
             return
         if self.reshard_after_forward:
-            self._reshard(g)
-        self._hook_outputs(g, output)
+            self._reshard(u)
+        self._hook_outputs(u, output)
 
-    def _hook_outputs(self, g: FlatGroup, output: Any) -> None:
+    def _hook_outputs(self, u: FlatUnit, output: Any) -> None:
         for t in tree_flatten(output)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(lambda _grad, g=g: self._pre_backward(g))
+                t.register_hook(lambda _grad, u=u: self._pre_backward(u))
 
     # -- backward hooks -------------------------------------------------------------------------
     def _arm_backward_end(self) -> None:
@@ -419,42 +490,75 @@ class FSDPEngine(Engine):
             self.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
-    def _pre_backward(self, g: FlatGroup) -> None:
+    def _pre_backward(self, u: FlatUnit) -> None:
         self._arm_backward_end()
-        if not g.needs_backward:
+        if not u.needs_backward:
             return
-        if g.state == "sharded" and g.handle is None:
-            self._start_gather(g, async_op=True)
-        if self.prefetch and not g.is_root:
+        if u.state == "sharded":
+            self._start_gather(u, async_op=True)
+        if self.prefetch and not u.is_root:
             order = self.forward_order
-            i = len(order) - 1 - order[::-1].index(g) if g in order else -1
+            i = len(order) - 1 - order[::-1].index(u) if u in order else -1
             for prev in reversed(order[:max(i, 0)]):
-                if prev is not g and prev.needs_backward:
+                if prev is not u and prev.needs_backward:
                     self._start_gather(prev, async_op=True)
                     break
-        self._wait_gather(g)
+        self._wait_gather(u)
+
+    # [Note: when a unit with frozen parameters is done]
+    # A unit may be freed once no backward node needs its gathered values any more. For a
+    # trainable group that moment is its gradient's arrival: every node that read one of its
+    # parameters has that parameter as a differentiable input, so it runs before the
+    # parameter's AccumulateGrad. A frozen parameter gives no such signal, and the nodes that
+    # read it (a frozen LayerNorm computing its input's gradient) may well run after the
+    # unit's trainable gradients have arrived: freeing then is the "storage of size 0" crash.
+    # What does follow every node of a unit is the gradient of its inputs: so a unit with
+    # frozen groups waits for its trainable gradients *and* for a hook on the gradients of
+    # its inputs (all of them: register_multi_grad_hook, mode "all"), armed at each forward
+    # call. A unit whose inputs need no gradient (the first block after a frozen embedding;
+    # the root, which takes token ids) has no such signal and is freed at the end of backward,
+    # as a prefetched unit whose backward never came. Reduce-scatters never wait for this:
+    # each trainable group's starts as soon as its gradient is final.
+
+    def _unit_backward_done(self, u: FlatUnit) -> bool:
+        if u.grads_due > 0:
+            return False
+        return not u.has_frozen or (u.input_hooks > 0 and u.inputs_due == 0)
+
+    def _finish_unit(self, u: FlatUnit) -> None:
+        u.needs_backward = u.tracked_views = False
+        u.grads_due = u.input_hooks = u.inputs_due = 0
+        self._reshard(u)
+
+    def _inputs_done(self, u: FlatUnit) -> None:
+        self._arm_backward_end()
+        u.inputs_due = max(0, u.inputs_due - 1)
+        if u.needs_backward and self._unit_backward_done(u):
+            self._finish_unit(u)
 
     def _post_backward(self, g: FlatGroup) -> None:
         self._arm_backward_end()
+        u = g.unit
         full_grad = g.full.grad
         g.full.grad = None
-        g.needs_backward = False
-        g.tracked_views = False
-        self._reshard(g)
+        u.grads_due = max(0, u.grads_due - 1)
+        if self._unit_backward_done(u):
+            self._finish_unit(u)
         if full_grad is None:
             return
         if not self.sync_grads:
             # [no_sync] keep the whole local gradient; reduce the sum on the next synced backward.
             if g.unsharded_grad is None:
-                g.unsharded_grad = full_grad.float()  # ours alone: autograd handed it over
+                g.unsharded_grad = full_grad.to(g.shard.dtype)  # ours alone: autograd handed it over
             else:
                 g.unsharded_grad.add_(full_grad)
             return
         if g.unsharded_grad is not None:
             full_grad = g.unsharded_grad.add_(full_grad)
             g.unsharded_grad = None
-        full_grad = full_grad.to(self.reduce_dtype)
-        out = torch.empty(g.shard.numel(), dtype=self.reduce_dtype, device=self.device)
+        reduce_dtype = self.reduce_dtype or g.shard.dtype
+        full_grad = full_grad.to(reduce_dtype)
+        out = torch.empty(g.shard.numel(), dtype=reduce_dtype, device=self.device)
         handle = collectives.reduce_scatter_into(out, full_grad, self.group, average=True, async_op=True,
                                                  counter=self.counter)
         self.pending_reduces.append((g, out, full_grad, handle))
@@ -465,22 +569,22 @@ class FSDPEngine(Engine):
             if handle is not None:
                 handle.wait()
             if g.shard.grad is None:
-                g.shard.grad = out if out.dtype == torch.float32 else out.to(torch.float32)
+                g.shard.grad = out.to(g.shard.dtype)  # no copy when already in the shard's dtype
             else:
                 g.shard.grad.add_(out)
         self.pending_reduces.clear()
-        for g in self.groups:  # groups whose backward never came (unused outputs, stray prefetches)
-            self._reshard(g)
-            g.needs_backward = False
-            g.tracked_views = False
+        for u in self.flat_units:  # units whose backward never came, or gave no signal (frozen)
+            self._finish_unit(u)
+        for g in self.groups:
             g.full.grad = None
         self.forward_order.clear()
         self.callback_queued = False
 
     # -- the contract ---------------------------------------------------------------------------
     @torch.no_grad()
-    def _gather_fp32(self, g: FlatGroup) -> torch.Tensor:
-        full = torch.empty(g.shard.numel() * self.world_size, dtype=torch.float32, device=self.device)
+    def _gather_shards(self, g: FlatGroup) -> torch.Tensor:
+        """The whole flat buffer in the shard's own dtype (not the compute dtype)."""
+        full = torch.empty(g.shard.numel() * self.world_size, dtype=g.shard.dtype, device=self.device)
         collectives.all_gather_into(full, g.shard.detach(), self.group, counter=self.counter)
         return full
 
@@ -488,7 +592,7 @@ class FSDPEngine(Engine):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         params: dict[str, torch.Tensor] = {}
         for g in self.groups:
-            full = self._gather_fp32(g).cpu()
+            full = self._gather_shards(g).cpu()
             for e in g.entries:
                 params[e.name] = full[e.offset:e.offset + e.numel].view(e.shape).clone()
         out: dict[str, torch.Tensor] = {}
@@ -516,6 +620,7 @@ class FSDPEngine(Engine):
                 m._buffers[attr].copy_(state[key])
 
     def shard_layout(self) -> list[tuple[nn.Parameter, list[ShardPiece]]]:
+        """Every group's shard, frozen ones included (a checkpoint must hold every parameter)."""
         layout = []
         for g in self.groups:
             n = g.shard.numel()

@@ -25,10 +25,17 @@ autograd leaf; when its gradient is final (post-accumulate-grad hook) it is copi
 flat gradient buffer per owner, and when an owner's buffer is complete it is reduced
 (averaged) onto that owner, who adds it to `p.grad`. Then the unit's storage is freed.
 
+Frozen parameters (requires_grad=False, e.g. the base weights around LoRA adapters) are
+owned, gathered and freed like the others, and stay in `parameters()` with
+requires_grad=False (torch optimizers and clip_grad_norm_ skip them: they never get a
+`.grad`). Their gradients are never computed nor reduced: the gradient buffers hold the
+trainable parameters only. A unit holding frozen parameters is freed in backward only
+once the gradients of its inputs are complete (see the Note at `_backward_done`).
+
 Memory per rank (fp32 AdamW, Ψ parameters, N ranks): (4 + 4 + 8)Ψ/N = 16Ψ/N bytes of
 parameters, gradients and Adam moments, plus one unit's gathered parameters at a time
-(and in backward up to two units' gradients in flight); under `no_sync` every rank keeps an fp32
-gradient accumulator for the whole model (as FSDP's no_sync does).
+(and in backward up to two units' gradients in flight); under `no_sync` every rank keeps a
+gradient accumulator (in the parameters' dtype) for the whole model (as FSDP's no_sync does).
 Traffic per step: broadcast Ψ in forward, Ψ again in backward, reduce Ψ: about 3Ψ
 elements, each rank sending roughly its own share.
 
@@ -44,9 +51,10 @@ Options
 reshard_after_forward (default True): free each unit's full parameters after its forward.
     False keeps them until its backward (one broadcast less, memory of the whole model).
 mixed_precision: gathered parameters and compute in `param_dtype`, gradients reduced in
-    `reduce_dtype`; owned parameters, gradients and optimizer state stay fp32. Floating
-    point inputs of each unit are cast to `param_dtype`. Parameters of modules that hold
-    floating-point buffers (BatchNorm) are gathered in their own dtype.
+    `reduce_dtype`; owned parameters, gradients and optimizer state stay in the parameters'
+    own dtype (fp32, or fp64 in the parity tests). Floating point inputs of each unit are
+    cast to `param_dtype`. Parameters of modules that hold floating-point buffers
+    (BatchNorm) are gathered in their own dtype.
 """
 
 from __future__ import annotations
@@ -75,8 +83,8 @@ class _Slot:
     owner: int
     compute_dtype: torch.dtype                  # dtype of the gathered copy
     placeholder: torch.Tensor                   # meta tensor standing in on non-owners
-    param: nn.Parameter | None = None           # the owner's fp32 tensor; None elsewhere
-    pending_grad: torch.Tensor | None = None    # local gradient accumulated under no_sync
+    param: nn.Parameter | None = None           # the owner's tensor (its own dtype); None elsewhere
+    pending_grad: torch.Tensor | None = None    # local gradient accumulated under no_sync (param dtype)
 
     @property
     def numel(self) -> int:
@@ -85,13 +93,17 @@ class _Slot:
 
 @dataclass(eq=False)
 class _Group:
-    """The slots of one unit owned by one rank: they travel in one flat buffer."""
+    """The slots of one unit owned by one rank: they travel in one flat buffer. Their gradients
+    travel in another, which holds the trainable slots only: frozen slots are never reduced."""
 
     owner: int
     dtype: torch.dtype                          # compute dtype of the gathered buffer
     positions: list[int]                        # indices into unit.slots
     offsets: list[int]
     numel: int
+    grad_positions: list[int] = field(default_factory=list)  # the trainable ones among positions
+    grad_offsets: list[int] = field(default_factory=list)    # their offsets in the gradient buffer
+    grad_numel: int = 0
 
 
 @dataclass(eq=False)
@@ -100,7 +112,7 @@ class _Unit:
     slots: list[_Slot]
     bindings: list[tuple[nn.Module, str, int]]  # (module, attribute, index into slots)
     groups: list[_Group]
-    place: list[tuple[int, int]]                # per slot: (index into groups, offset in that group)
+    place: list[tuple[int, int]]                # per trainable slot: (index into groups, offset in its gradient buffer)
     trainable: int                              # how many slots require grad
     bound: _Gather | None = None                # the gather whose tensors the modules see now
 
@@ -116,6 +128,8 @@ class _Gather:
     grad_buffers: dict[int, torch.Tensor] = field(default_factory=dict)   # group index -> flat grads
     arrived: set[int] = field(default_factory=set)      # slot positions whose gradient is in
     reduced: set[int] = field(default_factory=set)      # group indices already reduced
+    input_hooked: bool = False                  # a hook waits for the gradients of the unit's inputs
+    inputs_done: bool = False                   # ... and it fired in this backward
 
 
 class Zero3Engine(Engine):
@@ -218,10 +232,14 @@ class Zero3Engine(Engine):
                 group.positions.append(pos)
                 group.offsets.append(group.numel)
                 group.numel += slot.numel
+                if slot.requires_grad:
+                    group.grad_positions.append(pos)
+                    group.grad_offsets.append(group.grad_numel)
+                    group.grad_numel += slot.numel
             groups = sorted(by_key.values(), key=lambda g: (g.owner, str(g.dtype)))
             place = [(0, 0)] * len(slots)
             for gi, group in enumerate(groups):
-                for pos, off in zip(group.positions, group.offsets):
+                for pos, off in zip(group.grad_positions, group.grad_offsets):
                     place[pos] = (gi, off)
             units.append(_Unit(m, slots, bindings, groups, place, sum(s.requires_grad for s in slots)))
         self.unit_param_bytes = [sum(s.numel * s.placeholder.element_size() for s in u.slots) for u in units]
@@ -377,7 +395,19 @@ class Zero3Engine(Engine):
             if in_backward:
                 gather.state = "recompute"  # unforeseen forward inside backward: freed at its end
             self._bind(gather)
+            if not in_backward and unit.trainable < len(unit.slots) and torch.is_grad_enabled():
+                args, kwargs = self._cast_inputs(args), self._cast_inputs(kwargs)
+                self._arm_inputs(gather, args, kwargs)
+                return args, kwargs
         return self._cast_inputs(args), self._cast_inputs(kwargs)
+
+    def _arm_inputs(self, gather: _Gather, args: tuple, kwargs: dict) -> None:
+        """A unit with frozen parameters: hook the gradients of its inputs (see [Note: when a
+        gather with frozen parameters may be freed])."""
+        inputs = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+        if inputs:
+            gather.input_hooked = True
+            torch.autograd.graph.register_multi_grad_hook(inputs, partial(self._on_inputs_grad, gather))
 
     def _post_forward(self, unit: _Unit, module: nn.Module, args: tuple, output: Any) -> None:
         if torch._C._current_graph_task_id() != -1:
@@ -437,6 +467,7 @@ class Zero3Engine(Engine):
         # "released" too: a second backward through a graph kept with retain_graph=True
         gather.arrived.clear()
         gather.reduced.clear()
+        gather.inputs_done = False
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._callback_queued = True
@@ -453,7 +484,7 @@ class Zero3Engine(Engine):
         slot = gather.unit.slots[pos]
         if not self.sync_grads:
             if slot.pending_grad is None:
-                slot.pending_grad = grad.to(torch.float32, copy=True)
+                slot.pending_grad = grad.to(slot.dtype, copy=True)
             else:
                 slot.pending_grad.add_(grad)
         else:
@@ -464,12 +495,38 @@ class Zero3Engine(Engine):
             buffer = gather.grad_buffers.get(gi)
             if buffer is None:
                 buffer = gather.grad_buffers[gi] = torch.zeros(
-                    gather.unit.groups[gi].numel, dtype=self.reduce_dtype or grad.dtype, device=self.device)
+                    gather.unit.groups[gi].grad_numel, dtype=self.reduce_dtype or grad.dtype, device=self.device)
             buffer[off:off + slot.numel].copy_(grad.reshape(-1))
         gather.arrived.add(pos)
         if self.sync_grads:
             self._reduce_complete_groups(gather)
-        if len(gather.arrived) == gather.unit.trainable:
+        if self._backward_done(gather):
+            self._release(gather)
+
+    # [Note: when a gather with frozen parameters may be freed]
+    # Its values may be freed once no backward node reads them any more. Every node that read
+    # a trainable parameter has it as a differentiable input, so it runs before that
+    # parameter's gradient arrives: for a unit without frozen parameters, "all gradients in"
+    # is the moment. A frozen parameter gives no such signal, and nodes reading it (a frozen
+    # LayerNorm computing its input's gradient) can run after the unit's last trainable
+    # gradient: freeing then crashed ("setStorage: ... storage of size 0"). Every node of the
+    # unit does precede the gradient of the unit's inputs, so a unit with frozen parameters
+    # also waits for a hook on those (all of them: register_multi_grad_hook, mode "all").
+    # When no input needs a gradient (the first block after a frozen embedding; the root,
+    # which takes token ids) there is no such signal: the gather is freed at the end of
+    # backward. Reduces never wait for this: an owner's gradients go as soon as they are in.
+
+    def _backward_done(self, gather: _Gather) -> bool:
+        unit = gather.unit
+        if len(gather.arrived) < unit.trainable:
+            return False
+        return unit.trainable == len(unit.slots) or (gather.input_hooked and gather.inputs_done)
+
+    def _on_inputs_grad(self, gather: _Gather, _grads: Any) -> None:
+        if gather.state != "backward":
+            return
+        gather.inputs_done = True
+        if self._backward_done(gather):
             self._release(gather)
 
     def _reduce_complete_groups(self, gather: _Gather, flush: bool = False) -> None:
@@ -477,13 +534,12 @@ class Zero3Engine(Engine):
         of backward, whatever arrived: parameters unused in this backward count as zero)."""
         for gi, group in enumerate(gather.unit.groups):
             buffer = gather.grad_buffers.get(gi)
-            wanted = [p for p in group.positions if gather.unit.slots[p].requires_grad]
-            if gi in gather.reduced or not wanted:
+            if gi in gather.reduced or not group.grad_positions:
                 continue  # already reduced, or frozen
-            if not flush and not all(p in gather.arrived for p in wanted):
+            if not flush and not all(p in gather.arrived for p in group.grad_positions):
                 continue
             if buffer is None:
-                buffer = torch.zeros(group.numel, dtype=self.reduce_dtype or group.dtype, device=self.device)
+                buffer = torch.zeros(group.grad_numel, dtype=self.reduce_dtype or group.dtype, device=self.device)
             # [Note: why average] each rank's loss is the mean over its own micro batch, so
             # the gradient of the global mean loss is the mean of the ranks' gradients.
             handle = C.reduce(buffer, group.owner, self.group, average=True, async_op=True, counter=self.counter)
@@ -502,14 +558,13 @@ class Zero3Engine(Engine):
             handle.wait()
         if group.owner != self.rank:
             return
-        for pos, off in zip(group.positions, group.offsets):
+        for pos, off in zip(group.grad_positions, group.grad_offsets):
             slot = unit.slots[pos]
-            if slot.requires_grad:
-                g = buffer[off:off + slot.numel].view(slot.shape).to(slot.param.dtype)
-                if slot.param.grad is None:
-                    slot.param.grad = g
-                else:
-                    slot.param.grad.add_(g)
+            g = buffer[off:off + slot.numel].view(slot.shape).to(slot.param.dtype)
+            if slot.param.grad is None:
+                slot.param.grad = g
+            else:
+                slot.param.grad.add_(g)
 
     # [Note: why we wait where we wait]
     # A reduce is launched asynchronously as soon as an owner's gradient buffer is complete,
