@@ -1,7 +1,9 @@
 """The from-scratch FSDP engine equals single-process training, and really shards.
 
 One spawn per world size; every case runs inside it (process start-up dominates here).
-The parent computes the `single` references and compares.
+The parent computes the `single` references and compares. Float64 throughout (see
+tests/parity.py) except the bf16 cases, a few float32 ones and the byte accounting (fp32,
+so the numbers read as in docs/engines.md).
 """
 
 from __future__ import annotations
@@ -17,12 +19,18 @@ from shardlab.models import count_parameters
 from shardlab.models.init import INIT_STD_ATTR, init_parameters_
 from shardlab.testing import run_workers
 from tests.parity import (
+    ALL_CASES,
     CASES,
+    DTYPE,
+    F64_ATOL,
+    F64_RTOL,
     GLOBAL_BATCH,
-    PARAM_ATOL,
-    _set_mode,
     assert_parity,
+    batch,
+    build,
     make_optimizer,
+    set_mode,
+    tolerance,
     train_engine,
     train_reference,
 )
@@ -63,15 +71,18 @@ def _twice_batch(step: int):
     return torch.randn(GLOBAL_BATCH, 6, generator=g), torch.randint(0, 3, (GLOBAL_BATCH,), generator=g)
 
 
-def _build(case: str, device: str) -> nn.Module:
+def _build(case: str, device: str, dtype: torch.dtype = DTYPE) -> nn.Module:
     if case == "twice":
         with torch.device(device):
-            return TwiceAndTied()
-    return CASES[case].build(device)
+            return TwiceAndTied().to(dtype)
+    return build(case, device, dtype)
 
 
-def _batch(case: str, step: int):
-    return _twice_batch(step) if case == "twice" else CASES[case].batch(step)
+def _batch(case: str, step: int, dtype: torch.dtype = DTYPE):
+    if case == "twice":
+        x, y = _twice_batch(step)
+        return x.to(dtype), y
+    return batch(case, step, dtype)
 
 
 def train_custom(rank: int, world: int, case: str, strategy: str, opt_name: str, steps: int = 3,
@@ -81,8 +92,8 @@ def train_custom(rank: int, world: int, case: str, strategy: str, opt_name: str,
     if case == "twice":
         options.setdefault("wrap", _twice_wrap)
     model = shardlab.parallelize(_build(case, "meta"), strategy, device="cpu", **options)
-    if case in CASES:
-        _set_mode(model, CASES[case])
+    if case in ALL_CASES:
+        set_mode(model, case)
     opt = make_optimizer(opt_name, model.parameters())
     b = GLOBAL_BATCH // world
     out: dict = {"losses": [], "norms": [], "evals": [], "gathered_after_eval": [], "armed_after_eval": []}
@@ -105,7 +116,7 @@ def train_custom(rank: int, world: int, case: str, strategy: str, opt_name: str,
             if strategy == "fsdp":
                 out["gathered_after_eval"].append(engine.gathered_bytes())
                 out["armed_after_eval"].append(engine.callback_queued or any(
-                    g.needs_backward or g.tracked_views or g.state != "sharded" for g in engine.groups))
+                    u.needs_backward or u.tracked_views or u.state != "sharded" for u in engine.flat_units))
     out["state"] = shardlab.full_state_dict(model)
     return out
 
@@ -119,33 +130,40 @@ def _resharding(rank: int, world: int) -> dict:
         engine = engine_of(model)
         x, y = _batch("gpt", 0)
         loss = model(x, y)
-        after_fwd = [g.full_data.untyped_storage().nbytes() for g in engine.unit_groups]
+        after_fwd = [sum(g.full_data.untyped_storage().nbytes() for g in u.groups) for u in engine.wrap_units]
         loss.backward()
         after_bwd = engine.gathered_bytes()
-        out[raf] = (after_fwd, [g.full.numel() * g.full.element_size() for g in engine.unit_groups], after_bwd)
+        out[raf] = (after_fwd, [sum(g.full.numel() * g.full.element_size() for g in u.groups)
+                                for u in engine.wrap_units], after_bwd)
     return out
 
 
 def _memory_and_traffic(rank: int, world: int) -> dict:
+    """One AdamW step in fp32: model-state bytes and what was all-gathered and reduce-scattered,
+    with the padded sizes of the trainable and the frozen groups to check them against."""
     out = {}
-    for case, options in (("gpt", {}), ("mlp", {}), ("gpt+checkpointing", {"activation_checkpointing": True})):
-        model = shardlab.parallelize(_build(case.split("+")[0], "meta"), "fsdp", device="cpu", **options)
-        case = case.split("+")[0] if not options else case
-        _set_mode(model, CASES[case.split("+")[0]])
+    for case, options in (("gpt", {}), ("mlp", {}), ("gpt+checkpointing", {"activation_checkpointing": True}),
+                          ("frozen", {})):
+        name = case.split("+")[0]
+        model = shardlab.parallelize(_build(name, "meta", torch.float32), "fsdp", device="cpu", **options)
+        set_mode(model, name)
         engine = engine_of(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
         b = GLOBAL_BATCH // world
-        x, y = _batch(case.split("+")[0], 0)
+        x, y = _batch(name, 0, torch.float32)
         before = engine.comm_stats()
         model(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]).backward()
         after = engine.comm_stats()
         opt.step()
         state = engine.model_state_bytes()
+        root = engine.root_unit.groups if engine.root_unit is not None else []
         out[case] = {
             "state_bytes": state["params"] + state["grads"] + optimizer_state_bytes(opt),
             "padded": sum(g.full.numel() for g in engine.groups),
+            "trainable_padded": sum(g.full.numel() for g in engine.groups if g.trainable),
+            "trainable_groups": sum(g.trainable for g in engine.groups),
             "groups": len(engine.groups),
-            "root_padded": engine.root_group.full.numel() if engine.root_group is not None else 0,
+            "root_padded": sum(g.full.numel() for g in root),
             "gather": after["all_gather"]["payload_bytes"] - before.get("all_gather", {}).get("payload_bytes", 0),
             "reduce": after["reduce_scatter"]["payload_bytes"] - before.get("reduce_scatter", {}).get("payload_bytes", 0),
             "reduce_calls": after["reduce_scatter"]["calls"] - before.get("reduce_scatter", {}).get("calls", 0),
@@ -153,11 +171,31 @@ def _memory_and_traffic(rank: int, world: int) -> dict:
     return out
 
 
+def _frozen_release(rank: int, world: int) -> dict:
+    """The half-frozen model: each block's state when block 0's trainable group gets its
+    gradient in backward, and what is gathered after backward."""
+    model = shardlab.parallelize(_build("frozen", "meta"), "fsdp", device="cpu")
+    engine = engine_of(model)
+    seen: dict = {}
+    block0 = next(u for u in engine.wrap_units if u.module is model.blocks[0])
+    trainable = next(g for g in block0.groups if g.trainable)
+
+    def record(_full: torch.Tensor) -> None:
+        seen.setdefault("states", [u.state for u in engine.wrap_units])
+
+    trainable.full.register_post_accumulate_grad_hook(record)  # after the engine's own hook on it
+    b = GLOBAL_BATCH // world
+    x, y = _batch("frozen", 0)
+    model(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]).backward()
+    shards = {name: (p.requires_grad, p.grad is None) for name, p in model.named_parameters()}
+    return {"states": seen["states"], "after_backward": engine.gathered_bytes(), "shards": shards}
+
+
 def _layouts(rank: int, world: int) -> dict:
     """This rank's shard_layout for each case, whether each piece holds the values the full
     state dict has there, and whether a full state dict loads back exactly."""
     out = {}
-    for case in (*CASES, "twice"):
+    for case in (*CASES, "twice", "frozen"):
         kw = {"wrap": _twice_wrap} if case == "twice" else {}
         model = shardlab.parallelize(_build(case, "meta"), "fsdp", device="cpu", **kw)
         full = shardlab.full_state_dict(model)
@@ -179,9 +217,12 @@ def _layouts(rank: int, world: int) -> dict:
 
 # -- what each world size runs ------------------------------------------------------------------
 def _plan(world: int) -> list[tuple[str, str, str, dict]]:
-    """(kind, case, optimizer, options). kind: parity (train_engine) or custom (train_custom)."""
-    plan = [("parity", c, o, {}) for c in CASES for o in OPTIMIZERS]
-    plan += [("parity", c, "sgd", {"reshard_after_forward": False}) for c in CASES]
+    """(kind, case, optimizer, options). kind: parity (train_engine) or custom (train_custom);
+    f32: parity in float32; bf16: mixed precision on a float32 model."""
+    plan = [("parity", c, o, {}) for c in (*CASES, "frozen") for o in OPTIMIZERS]
+    plan += [("parity", c, "sgd", {"reshard_after_forward": False}) for c in (*CASES, "frozen")]
+    plan += [("f32", "gpt", "adamw", {}), ("f32", "mlp", "sgd", {})]
+    plan += [("parity", "gpt_frozen", "adamw", {}), ("accumulate", "frozen", "adamw", {})]
     if world == 2:
         plan += [("parity", c, "adamw", {"reshard_after_forward": False}) for c in CASES]
         plan += [("parity", c, o, {"prefetch": False}) for c in CASES for o in OPTIMIZERS]
@@ -190,6 +231,9 @@ def _plan(world: int) -> list[tuple[str, str, str, dict]]:
         plan += [("parity", c, "sgd", {"meta": False}) for c in CASES]  # a model built with real storage
         plan += [("accumulate", c, o, {}) for c in ("gpt", "mlp") for o in OPTIMIZERS]
         plan += [("custom", "gpt", "adamw", {"clip": 0.05}), ("custom", "mlp", "sgd", {"clip": 0.1})]
+        plan += [("custom", "frozen", "adamw", {"clip": 0.05, "evals": (1, 2)})]
+        plan += [("parity", "frozen", "adamw", {"activation_checkpointing": True})]
+        plan += [("parity", "frozen", "adamw", {"prefetch": False})]
         plan += [("custom", c, "adamw", {"evals": (1, 2)}) for c in CASES]
         plan += [("bf16", c, "adamw", {"mixed_precision": "bf16"}) for c in ("gpt", "mlp")]
     if world in (2, 3):
@@ -201,13 +245,17 @@ def _plan(world: int) -> list[tuple[str, str, str, dict]]:
 def _run_plan(rank: int, world: int) -> dict:
     results = {}
     for i, (kind, case, opt, options) in enumerate(_plan(world)):
-        if kind in ("parity", "bf16"):
+        if kind == "parity":
             results[i] = train_engine(rank, world, case, "fsdp", opt, **options)
+        elif kind in ("f32", "bf16"):
+            results[i] = train_engine(rank, world, case, "fsdp", opt, dtype=torch.float32, **options)
         elif kind == "accumulate":
-            results[i] = train_engine(rank, world, case, "fsdp", opt, accumulate=2, **options)
+            micro = 2 if (GLOBAL_BATCH // world) % 2 == 0 else 3  # micro batches that divide the slice
+            results[i] = train_engine(rank, world, case, "fsdp", opt, accumulate=micro, **options)
         else:
             results[i] = train_custom(rank, world, case, "fsdp", opt, **options)
     results["layouts"] = _layouts(rank, world)
+    results["frozen_release"] = _frozen_release(rank, world)
     if world in (2, 4):
         results["memory"] = _memory_and_traffic(rank, world)
     if world == 2:
@@ -219,20 +267,24 @@ _REFERENCES: dict = {}
 
 
 def _reference(kind: str, case: str, opt: str, options: dict):
-    key = (kind if kind == "custom" else "parity", case, opt, tuple(sorted(options.items())))
+    dtype = torch.float32 if kind in ("f32", "bf16") else DTYPE
+    key = (kind if kind == "custom" else "parity", case, opt, tuple(sorted(options.items())), dtype)
     if key not in _REFERENCES:
         if kind == "custom":
             _REFERENCES[key] = train_custom(0, 1, case, "single", opt, **options)
         else:
-            _REFERENCES[key] = train_reference(case, opt)
+            _REFERENCES[key] = train_reference(case, opt, dtype=dtype)
     return _REFERENCES[key]
 
 
-def _check_custom(ref: dict, got: dict, label: str, atol: float) -> None:
-    assert_parity((ref["losses"], ref["state"]), (got["losses"], got["state"]), label, atol=atol)
-    torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(ref["norms"]), rtol=1e-5, atol=0)
+def _check_custom(ref: dict, got: dict, label: str) -> None:
+    assert_parity((ref["losses"], ref["state"]), (got["losses"], got["state"]), label)
+    torch.testing.assert_close(torch.tensor(got["norms"], dtype=torch.float64),
+                               torch.tensor(ref["norms"], dtype=torch.float64), rtol=F64_RTOL, atol=0)
     for i, (a, b) in enumerate(zip(got["evals"], ref["evals"])):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, i=i: f"{label}: eval {i} differs\n{m}")
+        # outputs sum many parameters: 10x the parameter tolerance (a stale parameter is ~lr off)
+        torch.testing.assert_close(a, b, rtol=F64_RTOL, atol=10 * F64_ATOL,
+                                   msg=lambda m, i=i: f"{label}: eval {i} differs\n{m}")
     assert len(got["evals"]) == len(ref["evals"])
     assert not any(got["gathered_after_eval"]), f"{label}: storage left gathered after eval {got['gathered_after_eval']}"
     assert not any(got["armed_after_eval"]), f"{label}: backward state armed after a no-grad forward"
@@ -247,7 +299,7 @@ def test_fsdp_matches_single(world):
         got = results[0][i]
         if kind == "custom":
             ref_options = {k: v for k, v in options.items() if k in ("clip", "evals")}
-            _check_custom(_reference(kind, case, opt, ref_options), got, label, PARAM_ATOL[opt])
+            _check_custom(_reference(kind, case, opt, ref_options), got, label)
             for r in range(1, world):
                 assert got["losses"] == results[r][i]["losses"], f"{label}: rank {r} losses differ"
                 assert_parity((got["losses"], got["state"]), (results[r][i]["losses"], results[r][i]["state"]),
@@ -258,8 +310,10 @@ def test_fsdp_matches_single(world):
             torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(ref[0]), rtol=1e-2, atol=1e-2,
                                        msg=lambda m, label=label: f"{label}: bf16 losses too far from fp32\n{m}")
             assert all(v.dtype == ref[1][k].dtype for k, v in got[1].items()), f"{label}: full state not fp32"
+        elif kind == "f32":
+            assert_parity(ref, got, label, **tolerance(opt, torch.float32))
         else:
-            assert_parity(ref, got, label, atol=PARAM_ATOL[opt])
+            assert_parity(ref, got, label)
         for r in range(1, world):  # every rank reports the same losses and full parameters
             assert_parity(got, results[r][i], f"{label} rank {r} vs rank 0", rtol=0, atol=0)
 
@@ -278,18 +332,33 @@ def test_fsdp_matches_single(world):
     if "memory" in results[0]:
         for case, m in results[0]["memory"].items():
             numel = count_parameters(_build(case.split("+")[0], "meta"))
-            # 4 (param) + 4 (grad) + 8 (Adam moments) bytes per element of this rank's shards,
-            # which are 1/N of the padded flat buffers: 16 * numel / N plus padding.
-            assert m["state_bytes"] == 16 * m["padded"] // world, (case, m)
+            # 4 (param) + 4 (grad) + 8 (Adam moments) bytes per element of this rank's trainable
+            # shards, 4 (param) per element of its frozen shards; shards are 1/N of the padded
+            # flat buffers: 16 * numel / N plus padding when nothing is frozen.
+            assert m["state_bytes"] == (4 * m["padded"] + 12 * m["trainable_padded"]) // world, (case, m)
             assert 0 <= m["padded"] - numel < world * m["groups"], (case, m, numel)
             assert m["state_bytes"] <= 16 * numel / world + 16 * (m["padded"] - numel), (case, m)
-            # all-gather: forward + backward for the units, once for the root (kept gathered);
-            # reduce-scatter: every gradient once. In bytes of fp32 padded buffers.
+            # all-gather: forward + backward for the units, once for the root (kept gathered),
+            # frozen groups included; reduce-scatter: every trainable gradient once, nothing of
+            # the frozen groups. In bytes of fp32 padded buffers.
             assert m["gather"] == 4 * (2 * m["padded"] - m["root_padded"]), (case, m)
-            assert m["reduce"] == 4 * m["padded"], (case, m)
-            assert m["reduce_calls"] == m["groups"], (case, m)  # once per group, even with recompute
+            assert m["reduce"] == 4 * m["trainable_padded"], (case, m)
+            assert m["reduce_calls"] == m["trainable_groups"], (case, m)  # once per group, even with recompute
             if m["root_padded"] == 0:  # the MLP: exactly twice the parameter bytes
                 assert m["gather"] == 2 * 4 * m["padded"]
+            if case == "frozen":  # every unit (the root too) has one frozen and one trainable group
+                assert m["groups"] == 2 * m["trainable_groups"] and m["trainable_padded"] < m["padded"], m
+
+    # Frozen shards: requires_grad=False and never a gradient; trainable ones got theirs. A unit
+    # with frozen groups is freed in backward once its inputs' gradients are in: when block 0's
+    # gradient arrives, blocks 1 and 2 are sharded again; block 0 itself, whose input comes
+    # from a frozen layer (no gradient, no signal), is held until the end of backward.
+    for r in range(world):
+        fr = results[r]["frozen_release"]
+        assert fr["states"] == ["gathered", "sharded", "sharded"], fr["states"]
+        assert fr["after_backward"] == 0
+        for name, (requires_grad, no_grad) in fr["shards"].items():
+            assert requires_grad == ("frozen" not in name) and no_grad == ("frozen" in name), (name, fr["shards"])
 
     if "resharding" in results[0]:
         after_fwd, full_bytes, after_bwd = results[0]["resharding"][True]

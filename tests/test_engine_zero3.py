@@ -6,7 +6,9 @@ parity cases with SGD and AdamW (models start on meta), reshard_after_forward=Fa
 accumulation, activation checkpointing, bf16 mixed precision, gradient clipping, eval
 forwards after training, a unit run twice and a parameter shared by two units, ranks that
 own nothing, loading a full state dict, model-state bytes against ddp's, ownership
-balance, and broadcast/reduce traffic.
+balance, broadcast/reduce traffic, and frozen and trainable parameters in one unit (parity,
+traffic of trainable gradients only, freeing during backward). Float64 throughout (see
+tests/parity.py) except the bf16 cases and a few float32 ones.
 """
 
 from __future__ import annotations
@@ -19,14 +21,28 @@ from torch import nn
 import shardlab
 from shardlab.engines import engine_of
 from shardlab.testing import run_workers
-from tests.parity import CASES, GLOBAL_BATCH, PARAM_ATOL, assert_parity, train_engine, train_reference
+from tests.parity import (
+    CASES,
+    DTYPE,
+    F64_ATOL,
+    GLOBAL_BATCH,
+    assert_parity,
+    batch,
+    build,
+    tolerance,
+    train_engine,
+    train_reference,
+)
 from tests.test_engine_ddp import (
+    F32_CASES,
+    FROZEN,
     accumulation_steps,
     check_custom,
     check_same_on_every_rank,
     reference_custom,
     train_custom,
     train_reuse,
+    trainable_bytes,
 )
 
 OPTIMIZERS = ("sgd", "adamw")
@@ -45,7 +61,7 @@ class TwoTensors(nn.Module):
 
 def train_two_tensors(rank: int, world: int, strategy: str | None, steps: int = 3) -> tuple[list[float], dict]:
     torch.manual_seed(3)
-    model = TwoTensors()
+    model = TwoTensors().to(DTYPE)
     if strategy:
         model = shardlab.parallelize(model, strategy, device="cpu")
     params = list(model.parameters())
@@ -55,7 +71,7 @@ def train_two_tensors(rank: int, world: int, strategy: str | None, steps: int = 
     losses = []
     for step in range(steps):
         g = torch.Generator().manual_seed(5000 + step)
-        x, y = torch.randn(GLOBAL_BATCH, 7, generator=g), torch.randint(0, 3, (GLOBAL_BATCH,), generator=g)
+        x, y = torch.randn(GLOBAL_BATCH, 7, generator=g).to(DTYPE), torch.randint(0, 3, (GLOBAL_BATCH,), generator=g)
         if strategy:
             x, y = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
         if opt:
@@ -74,13 +90,12 @@ def train_two_tensors(rank: int, world: int, strategy: str | None, steps: int = 
 
 def train_backward_twice(rank: int, world: int, strategy: str | None) -> tuple[list[float], dict]:
     """Two backward passes through one graph (retain_graph=True) accumulate twice the gradient."""
-    case = CASES["gpt"]
-    model = case.build("meta" if strategy else "cpu")
+    model = build("gpt", "meta" if strategy else "cpu")
     if strategy:
         model = shardlab.parallelize(model, strategy, device="cpu")
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     b = GLOBAL_BATCH // world if strategy else GLOBAL_BATCH
-    x, y = case.batch(0)
+    x, y = batch("gpt", 0)
     loss = model(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b])
     loss.backward(retain_graph=True)
     loss.backward()
@@ -89,19 +104,42 @@ def train_backward_twice(rank: int, world: int, strategy: str | None) -> tuple[l
     return [], state
 
 
-def load_round_trip(rank: int, world: int) -> dict:
+def load_round_trip(rank: int, world: int, case: str = "gpt") -> dict:
     """Load single's trained weights into a fresh zero3 model: full_state_dict gives them
     back exactly and the forward matches single's."""
-    _, ref_state = train_reference("gpt", "adamw")
-    model = shardlab.parallelize(CASES["gpt"].build("meta"), "zero3", device="cpu")
+    _, ref_state = train_reference(case, "adamw")
+    model = shardlab.parallelize(build(case, "meta"), "zero3", device="cpu")
     shardlab.load_full_state_dict(model, ref_state)
-    x = CASES["gpt"].batch(7)[0]
+    x = batch(case, 7)[0]
     with torch.no_grad():
         out = model(x)
     layout = [(piece.name, tuple(piece.full_shape), piece.offset, piece.local_start, piece.numel, tuple(p.shape))
               for p, pieces in engine_of(model).shard_layout() for piece in pieces]
     return {"state": shardlab.full_state_dict(model), "out": out, "n_local": len(list(model.parameters())),
             "layout": layout}
+
+
+def frozen_release(rank: int, world: int) -> dict:
+    """The half-frozen model: which units still hold gathered storage when block 0's trainable
+    fc2.weight gradient arrives in backward, and how much is gathered after backward."""
+    model = shardlab.parallelize(build("frozen", "meta"), "zero3", device="cpu")
+    engine = engine_of(model)
+    blocks = [next(u for u in engine.unit_list if u.module is b) for b in model.blocks]
+    seen: dict = {}
+
+    def record(_leaf):
+        seen["gathered"] = [sum(b.untyped_storage().nbytes() for g in engine._live if g.unit is u for b in g.buffers)
+                            for u in blocks]
+
+    def hook_fc2(_module, _args, _kwargs):  # runs after the engine's pre-hook, which gathered and bound
+        pos = next(i for i, s in enumerate(blocks[0].slots) if s.name == "blocks.0.fc2.weight")
+        blocks[0].bound.fulls[pos].register_post_accumulate_grad_hook(record)
+
+    model.blocks[0].register_forward_pre_hook(hook_fc2, with_kwargs=True)
+    b = GLOBAL_BATCH // world
+    x, y = batch("frozen", 0)
+    model(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]).backward()
+    return {"at_block0_grad": seen["gathered"], "after_backward": engine.gathered_bytes()}
 
 
 def _zero3_cases(rank: int, world: int) -> dict:
@@ -112,8 +150,23 @@ def _zero3_cases(rank: int, world: int) -> dict:
         out[("keep_gathered", c)] = train_engine(rank, world, c, "zero3", "sgd", reshard_after_forward=False)
         out[("accumulate", c)] = train_engine(rank, world, c, "zero3", "sgd", accumulate=accumulation_steps(world))
         out[("checkpointing", c)] = train_engine(rank, world, c, "zero3", "adamw", activation_checkpointing=True)
-        out[("bf16", c)] = train_engine(rank, world, c, "zero3", "adamw", mixed_precision="bf16")
+        out[("bf16", c)] = train_engine(rank, world, c, "zero3", "adamw", mixed_precision="bf16", dtype=torch.float32)
         out[("custom", c)] = train_custom(rank, world, c, "zero3", "adamw")
+    for c, o in F32_CASES:
+        out[("f32", c, o)] = train_engine(rank, world, c, "zero3", o, dtype=torch.float32)
+    # frozen and trainable parameters in one unit
+    for o in OPTIMIZERS:
+        out[("parity", "frozen", o)] = train_engine(rank, world, "frozen", "zero3", o)
+    out[("keep_gathered", "frozen")] = train_engine(rank, world, "frozen", "zero3", "sgd", reshard_after_forward=False)
+    out[("accumulate", "frozen")] = train_engine(rank, world, "frozen", "zero3", "sgd",
+                                                 accumulate=accumulation_steps(world))
+    out[("checkpointing", "frozen")] = train_engine(rank, world, "frozen", "zero3", "adamw",
+                                                    activation_checkpointing=True)
+    out[("parity", "gpt_frozen", "adamw")] = train_engine(rank, world, "gpt_frozen", "zero3", "adamw")
+    for c in FROZEN:
+        out[("custom", c)] = train_custom(rank, world, c, "zero3", "adamw")
+    out["frozen_release"] = frozen_release(rank, world)
+    out["frozen_round_trip"] = load_round_trip(rank, world, "frozen")
     out["custom_keep_gathered"] = train_custom(rank, world, "mlp", "zero3", "adamw", reshard_after_forward=False)
     out["ddp_gpt"] = train_custom(rank, world, "gpt", "ddp", "adamw")
     out["reuse"] = train_reuse(rank, world, "zero3")
@@ -125,6 +178,30 @@ def _zero3_cases(rank: int, world: int) -> dict:
     return out
 
 
+def _param_bytes(case: str) -> int:
+    return sum(p.numel() * p.element_size() for p in build(case, "cpu").parameters())
+
+
+def _check_round_trip(results: list, key: str, case: str) -> None:
+    """Every rank's full state after load_full_state_dict equals single's trained state, its
+    forward matches, and shard_layout holds every parameter (frozen ones too) whole, once."""
+    _, ref_state = train_reference(case, "adamw")
+    with torch.no_grad():
+        ref_model = build(case, "cpu")
+        ref_model.load_state_dict(ref_state)
+        ref_out = ref_model(batch(case, 7)[0])
+    names = dict(ref_model.named_parameters(remove_duplicate=True))
+    assert sum(r[key]["n_local"] for r in results) == len(names)
+    pieces = [piece for r in results for piece in r[key]["layout"]]
+    assert sorted(p[0] for p in pieces) == sorted(names), pieces
+    for name, full_shape, offset, local_start, numel, local_shape in pieces:
+        assert (offset, local_start, full_shape, local_shape) == (0, 0, tuple(ref_state[name].shape), full_shape)
+        assert numel == ref_state[name].numel()
+    for r in results:
+        assert_parity(([0.0], ref_state), ([0.0], r[key]["state"]), f"zero3/{case} load round trip", rtol=0, atol=0)
+        torch.testing.assert_close(r[key]["out"], ref_out, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_zero3_matches_single(world):
@@ -132,22 +209,45 @@ def test_zero3_matches_single(world):
     got = results[0]
     for c in CASES:
         for o in OPTIMIZERS:
-            assert_parity(train_reference(c, o), got[("parity", c, o)], f"zero3/{c}/{o}/N={world}", atol=PARAM_ATOL[o])
-        assert_parity(train_reference(c, "sgd"), got[("keep_gathered", c)], f"zero3/{c}/keep gathered/N={world}",
-                      atol=PARAM_ATOL["sgd"])
-        assert_parity(train_reference(c, "sgd"), got[("accumulate", c)], f"zero3/{c}/no_sync/N={world}",
-                      atol=PARAM_ATOL["sgd"])
-        assert_parity(train_reference(c, "adamw"), got[("checkpointing", c)], f"zero3/{c}/checkpointing/N={world}",
-                      atol=PARAM_ATOL["adamw"])
-        torch.testing.assert_close(torch.tensor(got[("bf16", c)][0]), torch.tensor(train_reference(c, "adamw")[0]),
+            assert_parity(train_reference(c, o), got[("parity", c, o)], f"zero3/{c}/{o}/N={world}")
+        assert_parity(train_reference(c, "sgd"), got[("keep_gathered", c)], f"zero3/{c}/keep gathered/N={world}")
+        assert_parity(train_reference(c, "sgd"), got[("accumulate", c)], f"zero3/{c}/no_sync/N={world}")
+        assert_parity(train_reference(c, "adamw"), got[("checkpointing", c)], f"zero3/{c}/checkpointing/N={world}")
+        torch.testing.assert_close(torch.tensor(got[("bf16", c)][0]),
+                                   torch.tensor(train_reference(c, "adamw", dtype=torch.float32)[0]),
                                    rtol=0, atol=1e-2, msg=lambda m, c=c: f"zero3/{c}/bf16 losses drift\n{m}")
-        check_custom(reference_custom(c, "adamw"), got[("custom", c)], f"zero3/{c}/clip+eval/N={world}",
-                     PARAM_ATOL["adamw"])
+        check_custom(reference_custom(c, "adamw"), got[("custom", c)], f"zero3/{c}/clip+eval/N={world}", F64_ATOL)
+    for c, o in F32_CASES:
+        assert_parity(train_reference(c, o, dtype=torch.float32), got[("f32", c, o)],
+                      f"zero3/{c}/{o}/fp32/N={world}", **tolerance(o, torch.float32))
+
+    # frozen and trainable parameters in one unit: parity in every mode, trainable traffic only
+    for o in OPTIMIZERS:
+        assert_parity(train_reference("frozen", o), got[("parity", "frozen", o)], f"zero3/frozen/{o}/N={world}")
+    for key, o in (("keep_gathered", "sgd"), ("accumulate", "sgd"), ("checkpointing", "adamw")):
+        assert_parity(train_reference("frozen", o), got[(key, "frozen")], f"zero3/frozen/{key}/N={world}")
+    assert_parity(train_reference("gpt_frozen", "adamw"), got[("parity", "gpt_frozen", "adamw")],
+                  f"zero3/gpt_frozen/adamw/N={world}")
+    for c in FROZEN:
+        custom = got[("custom", c)]
+        check_custom(reference_custom(c, "adamw"), custom, f"zero3/{c}/clip+eval/N={world}", F64_ATOL)
+        # reduces carry the trainable gradients only (3 steps); broadcasts gather every
+        # parameter, frozen ones included, in forward and again in backward
+        assert custom["comm"]["reduce"]["payload_bytes"] == 3 * trainable_bytes(c), (c, custom["comm"])
+        assert custom["comm"]["broadcast"]["payload_bytes"] == 3 * 2 * _param_bytes(c), (c, custom["comm"])
+    # A unit with frozen parameters is freed in backward once its inputs' gradients are in:
+    # blocks 1 and 2 (inputs need a gradient) are free before block 0's gradients arrive;
+    # block 0 (its input comes from a frozen layer) is held until the end of backward.
+    for r in results:
+        at_block0 = r["frozen_release"]["at_block0_grad"]
+        assert at_block0[0] > 0 and at_block0[1:] == [0, 0], at_block0
+        assert r["frozen_release"]["after_backward"] == 0
+    _check_round_trip(results, "frozen_round_trip", "frozen")
 
     # traffic: per step, every parameter is broadcast twice (forward, backward) and reduced once
     for c in CASES:
         custom = got[("custom", c)]
-        param_bytes = sum(p.numel() * p.element_size() for p in CASES[c].build("cpu").parameters())
+        param_bytes = _param_bytes(c)
         comm = custom["comm"]
         assert set(comm) == {"broadcast", "reduce"}, comm
         assert comm["broadcast"]["payload_bytes"] == 3 * 2 * param_bytes, (c, comm, param_bytes)
@@ -159,9 +259,8 @@ def test_zero3_matches_single(world):
     # reshard_after_forward=False: one broadcast per step (forward only); what a forward without
     # backward left gathered is dropped by the next forward (the eval in train_custom checks values)
     keep = got["custom_keep_gathered"]
-    check_custom(reference_custom("mlp", "adamw"), keep, f"zero3/mlp/keep gathered clip+eval/N={world}",
-                 PARAM_ATOL["adamw"])
-    mlp_bytes = sum(p.numel() * p.element_size() for p in CASES["mlp"].build("cpu").parameters())
+    check_custom(reference_custom("mlp", "adamw"), keep, f"zero3/mlp/keep gathered clip+eval/N={world}", F64_ATOL)
+    mlp_bytes = _param_bytes("mlp")
     assert keep["comm"]["broadcast"]["payload_bytes"] == 3 * mlp_bytes, keep["comm"]
     assert keep["comm"]["reduce"]["payload_bytes"] == 3 * mlp_bytes, keep["comm"]
     assert keep["engine_info"]["gathered_bytes"] == mlp_bytes, keep["engine_info"]
@@ -171,7 +270,7 @@ def test_zero3_matches_single(world):
     ddp_bytes = got["ddp_gpt"]["model_state_bytes"]
     zero3 = [r[("custom", "gpt")] for r in results]
     info = zero3[0]["engine_info"]
-    unit_worth = 4 * max(info["unit_param_bytes"])  # fp32 param + grad + two Adam moments
+    unit_worth = 4 * max(info["unit_param_bytes"])  # param + grad + two Adam moments, all in the param dtype
     per_rank = [z["model_state_bytes"] for z in zero3]
     assert sum(per_rank) == ddp_bytes, (per_rank, ddp_bytes)
     for b in per_rank:
@@ -187,30 +286,13 @@ def test_zero3_matches_single(world):
 
     reuse_ref = train_reuse(0, 1, None)
     for key in ("reuse", "reuse_checkpointing", "reuse_keep_gathered"):
-        assert_parity(reuse_ref, got[key], f"zero3/{key}/N={world}", atol=PARAM_ATOL["sgd"])
-    assert_parity(train_two_tensors(0, 1, None), got["two_tensors"], f"zero3/two tensors/N={world}",
-                  atol=PARAM_ATOL["sgd"])
-    _, ref_state = train_reference("gpt", "adamw")
-    with torch.no_grad():
-        ref_model = CASES["gpt"].build("cpu")
-        ref_model.load_state_dict(ref_state)
-        ref_out = ref_model(CASES["gpt"].batch(7)[0])
-    assert sum(r["round_trip"]["n_local"] for r in results) == len(dict(ref_model.named_parameters()))
-    # shard_layout: every original parameter is one whole piece on exactly one rank
-    pieces = [piece for r in results for piece in r["round_trip"]["layout"]]
-    assert sorted(p[0] for p in pieces) == sorted(dict(ref_model.named_parameters())), pieces
-    for name, full_shape, offset, local_start, numel, local_shape in pieces:
-        assert (offset, local_start, full_shape, local_shape) == (0, 0, tuple(ref_state[name].shape), full_shape)
-        assert numel == ref_state[name].numel()
-    for r in results:
-        assert_parity(([0.0], ref_state), ([0.0], r["round_trip"]["state"]), "zero3/load round trip", rtol=0, atol=0)
-        torch.testing.assert_close(r["round_trip"]["out"], ref_out, rtol=1e-5, atol=1e-6)
-    assert_parity(train_backward_twice(0, 1, None), got["backward_twice"], f"zero3/retain_graph/N={world}",
-                  atol=PARAM_ATOL["sgd"])
+        assert_parity(reuse_ref, got[key], f"zero3/{key}/N={world}")
+    assert_parity(train_two_tensors(0, 1, None), got["two_tensors"], f"zero3/two tensors/N={world}")
+    _check_round_trip(results, "round_trip", "gpt")
+    assert_parity(train_backward_twice(0, 1, None), got["backward_twice"], f"zero3/retain_graph/N={world}")
     check_same_on_every_rank(results, f"zero3/N={world}/")
 
 
 def test_zero3_rejects_unknown_option():
     with pytest.raises(TypeError, match="bucket_size_bytes"):
-        shardlab.parallelize(CASES["mlp"].build("meta"), "zero3", bucket_size_bytes=1)
-
+        shardlab.parallelize(build("mlp", "meta"), "zero3", bucket_size_bytes=1)
