@@ -513,7 +513,7 @@ def _fsdp_buffers(engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
         if g.unsharded_grad is not None:
             yield "unsharded_grads", g.unsharded_grad  # no_sync accumulation
     for _g, out, full_grad, _handle in engine.pending_reduces:
-        yield "unsharded_grads", full_grad         # the whole unit's gradient, kept until backward ends
+        yield "unsharded_grads", full_grad         # a unit's whole gradient, kept until its reduce-scatter completes
         yield "grads", out                         # the reduce-scatter's output: becomes shard.grad
 
 

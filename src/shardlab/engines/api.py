@@ -16,6 +16,42 @@ Contract every engine keeps (the parity tests check it):
   first backward after leaving it reduces the accumulated gradients;
 - `full_state_dict()` is called by every rank and returns the unwrapped module's
   `state_dict()` keys (original names, tied names included) with full CPU tensors.
+
+The reasoning every engine that communicates from hooks (ddp, zero3, fsdp) relies on is
+written here once; the engines cite these Notes by name and add only what is their own.
+The hook helpers themselves live in `engines/_hooks.py`.
+
+[Note: why average]
+Each rank's loss is the mean over its own micro batch. With equal micro batches the loss
+being trained, the mean over the global batch, is the mean of the N rank losses, so its
+gradient is the mean of the N local gradients: every reduction divides by N. Summing
+instead multiplies the effective learning rate by N (the classic bug of public
+attempts); with Adam it also shifts the balance against epsilon. The parity tests train
+with plain SGD, which turns an N-times gradient into a visibly different model.
+
+[Note: when the hooks fire]
+- A forward pre-hook runs just before a unit's forward; a forward hook just after it.
+- A hook on a forward *output's* gradient runs when that gradient is complete, before any
+  backward node of the unit that produced it: the pre-backward, the moment to re-gather.
+- A post-accumulate-grad hook on a leaf runs once per backward, after autograd has summed
+  every use of that leaf (tied names, a unit called twice): the moment its gradient is
+  final and may be reduced.
+- With activation checkpointing a unit's forward runs again inside backward; the forward
+  hooks then fire while an autograd graph task runs (`_hooks.in_backward()`), and must
+  neither gather anew nor free what backward still reads.
+- A leaf's gradient tells that every node *reading a trainable parameter* has run; nodes
+  reading only frozen parameters give no such signal, but all of a unit's nodes precede
+  the gradients of its inputs (`_hooks.hook_input_grads`).
+
+[Note: why we wait where we wait]
+Reductions launch asynchronously so they overlap the backward of earlier layers. The
+contract says communication is complete when `backward()` returns, so the optimizer step
+right after it sees final gradients: the first backward hook of a pass queues a callback
+on the autograd engine (`_hooks.BackwardEnd`) that runs after the last node, still inside
+`loss.backward()` — the latest point that keeps the contract. It launches what could not
+launch (parameters unused in this step still take part, in the same order on every rank,
+so the collectives pair up), waits for everything in flight, and frees what is still
+gathered. Gathers are waited for right before their values are read.
 """
 
 from __future__ import annotations

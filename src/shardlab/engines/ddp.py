@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardlab.engines import _hooks
 from shardlab.engines import collectives as C
 from shardlab.engines.api import Engine, MixedPrecision, materialize_whole_
 
@@ -74,26 +75,18 @@ class DDPEngine(Engine):
         self.mixed_precision = MixedPrecision.parse(mixed_precision)
         self.reduce_dtype = self.mixed_precision.reduce_dtype if self.mixed_precision else None
         materialize_whole_(module, self.device)
-        self._broadcast_state_from_rank0()
+        _hooks.broadcast_from_rank0([*module.parameters(), *module.buffers()], self.group, self.counter)
 
         params = [p for p in self.local_parameters() if p.requires_grad]
         self.buckets = self._make_buckets(list(reversed(params)), int(bucket_size_bytes))
         self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.sync_grads = True
         self._next_to_launch = 0          # buckets launch strictly in index order (see Note)
-        self._callback_queued = False
+        self._backward_end = _hooks.BackwardEnd(self._finish_backward)
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     # -- setup ----------------------------------------------------------------------------------
-    @torch.no_grad()
-    def _broadcast_state_from_rank0(self) -> None:
-        seen: set[int] = set()
-        for t in [*self.module.parameters(), *self.module.buffers()]:
-            if id(t) not in seen:
-                seen.add(id(t))
-                C.broadcast(t.data, src=0, group=self.group, counter=self.counter)
-
     def _make_buckets(self, params: list[nn.Parameter], cap: int) -> list[_Bucket]:
         """Greedy runs of consecutive parameters (same dtype and device) up to `cap` bytes.
         A parameter larger than `cap` gets a bucket of its own."""
@@ -119,23 +112,16 @@ class DDPEngine(Engine):
         return buckets
 
     # -- backward -------------------------------------------------------------------------------
-    # [Note: when the hooks fire]
-    # `register_post_accumulate_grad_hook` runs after autograd has written the gradient of
-    # this backward into `p.grad`. Autograd sums all contributions to a leaf before it runs
-    # the leaf's AccumulateGrad node, so the hook fires once per backward even for a tied
-    # parameter used twice (GPT's embedding and head are one Parameter) or a parameter
-    # inside a unit that runs several times. With activation checkpointing the recomputed
-    # forward builds a throwaway graph that is never backpropagated, so it fires no hooks.
-    # Inside `no_sync` the hook does nothing: `p.grad` simply keeps accumulating, and the
-    # first synced backward all-reduces the accumulated sum, which is what we want.
+    # Each parameter's post-accumulate-grad hook fires once per backward, with every use
+    # summed ([Note: when the hooks fire], engines/api.py): GPT's tied embedding and head are
+    # one Parameter, one hook. An activation-checkpointing recompute builds a throwaway graph
+    # that is never backpropagated, so it fires no hooks. Inside `no_sync` the hook does
+    # nothing: `p.grad` keeps accumulating, and the first synced backward all-reduces the sum.
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self.sync_grads:
             return
-        if not self._callback_queued:
-            # The first hook of this backward: arrange to wait for everything at its end.
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            self._callback_queued = True
+        self._backward_end.arm()  # the first hook of this backward arranges to wait at its end
         bucket, i = self._where[id(p)]
         if bucket.launched:
             raise RuntimeError("ddp: a gradient arrived for a bucket already reduced in this backward "
@@ -163,27 +149,19 @@ class DDPEngine(Engine):
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        # [Note: why average] Each rank's loss is the mean over its own micro batch; with
-        # equal micro batches the global mean loss is the mean of the ranks' losses, so its
-        # gradient is the mean of the ranks' gradients, not their sum. Summing would scale
-        # the effective learning rate by N (and Adam's epsilon balance with it).
+        # averaged, never summed: [Note: why average] (engines/api.py)
         bucket.handle = C.all_reduce(bucket.buffer, self.group, average=True, async_op=True, counter=self.counter)
         bucket.launched = True
         self._next_to_launch += 1
 
-    # [Note: why we wait where we wait]
-    # The contract says communication is complete when backward returns, so the optimizer
-    # step right after it sees final gradients. A callback queued on the autograd engine
-    # runs once the whole graph task has finished, still inside `loss.backward()`: the
-    # latest point that keeps the contract, so the last buckets overlap as much compute as
-    # possible. Parameters that got no gradient in this backward (unused in this forward)
-    # still have a slot in a bucket the other ranks may be reducing: their slot is zeroed
-    # and the bucket is reduced here, so every rank issues the same all-reduces. Afterwards
-    # they hold the average of the ranks that did use them (zeros if none did).
+    # At the end of backward ([Note: why we wait where we wait], engines/api.py): parameters
+    # that got no gradient in this backward still have a slot in a bucket the other ranks may
+    # be reducing: their slot is zeroed and the bucket is reduced here, so every rank issues
+    # the same all-reduces. Afterwards they hold the average of the ranks that did use them
+    # (zeros if none did). Then every bucket is waited for.
 
     @torch.no_grad()
     def _finish_backward(self) -> None:
-        self._callback_queued = False
         for bucket in self.buckets[self._next_to_launch:]:
             for i in range(len(bucket.params)):
                 if i not in bucket.ready:

@@ -39,8 +39,8 @@ flight, '.' only this rank's 1/N shard):
 
 Memory per rank with AdamW in fp32: 16 bytes per parameter / N (4 shard + 4 grad + 8
 Adam moments), plus transiently the gathered parameters of the root and of the one or two
-units in flight (the current one and a prefetched one), and each unit's full gradient
-until its reduce-scatter completes. Under `no_sync`, each group additionally keeps its
+units in flight (the current one and a prefetched one), and the full gradients of at
+most two units whose reduce-scatters are in flight. Under `no_sync`, each group additionally keeps its
 whole unsharded gradient (4 bytes per parameter in fp32, not divided by N) until the next
 synchronized backward: accumulation trades memory for communication. With mixed
 precision the gathered copies are in param_dtype (2 bytes for bf16); shards, gradients
@@ -51,13 +51,11 @@ Traffic per step, with Psi = parameter bytes: all-gather in forward (Psi), all-g
 backward (Psi, minus the root group, which stays gathered as backward needs it at once),
 reduce-scatter of gradients (Psi): about 3*Psi, each x (N-1)/N bus bytes on a ring.
 
-[Note: why average]
-Each rank's loss is the mean over its micro batch; the loss being trained is the mean
-over the global batch, i.e. the mean of the N rank losses. Its gradient is the mean of
-the N local gradients, so the reduce-scatter divides by N. Summing would multiply the
-effective learning rate by N (the classic bug); the SGD parity test would catch it.
+Why gradients are averaged, when hooks fire and why backward waits at its end: see
+[Note: why average], [Note: when the hooks fire] and [Note: why we wait where we wait] in
+`engines/api.py`. What is particular to fsdp:
 
-[Note: when each hook fires]
+[Note: one gradient per flat group]
 A trainable group's full buffer is a leaf tensor `full` (requires_grad); the original parameters are
 `full.split(sizes)` viewed to their shapes. Autograd therefore sums every use of every
 parameter of the group (tied names, a unit called twice) into one SplitBackward node,
@@ -65,21 +63,12 @@ which concatenates them into one flat gradient (zeros for unused parameters and 
 padding) and hands it to `full`'s AccumulateGrad exactly once, after the group's last
 gradient contribution. Its post-accumulate hook is our post-backward: no counting, and
 (for a unit without frozen parameters) it does not depend on the unit's inputs requiring
-grad. The pre-backward is a hook on
-the gradient of each forward output; the first one to fire gathers, later ones find the
-group gathered. With activation checkpointing the unit's forward runs again inside
-backward; we recognise it (an autograd graph task is running), make sure the buffer is
-gathered and do nothing else: the recomputed graph is never backpropagated, so nothing
-is reduce-scattered twice.
-
-[Note: why and where we wait]
-Reduce-scatters are asynchronous so the next unit's backward overlaps them. The
-optimizer must see final gradients, and the contract says communication is complete when
-backward returns, so the first hook of each backward pass queues an autograd-engine
-callback that runs after the last node: it waits for every reduce-scatter, accumulates
-the results into `shard.grad`, and frees anything still gathered (e.g. a prefetched unit
-whose backward never came). An async all-gather is waited on right before its buffer is
-read (pre-forward, pre-backward) or freed.
+grad. The pre-backward is a hook on the gradient of each forward output; the first one to
+fire gathers, later ones find the group gathered. With activation checkpointing the
+recomputed forward only makes sure the buffer is gathered: the recomputed graph is never
+backpropagated, so nothing is reduce-scattered twice. An async all-gather is waited on
+right before its buffer is read (pre-forward, pre-backward) or freed; reduce-scatters are
+bounded as [Note: how many reduce-scatters may be in flight] says.
 
 [Note: freeing storage under autograd's feet]
 Autograd saved views of `full` for backward (e.g. a Linear's weight). Freeing resizes the
@@ -102,17 +91,28 @@ forward (no grad) or of the backward.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
 
-from shardlab.engines import collectives
+from shardlab.engines import _hooks, collectives
 from shardlab.engines.api import Engine, MixedPrecision, ShardPiece, is_meta
 from shardlab.models.init import canonical_names, init_parameters_
+
+
+class UnitState(enum.Enum):
+    """Where a unit's full buffers are: freed, being all-gathered (async), or usable."""
+
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+MAX_UNITS_REDUCING = 2  # see [Note: how many reduce-scatters may be in flight]
 
 
 @dataclass(eq=False)
@@ -153,7 +153,7 @@ class FlatUnit:
     module: nn.Module
     is_root: bool
     groups: list[FlatGroup] = field(default_factory=list)
-    state: str = "sharded"                 # sharded | gathering | gathered
+    state: UnitState = UnitState.SHARDED
     tracked_views: bool = False            # autograd-connected views installed for this step
     needs_backward: bool = False           # ran forward with grad; its post-backward is due
     grads_due: int = 0                     # trainable groups whose gradient has not arrived yet
@@ -181,7 +181,8 @@ class FSDPEngine(Engine):
         self.reduce_dtype = mp.reduce_dtype or mp.param_dtype
         self.counter = collectives.CommCounter()
         self.sync_grads = True
-        self.callback_queued = False
+        self.backward_end = _hooks.BackwardEnd(self._finish_backward)
+        # reduce-scatters in flight, oldest first: (group, output shard, input full gradient, handle)
         self.pending_reduces: list[tuple[FlatGroup, torch.Tensor, torch.Tensor, Any]] = []
         self.forward_order: list[FlatUnit] = []
         self._build_groups(module)
@@ -192,15 +193,7 @@ class FSDPEngine(Engine):
         names = canonical_names(root)
         seed = getattr(root, "init_seed", 0)
         meta = is_meta(root)
-        # The state_dict keys of the unwrapped model, to rebuild them in full_state_dict.
-        # key -> canonical parameter name (str) or (module, buffer attribute).
-        self._state_keys: list[tuple[str, Any]] = []
-        for key, t in root.state_dict(keep_vars=True).items():
-            if id(t) in names:
-                self._state_keys.append((key, names[id(t)]))
-            else:
-                path, _, attr = key.rpartition(".")
-                self._state_keys.append((key, (root.get_submodule(path), attr)))
+        self.state_keys = _hooks.StateDictMirror(root, lambda p: names[id(p)])
 
         # Group tree: the root, then the units; each module belongs to the innermost unit.
         owners = [root, *self.units]
@@ -294,9 +287,7 @@ class FSDPEngine(Engine):
                 self.flat_units.append(unit)
                 self.groups.extend(unit.groups)
         # Buffers stay whole on every rank; rank 0's values win (as in DDP).
-        with torch.no_grad():
-            for b in {id(b): b for b in root.buffers()}.values():
-                collectives.broadcast(b, 0, self.group, counter=self.counter)
+        _hooks.broadcast_from_rank0(root.buffers(), self.group, self.counter)
         first = self.flat_units[0] if self.flat_units else None
         self.root_unit: FlatUnit | None = first if first is not None and first.is_root else None
         self.wrap_units = [u for u in self.flat_units if not u.is_root]
@@ -351,7 +342,7 @@ class FSDPEngine(Engine):
 
     # -- gather / free --------------------------------------------------------------------------
     def _start_gather(self, u: FlatUnit, async_op: bool) -> None:
-        if u.state != "sharded":
+        if u.state is not UnitState.SHARDED:
             return
         in_flight = False
         for g in u.groups:
@@ -360,14 +351,14 @@ class FSDPEngine(Engine):
             g.handle = collectives.all_gather_into(g.full_data, g.send, self.group, async_op=async_op,
                                                    counter=self.counter)
             in_flight |= g.handle is not None and async_op
-        u.state = "gathering" if in_flight else "gathered"
+        u.state = UnitState.GATHERING if in_flight else UnitState.GATHERED
 
     def _wait_gather(self, u: FlatUnit) -> None:
-        if u.state == "gathering":
+        if u.state is UnitState.GATHERING:
             for g in u.groups:
                 if g.handle is not None:
                     g.handle.wait()
-            u.state = "gathered"
+            u.state = UnitState.GATHERED
         for g in u.groups:
             g.handle = g.send = None
 
@@ -376,12 +367,12 @@ class FSDPEngine(Engine):
         self._wait_gather(u)
 
     def _reshard(self, u: FlatUnit) -> None:
-        if u.state == "sharded":
+        if u.state is UnitState.SHARDED:
             return
         self._wait_gather(u)
         for g in u.groups:
             g.full_data.untyped_storage().resize_(0)
-        u.state = "sharded"
+        u.state = UnitState.SHARDED
 
     def _use_views(self, u: FlatUnit) -> None:
         """Point every binding at its view of the full buffers. With grad enabled the views of
@@ -408,23 +399,16 @@ class FSDPEngine(Engine):
         inputs are complete (see [Note: when a unit with frozen parameters is done])."""
         if not (u.has_frozen and torch.is_grad_enabled()):
             return
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        if inputs:
+        if _hooks.hook_input_grads(args, kwargs, lambda _grads, u=u: self._inputs_done(u)):
             u.input_hooks += 1
             u.inputs_due += 1
-            torch.autograd.graph.register_multi_grad_hook(inputs, lambda _grads, u=u: self._inputs_done(u))
 
     # -- forward hooks --------------------------------------------------------------------------
     def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self.param_dtype is None:
-            return args, kwargs
-        def cast(t: Any) -> Any:
-            return t.to(self.param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-
-        return tree_map(cast, args), tree_map(cast, kwargs)
+        return _hooks.cast_floating(args, self.param_dtype), _hooks.cast_floating(kwargs, self.param_dtype)
 
     def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
-        if _in_backward():
+        if _hooks.in_backward():
             return None
         if not any(u.needs_backward for u in self.flat_units):
             self.forward_order.clear()  # the last forward's backward is done (or never comes)
@@ -439,7 +423,7 @@ class FSDPEngine(Engine):
         return self._cast_inputs(args, kwargs)
 
     def _root_post_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if _in_backward():
+        if _hooks.in_backward():
             return
         if not torch.is_grad_enabled():
             # No backward will follow: free everything, including unused prefetches.
@@ -457,7 +441,7 @@ class FSDPEngine(Engine):
         self._use_views(u)
 
     def _pre_forward(self, u: FlatUnit, args: tuple, kwargs: dict):
-        if _in_backward():  # activation-checkpointing recompute: just make sure we are gathered
+        if _hooks.in_backward():  # activation-checkpointing recompute: just make sure we are gathered
             self._gather(u)
             return None
         i = self.unit_index[id(u)]
@@ -470,7 +454,7 @@ class FSDPEngine(Engine):
         return args, kwargs
 
     def _post_forward(self, u: FlatUnit, output: Any) -> None:
-        if _in_backward():
+        if _hooks.in_backward():
             return
         if not torch.is_grad_enabled():
             self._reshard(u)
@@ -480,21 +464,14 @@ class FSDPEngine(Engine):
         self._hook_outputs(u, output)
 
     def _hook_outputs(self, u: FlatUnit, output: Any) -> None:
-        for t in tree_flatten(output)[0]:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(lambda _grad, u=u: self._pre_backward(u))
+        _hooks.hook_output_grads(output, lambda _grad, u=u: self._pre_backward(u))
 
     # -- backward hooks -------------------------------------------------------------------------
-    def _arm_backward_end(self) -> None:
-        if not self.callback_queued:
-            self.callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-
     def _pre_backward(self, u: FlatUnit) -> None:
-        self._arm_backward_end()
+        self.backward_end.arm()
         if not u.needs_backward:
             return
-        if u.state == "sharded":
+        if u.state is UnitState.SHARDED:
             self._start_gather(u, async_op=True)
         if self.prefetch and not u.is_root:
             order = self.forward_order
@@ -531,13 +508,13 @@ class FSDPEngine(Engine):
         self._reshard(u)
 
     def _inputs_done(self, u: FlatUnit) -> None:
-        self._arm_backward_end()
+        self.backward_end.arm()
         u.inputs_due = max(0, u.inputs_due - 1)
         if u.needs_backward and self._unit_backward_done(u):
             self._finish_unit(u)
 
     def _post_backward(self, g: FlatGroup) -> None:
-        self._arm_backward_end()
+        self.backward_end.arm()
         u = g.unit
         full_grad = g.full.grad
         g.full.grad = None
@@ -562,23 +539,41 @@ class FSDPEngine(Engine):
         handle = collectives.reduce_scatter_into(out, full_grad, self.group, average=True, async_op=True,
                                                  counter=self.counter)
         self.pending_reduces.append((g, out, full_grad, handle))
+        while len({id(p[0].unit) for p in self.pending_reduces}) > MAX_UNITS_REDUCING:
+            self._complete_oldest_reduce()
+
+    # [Note: how many reduce-scatters may be in flight]
+    # A reduce-scatter's input is the unit's whole unsharded gradient (4 bytes per parameter
+    # in fp32, not divided by N), and it must stay alive until the collective completes.
+    # Keeping every one until the end of backward would hold the whole model's gradient at
+    # once, at every N: the peak would not fall with N (measured: 1.3 GiB against FSDP2's
+    # 0.74 GiB per rank for gpt2-small at N=2). So the gradients of at most MAX_UNITS_REDUCING
+    # units are in flight: when another unit's would make one more, the oldest reduce-scatter
+    # is waited for and its input freed. Two keep one reduce overlapping the next unit's
+    # backward, as FSDP2 does with its reduce-scatter stream. Units are counted, not bytes: a
+    # byte cap set by the largest unit (the embedding) would let many small blocks pile up.
+
+    @torch.no_grad()
+    def _complete_oldest_reduce(self) -> None:
+        """Wait for the oldest reduce-scatter in flight, add its averaged shard into
+        `shard.grad`, and free its input."""
+        g, out, _full_grad, handle = self.pending_reduces.pop(0)
+        if handle is not None:
+            handle.wait()
+        if g.shard.grad is None:
+            g.shard.grad = out.to(g.shard.dtype)  # no copy when already in the shard's dtype
+        else:
+            g.shard.grad.add_(out)
 
     @torch.no_grad()
     def _finish_backward(self) -> None:
-        for g, out, _full, handle in self.pending_reduces:
-            if handle is not None:
-                handle.wait()
-            if g.shard.grad is None:
-                g.shard.grad = out.to(g.shard.dtype)  # no copy when already in the shard's dtype
-            else:
-                g.shard.grad.add_(out)
-        self.pending_reduces.clear()
+        while self.pending_reduces:
+            self._complete_oldest_reduce()
         for u in self.flat_units:  # units whose backward never came, or gave no signal (frozen)
             self._finish_unit(u)
         for g in self.groups:
             g.full.grad = None
         self.forward_order.clear()
-        self.callback_queued = False
 
     # -- the contract ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -595,14 +590,7 @@ class FSDPEngine(Engine):
             full = self._gather_shards(g).cpu()
             for e in g.entries:
                 params[e.name] = full[e.offset:e.offset + e.numel].view(e.shape).clone()
-        out: dict[str, torch.Tensor] = {}
-        for key, ref in self._state_keys:
-            if isinstance(ref, tuple):
-                m, attr = ref
-                out[key] = m._buffers[attr].detach().to("cpu", copy=True)
-            else:
-                out[key] = params[ref]
-        return out
+        return self.state_keys.full(params)
 
     @torch.no_grad()
     def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -614,10 +602,7 @@ class FSDPEngine(Engine):
                 a, b = max(lo, e.offset), min(lo + g.shard.numel(), e.offset + e.numel)
                 if a < b:
                     g.shard[a - lo:b - lo].copy_(flat[a - e.offset:b - e.offset])
-        for key, ref in self._state_keys:
-            if isinstance(ref, tuple):
-                m, attr = ref
-                m._buffers[attr].copy_(state[key])
+        self.state_keys.load_buffers(state)
 
     def shard_layout(self) -> list[tuple[nn.Parameter, list[ShardPiece]]]:
         """Every group's shard, frozen ones included (a checkpoint must hold every parameter)."""
@@ -639,9 +624,3 @@ class FSDPEngine(Engine):
     def gathered_bytes(self) -> int:
         """Bytes of gathered (full) parameter storage held right now, over all groups."""
         return sum(g.full_data.untyped_storage().nbytes() for g in self.groups)
-
-
-def _in_backward() -> bool:
-    """True while the autograd engine runs a backward pass on this thread (e.g. during an
-    activation-checkpointing recompute)."""
-    return torch._C._current_graph_task_id() != -1

@@ -59,7 +59,8 @@ mixed_precision: gathered parameters and compute in `param_dtype`, gradients red
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -67,6 +68,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardlab.engines import _hooks
 from shardlab.engines import collectives as C
 from shardlab.engines.api import Engine, MixedPrecision, ShardPiece, is_meta
 from shardlab.models.init import canonical_names, init_parameters_
@@ -117,6 +119,16 @@ class _Unit:
     bound: _Gather | None = None                # the gather whose tensors the modules see now
 
 
+class GatherState(enum.Enum):
+    """The life of one gather (one forward run of a unit)."""
+
+    FORWARD = "forward"        # gathered for its forward
+    RESHARDED = "resharded"    # forward done, storage freed; its backward will re-gather
+    BACKWARD = "backward"      # re-gathered: its backward is running
+    RECOMPUTE = "recompute"    # gathered by an unforeseen forward inside backward: freed at its end
+    RELEASED = "released"      # done: storage freed, modules unbound
+
+
 @dataclass(eq=False)
 class _Gather:
     """One forward run of a unit: its full parameters and what is left of its backward."""
@@ -124,7 +136,7 @@ class _Gather:
     unit: _Unit
     buffers: list[torch.Tensor]                 # per group, flat
     fulls: list[torch.Tensor]                   # per slot, views into buffers (autograd leaves)
-    state: str = "forward"                      # forward | resharded | backward | recompute | released
+    state: GatherState = GatherState.FORWARD
     grad_buffers: dict[int, torch.Tensor] = field(default_factory=dict)   # group index -> flat grads
     arrived: set[int] = field(default_factory=set)      # slot positions whose gradient is in
     reduced: set[int] = field(default_factory=set)      # group indices already reduced
@@ -146,7 +158,7 @@ class Zero3Engine(Engine):
         self.param_dtype = mp.param_dtype if mp else None
         self.reduce_dtype = (mp.reduce_dtype or mp.param_dtype) if mp else None
         self.sync_grads = True
-        self._callback_queued = False
+        self._backward_end = _hooks.BackwardEnd(self._finish_backward)
         self._live: list[_Gather] = []              # gathers that may hold storage, oldest first
         self._in_backward_of: dict[int, _Gather] = {}   # id(unit) -> gather whose backward runs
         self._inflight: list[tuple[Any, _Unit, _Group, torch.Tensor]] = []   # async reduces, oldest first
@@ -155,11 +167,11 @@ class Zero3Engine(Engine):
         meta = is_meta(module)
         if not meta:
             module.to(self.device)
-            self._broadcast_from_rank0([*module.parameters(), *module.buffers()])
+            _hooks.broadcast_from_rank0([*module.parameters(), *module.buffers()], self.group, self.counter)
         params = list({id(p): p for p in module.parameters()}.values())
         self.slots = self._make_slots(params, canonical_names(module))
         slot_of = {id(p): s for p, s in zip(params, self.slots)}
-        self._state_keys = self._state_dict_layout(module, slot_of)
+        self.state_keys = _hooks.StateDictMirror(module, lambda p: slot_of[id(p)])
         self.unit_list = self._make_units(module, [module, *self.units], slot_of)
         self._max_inflight_bytes = 2 * max(self.unit_param_bytes)
         self._keep_owned_only(module, slot_of, meta)
@@ -271,26 +283,7 @@ class Zero3Engine(Engine):
                     m._buffers[attr] = torch.empty_like(b, device=self.device)
         owned = {id(s.param): s.name for s in self.slots if s.param is not None}
         init_parameters_(root, getattr(root, "init_seed", 0), names=owned)
-        self._broadcast_from_rank0(list(root.buffers()))
-
-    @torch.no_grad()
-    def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
-        for t in {id(t): t for t in tensors}.values():
-            C.broadcast(t.data, src=0, group=self.group, counter=self.counter)
-
-    @staticmethod
-    def _state_dict_layout(root: nn.Module, slot_of: dict[int, _Slot]) -> list[tuple[str, Any]]:
-        """state_dict key -> ("param", slot) or ("buffer", module, attr), in state_dict
-        order, tied names included. Checked against the module's own state_dict."""
-        keys: list[tuple[str, Any]] = []
-        for prefix, m in root.named_modules(remove_duplicate=False):
-            dot = prefix + "." if prefix else ""
-            keys += [(dot + a, ("param", slot_of[id(p)])) for a, p in m._parameters.items() if p is not None]
-            keys += [(dot + a, ("buffer", m, a)) for a, b in m._buffers.items()
-                     if b is not None and a not in m._non_persistent_buffers_set]
-        if [k for k, _ in keys] != list(root.state_dict().keys()):
-            raise NotImplementedError("zero3: this model customizes its state_dict; full_state_dict cannot mirror it")
-        return keys
+        _hooks.broadcast_from_rank0(root.buffers(), self.group, self.counter)
 
     # -- gathering ------------------------------------------------------------------------------
     def _gather(self, unit: _Unit) -> _Gather:
@@ -365,7 +358,7 @@ class Zero3Engine(Engine):
     def _release(self, gather: _Gather) -> None:
         self._free(gather)
         self._unbind(gather)
-        gather.state = "released"
+        gather.state = GatherState.RELEASED
         gather.grad_buffers.clear()
         if gather in self._live:
             self._live.remove(gather)
@@ -382,9 +375,10 @@ class Zero3Engine(Engine):
     # forward hook altogether, so nothing may depend on the post hook running.
 
     def _pre_forward(self, unit: _Unit, module: nn.Module, args: tuple, kwargs: dict):
+        args, kwargs = self._cast_inputs(args), self._cast_inputs(kwargs)
         if not unit.slots:
-            return self._cast_inputs(args), self._cast_inputs(kwargs)
-        in_backward = torch._C._current_graph_task_id() != -1
+            return args, kwargs
+        in_backward = _hooks.in_backward()
         recomputing = self._in_backward_of.get(id(unit)) if in_backward else None
         if recomputing is not None:
             self._bind(recomputing)
@@ -393,86 +387,62 @@ class Zero3Engine(Engine):
                 self._drop_stale_gathers()
             gather = self._gather(unit)
             if in_backward:
-                gather.state = "recompute"  # unforeseen forward inside backward: freed at its end
+                gather.state = GatherState.RECOMPUTE
             self._bind(gather)
             if not in_backward and unit.trainable < len(unit.slots) and torch.is_grad_enabled():
-                args, kwargs = self._cast_inputs(args), self._cast_inputs(kwargs)
-                self._arm_inputs(gather, args, kwargs)
-                return args, kwargs
-        return self._cast_inputs(args), self._cast_inputs(kwargs)
-
-    def _arm_inputs(self, gather: _Gather, args: tuple, kwargs: dict) -> None:
-        """A unit with frozen parameters: hook the gradients of its inputs (see [Note: when a
-        gather with frozen parameters may be freed])."""
-        inputs = [t for t in _tensors((args, kwargs)) if t.requires_grad]
-        if inputs:
-            gather.input_hooked = True
-            torch.autograd.graph.register_multi_grad_hook(inputs, partial(self._on_inputs_grad, gather))
+                # frozen parameters: see [Note: when a gather with frozen parameters may be freed]
+                gather.input_hooked = _hooks.hook_input_grads(args, kwargs, partial(self._on_inputs_grad, gather))
+        return args, kwargs
 
     def _post_forward(self, unit: _Unit, module: nn.Module, args: tuple, output: Any) -> None:
-        if torch._C._current_graph_task_id() != -1:
+        if _hooks.in_backward():
             return  # activation-checkpoint recompute: see the Note above
         gather = unit.bound
         if gather is None:
             return
-        outputs = [t for t in _tensors(output) if t.requires_grad]
-        if not outputs:
-            self._release(gather)  # no backward will come for this forward (eval, no_grad)
-            return
         # Even with every parameter of the unit frozen, backward through it needs the
         # parameters (for the gradient of its input): it re-gathers them all the same.
+        if not _hooks.hook_output_grads(output, partial(self._pre_backward, gather)):
+            self._release(gather)  # no backward will come for this forward (eval, no_grad)
+            return
         self._unbind(gather)
         if self.reshard_after_forward:
             self._free(gather)
-            gather.state = "resharded"
-        for t in outputs:
-            t.register_hook(partial(self._pre_backward, gather))
+            gather.state = GatherState.RESHARDED
 
     def _drop_stale_gathers(self) -> None:
         """A new forward begins: gathers still holding storage belong to forwards whose
         backward has not run (reshard_after_forward=False, or a forward never
         backpropagated). Free them; should their backward come, it re-gathers."""
         for gather in list(self._live):
-            if gather.state in ("forward", "resharded"):
+            if gather.state in (GatherState.FORWARD, GatherState.RESHARDED):
                 self._free(gather)
-                gather.state = "resharded"
+                gather.state = GatherState.RESHARDED
                 self._live.remove(gather)
 
     def _cast_inputs(self, value: Any) -> Any:
-        if self.param_dtype is None:
-            return value
-        if isinstance(value, torch.Tensor):
-            return value.to(self.param_dtype) if value.is_floating_point() else value
-        if isinstance(value, (tuple, list)):
-            return type(value)(self._cast_inputs(v) for v in value)
-        if isinstance(value, dict):
-            return {k: self._cast_inputs(v) for k, v in value.items()}
-        return value
+        return _hooks.cast_floating(value, self.param_dtype)
 
     # -- backward -------------------------------------------------------------------------------
-    # [Note: when the hooks fire]
-    # A hook registered on a unit's output runs when that output's gradient is complete,
-    # which is before any backward node inside the unit runs: the moment to re-gather.
-    # Each full tensor is its own autograd leaf, and autograd sums every use of a leaf before
-    # its AccumulateGrad runs, so the post-accumulate-grad hook fires once per gather with
-    # the whole gradient: both uses of GPT's tied embedding/head weight arrive together. A
+    # [Note: one gradient per gathered tensor]
+    # The output-gradient hook re-gathers ([Note: when the hooks fire], engines/api.py).
+    # Each full tensor is its own autograd leaf, so its post-accumulate-grad hook fires once
+    # per gather with the whole gradient: both uses of GPT's tied embedding/head weight arrive together. A
     # unit that runs twice gathers twice, into two sets of leaves; each set's gradient is
     # reduced to the owner, who adds them up, as autograd would have. A parameter shared by
     # two units likewise arrives once per unit. Once every leaf of a gather has its
     # gradient, no backward node needs the gathered values any more: they are freed.
 
     def _pre_backward(self, gather: _Gather, grad: torch.Tensor) -> None:
-        if gather.state == "backward":
+        if gather.state is GatherState.BACKWARD:
             return  # another output of the same forward got here first
         # "released" too: a second backward through a graph kept with retain_graph=True
         gather.arrived.clear()
         gather.reduced.clear()
         gather.inputs_done = False
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            self._callback_queued = True
+        self._backward_end.arm()
         self._fill(gather)
-        gather.state = "backward"
+        gather.state = GatherState.BACKWARD
         if gather not in self._live:
             self._live.append(gather)
         self._in_backward_of[id(gather.unit)] = gather
@@ -523,7 +493,7 @@ class Zero3Engine(Engine):
         return unit.trainable == len(unit.slots) or (gather.input_hooked and gather.inputs_done)
 
     def _on_inputs_grad(self, gather: _Gather, _grads: Any) -> None:
-        if gather.state != "backward":
+        if gather.state is not GatherState.BACKWARD:
             return
         gather.inputs_done = True
         if self._backward_done(gather):
@@ -540,8 +510,7 @@ class Zero3Engine(Engine):
                 continue
             if buffer is None:
                 buffer = torch.zeros(group.grad_numel, dtype=self.reduce_dtype or group.dtype, device=self.device)
-            # [Note: why average] each rank's loss is the mean over its own micro batch, so
-            # the gradient of the global mean loss is the mean of the ranks' gradients.
+            # averaged, never summed: [Note: why average] (engines/api.py)
             handle = C.reduce(buffer, group.owner, self.group, average=True, async_op=True, counter=self.counter)
             gather.reduced.add(gi)
             gather.grad_buffers.pop(gi, None)
@@ -566,24 +535,21 @@ class Zero3Engine(Engine):
             else:
                 slot.param.grad.add_(g)
 
-    # [Note: why we wait where we wait]
+    # [Note: how many reduces may be in flight]
     # A reduce is launched asynchronously as soon as an owner's gradient buffer is complete,
     # so it overlaps the backward of earlier units; to bound memory, the oldest is waited
     # for once the buffers in flight exceed twice the largest unit's gradients. The
     # broadcasts that re-gather a unit are waited for at once: backward needs the values.
-    # The callback queued at the first pre-backward hook runs once the whole graph has
-    # been processed, still inside `loss.backward()`: it reduces gradient buffers left
-    # incomplete because some parameter got no gradient this time (in the same order on
-    # every rank, so the reduces pair up), waits for every reduce (the contract: all
-    # communication is done when backward returns, and `p.grad` is final), and frees
-    # whatever is still gathered.
+    # At the end of backward ([Note: why we wait where we wait], engines/api.py) gradient
+    # buffers left incomplete because some parameter got no gradient this time are reduced
+    # (in the same order on every rank, so the reduces pair up), every reduce is waited
+    # for, and whatever is still gathered is freed.
 
     def _finish_backward(self) -> None:
-        self._callback_queued = False
         for gather in list(self._live):
-            if gather.state == "backward" and self.sync_grads:
+            if gather.state is GatherState.BACKWARD and self.sync_grads:
                 self._reduce_complete_groups(gather, flush=True)
-            if gather.state in ("backward", "recompute"):
+            if gather.state in (GatherState.BACKWARD, GatherState.RECOMPUTE):
                 self._release(gather)
         while self._inflight:
             self._complete_oldest_reduce()
@@ -592,32 +558,23 @@ class Zero3Engine(Engine):
     # -- the rest of the contract ---------------------------------------------------------------
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        full: dict[int, torch.Tensor] = {}
+        full: dict[_Slot, torch.Tensor] = {}
         for slot in self.slots:
             t = slot.param.detach().clone() if slot.param is not None else torch.empty(
                 slot.shape, dtype=slot.dtype, device=self.device)
             C.broadcast(t, slot.owner, self.group, counter=self.counter)
-            full[id(slot)] = t.to("cpu")
-        out = {}
-        for key, ref in self._state_keys:
-            if ref[0] == "param":
-                out[key] = full[id(ref[1])]
-            else:
-                out[key] = ref[1]._buffers[ref[2]].detach().to("cpu", copy=True)
-        return out
+            full[slot] = t.to("cpu")
+        return self.state_keys.full(full)
 
     @torch.no_grad()
     def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        missing = [k for k, _ in self._state_keys if k not in state]
+        missing = self.state_keys.missing(state)
         if missing:
             raise KeyError(f"zero3: state dict lacks {missing}")
-        for key, ref in self._state_keys:
-            if ref[0] == "param":
-                slot = ref[1]
-                if slot.param is not None:
-                    slot.param.copy_(state[key])
-            else:
-                ref[1]._buffers[ref[2]].copy_(state[key])
+        for k in self.state_keys.keys:
+            if k.param is not None and k.param.param is not None:
+                k.param.param.copy_(state[k.key])
+        self.state_keys.load_buffers(state)
 
     def shard_layout(self) -> list[tuple[nn.Parameter, list[ShardPiece]]]:
         """Every owned Parameter is one whole original parameter."""
@@ -635,13 +592,3 @@ class Zero3Engine(Engine):
     def comm_stats(self) -> dict[str, dict[str, int]]:
         return self.counter.snapshot()
 
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)

@@ -1,0 +1,137 @@
+"""The hook machinery the sharded engines (`zero3`, `fsdp`) share.
+
+Both engines run the model's own code unchanged and communicate from hooks: a forward
+pre-hook gathers a unit, a forward hook frees it and hooks the outputs' gradients (the
+pre-backward), gradient hooks reduce, and a callback at the end of backward waits for what is
+still in flight. What differs is what a unit is made of (whole owned tensors vs flat slices);
+the pieces below are the same and live here once. The reasoning they follow is written once,
+in `engines/api.py`: [Note: why average], [Note: when the hooks fire], [Note: why we wait
+where we wait].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from shardlab.engines import collectives
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass on this thread: a forward hook
+    that fires then belongs to an activation-checkpointing recompute."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def tensors_requiring_grad(value: Any) -> list[torch.Tensor]:
+    """The tensors inside any nesting of tuples, lists and dicts that require grad."""
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def cast_floating(value: Any, dtype: torch.dtype | None) -> Any:
+    """`value` with every floating-point tensor inside it cast to `dtype` (mixed precision's
+    input cast; None: unchanged)."""
+    if dtype is None:
+        return value
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, value)
+
+
+def hook_output_grads(output: Any, fn: Callable[[torch.Tensor], Any]) -> bool:
+    """Register `fn(grad)` on every output tensor that requires grad: it fires when that
+    output's gradient is complete, before any backward node of the unit that produced it
+    runs (the pre-backward). Returns whether a backward can reach the unit at all."""
+    outputs = tensors_requiring_grad(output)
+    for t in outputs:
+        t.register_hook(fn)
+    return bool(outputs)
+
+
+def hook_input_grads(args: tuple, kwargs: dict, fn: Callable[[Any], Any]) -> bool:
+    """Call `fn` once the gradients of *all* the unit's inputs that require grad are complete
+    (register_multi_grad_hook, mode "all"): every backward node of the unit precedes them, so
+    this is when a unit holding frozen parameters may be freed. False if no input requires
+    grad (no such signal: the engine frees the unit at the end of backward)."""
+    inputs = tensors_requiring_grad((args, kwargs))
+    if inputs:
+        torch.autograd.graph.register_multi_grad_hook(inputs, fn)
+    return bool(inputs)
+
+
+class BackwardEnd:
+    """Runs `callback` once after the last node of the current backward pass, still inside
+    `loss.backward()` (see [Note: why we wait where we wait]). Every backward hook calls
+    `arm()`; only the first of a pass queues the callback."""
+
+    def __init__(self, callback: Callable[[], None]):
+        self._callback = callback
+        self.queued = False
+
+    def arm(self) -> None:
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._run)
+
+    def _run(self) -> None:
+        self.queued = False
+        self._callback()
+
+
+@torch.no_grad()
+def broadcast_from_rank0(tensors: Iterable[torch.Tensor], group: dist.ProcessGroup | None,
+                         counter: collectives.CommCounter | None) -> None:
+    """Make every rank's copy equal to rank 0's (each tensor once, tied ones included)."""
+    for t in {id(t): t for t in tensors}.values():
+        collectives.broadcast(t.data, 0, group, counter=counter)
+
+
+@dataclass(frozen=True)
+class StateKey:
+    """One key of the unwrapped module's state_dict: a parameter (`param`: the engine's own
+    reference to it) or a buffer (`module`, `attr`)."""
+
+    key: str
+    param: Hashable | None = None
+    module: nn.Module | None = None
+    attr: str = ""
+
+
+class StateDictMirror:
+    """The unwrapped module's state_dict keys, in order (tied names included), recorded before
+    the engine replaces its parameters, so `full_state_dict` returns exactly those keys.
+
+    param_ref maps a parameter to the engine's reference for it (a canonical name, a slot)."""
+
+    def __init__(self, root: nn.Module, param_ref: Callable[[nn.Parameter], Hashable]):
+        param_ids = {id(p) for p in root.parameters()}  # tied names share one Parameter
+        self.keys: list[StateKey] = []
+        for key, t in root.state_dict(keep_vars=True).items():
+            if id(t) in param_ids:
+                self.keys.append(StateKey(key, param=param_ref(t)))
+                continue
+            path, _, attr = key.rpartition(".")
+            module = root.get_submodule(path)
+            if module._buffers.get(attr) is not t:
+                raise NotImplementedError(f"{key!r} is neither a parameter nor a buffer of its module: this model "
+                                          f"customizes its state_dict, which the sharded engines cannot mirror")
+            self.keys.append(StateKey(key, module=module, attr=attr))
+
+    def full(self, params: Mapping[Hashable, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The full state dict: parameters from `params` (reference -> full CPU tensor), buffers
+        copied to CPU from their modules."""
+        return {k.key: params[k.param] if k.module is None
+                else k.module._buffers[k.attr].detach().to("cpu", copy=True) for k in self.keys}
+
+    def missing(self, state: Mapping[str, torch.Tensor]) -> list[str]:
+        return [k.key for k in self.keys if k.key not in state]
+
+    @torch.no_grad()
+    def load_buffers(self, state: Mapping[str, torch.Tensor]) -> None:
+        for k in self.keys:
+            if k.module is not None:
+                k.module._buffers[k.attr].copy_(state[k.key])
