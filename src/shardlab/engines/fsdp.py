@@ -112,7 +112,7 @@ class UnitState(enum.Enum):
     GATHERED = "gathered"
 
 
-MAX_UNITS_REDUCING = 2  # see [Note: how many reduce-scatters may be in flight]
+MAX_UNITS_REDUCING = 1  # see [Note: how many reduce-scatters may be in flight]
 
 
 @dataclass(eq=False)
