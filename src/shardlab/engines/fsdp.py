@@ -139,6 +139,7 @@ class FlatGroup:
     handle: Any = None                     # in-flight all-gather
     send: torch.Tensor | None = None       # kept alive while the all-gather runs
     unsharded_grad: torch.Tensor | None = None  # no_sync accumulation (full size, the shard's dtype)
+    grads_computed: bool = False           # its parameters' gradients are all in (SplitBackward is next)
 
     @property
     def trainable(self) -> bool:
@@ -157,6 +158,7 @@ class FlatUnit:
     tracked_views: bool = False            # autograd-connected views installed for this step
     needs_backward: bool = False           # ran forward with grad; its post-backward is due
     grads_due: int = 0                     # trainable groups whose gradient has not arrived yet
+    splits_due: int = 0                    # trainable groups whose SplitBackward has not started yet
     input_hooks: int = 0                   # input-gradient hooks armed this step (units with frozen groups)
     inputs_due: int = 0                    # ... of which not fired yet
 
@@ -388,11 +390,13 @@ class FSDPEngine(Engine):
             with torch.set_grad_enabled(track and g.trainable):
                 for e, piece in zip(g.entries, torch.split(g.full, g.sizes)):
                     view = piece.view(e.shape)
+                    if track and g.trainable:  # see [Note: freeing a unit before its flat gradient exists]
+                        view.register_hook(lambda _grad, g=g: self._group_grads_computed(g))
                     for m, attr in e.bindings:
                         setattr(m, attr, view)
         if track:
             u.tracked_views = True
-            u.grads_due = sum(g.trainable for g in u.groups)
+            u.grads_due = u.splits_due = sum(g.trainable for g in u.groups)
 
     def _arm_inputs(self, u: FlatUnit, args: tuple, kwargs: dict) -> None:
         """For a unit with frozen groups: a hook that fires once the gradients of the unit's
@@ -497,6 +501,26 @@ class FSDPEngine(Engine):
     # as a prefetched unit whose backward never came. Reduce-scatters never wait for this:
     # each trainable group's starts as soon as its gradient is final.
 
+    # [Note: freeing a unit before its flat gradient exists]
+    # The views of a group are the outputs of one SplitBackward node, and a hook on a
+    # non-leaf tensor runs as that node is about to execute: once the gradients of all the
+    # group's parameters are computed, i.e. once every node that read them has run (each
+    # such node has the parameter as a differentiable input; frozen ones are the exception,
+    # hence units with frozen groups wait as the Note above says). SplitBackward then
+    # allocates the flat gradient (a unit's worth of bytes) while the per-parameter
+    # gradients still exist. Freeing the gathered parameters in the hook, before that
+    # allocation, takes one unit off the backward peak (measured on gpt2-small at N=4:
+    # 27 MiB of 457). The hooks of one node all fire together; the first does the work.
+
+    def _group_grads_computed(self, g: FlatGroup) -> None:
+        if g.grads_computed:
+            return
+        g.grads_computed = True
+        u = g.unit
+        u.splits_due -= 1
+        if u.splits_due == 0 and not u.has_frozen:
+            self._reshard(u)
+
     def _unit_backward_done(self, u: FlatUnit) -> bool:
         if u.grads_due > 0:
             return False
@@ -504,7 +528,9 @@ class FSDPEngine(Engine):
 
     def _finish_unit(self, u: FlatUnit) -> None:
         u.needs_backward = u.tracked_views = False
-        u.grads_due = u.input_hooks = u.inputs_due = 0
+        u.grads_due = u.splits_due = u.input_hooks = u.inputs_due = 0
+        for g in u.groups:
+            g.grads_computed = False
         self._reshard(u)
 
     def _inputs_done(self, u: FlatUnit) -> None:
