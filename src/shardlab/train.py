@@ -437,12 +437,14 @@ def print_summary(result: dict[str, Any], out_dir: str) -> None:
 def worker_main(cfg: Config) -> int:
     """Entry point of one worker process (under shardlab's launcher, torchrun, srun or a pod)."""
     rt = init_runtime(cfg.parallel.backend, cfg.parallel.timeout_s, force_group=cfg.parallel.strategy != "single")
+    clean = False
     try:
         if not cfg.output.run_name:
             cfg.output.run_name = _agree_on_run_name(cfg, rt)
         result = train(cfg, rt)
         if rt.is_main:
             print_summary(result, run_dir(cfg))
+        clean = True
         return 0
     except (dist.DistBackendError, RuntimeError) as e:
         if rt.distributed and _is_peer_failure(e):
@@ -455,7 +457,7 @@ def worker_main(cfg: Config) -> int:
                   f"{cfg.parallel.timeout_s:g} s.", file=sys.stderr)
         raise
     finally:
-        shutdown()
+        shutdown(clean)  # see [Note: tearing down the process group] in runtime.py
 
 
 def _is_peer_failure(e: BaseException) -> bool:

@@ -11,6 +11,7 @@ where we wait].
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,32 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from shardlab.engines import collectives
+
+
+def weak_hook(method: Callable[..., Any], *args: Any) -> Callable[..., Any]:
+    """A hook calling `method(*args, *hook_args)` that keeps neither the method's object nor
+    `args` alive. Hooks on long-lived tensors (parameters, flat buffers) are held from C++,
+    where the garbage collector cannot see the cycle they close (tensor -> hook -> engine ->
+    tensor): with a strong hook the engine, its buffers and its last collectives' work would
+    outlive the run, until interpreter finalization (see [Note: tearing down the process
+    group] in runtime.py). Once any of them is gone the hook does nothing. Arguments that
+    cannot be weakly referenced (ints) hold nothing and are kept as they are."""
+    refs = [weakref.WeakMethod(method), *(_weak_or_plain(a) for a in args)]
+
+    def hook(*hook_args: Any) -> Any:
+        alive = [r() for r in refs]
+        if any(x is None for x in alive):
+            return None
+        return alive[0](*alive[1:], *hook_args)
+
+    return hook
+
+
+def _weak_or_plain(value: Any) -> Callable[[], Any]:
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return lambda: value
 
 
 def in_backward() -> bool:

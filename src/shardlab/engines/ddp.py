@@ -84,7 +84,7 @@ class DDPEngine(Engine):
         self._next_to_launch = 0          # buckets launch strictly in index order (see Note)
         self._backward_end = _hooks.BackwardEnd(self._finish_backward)
         for p in params:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            p.register_post_accumulate_grad_hook(_hooks.weak_hook(self._on_grad_ready))
 
     # -- setup ----------------------------------------------------------------------------------
     def _make_buckets(self, params: list[nn.Parameter], cap: int) -> list[_Bucket]:

@@ -326,7 +326,7 @@ class FSDPEngine(Engine):
         full.untyped_storage().resize_(0)
         group = FlatGroup(unit, entries, shard_param, full, full.data, [e.numel for e in entries] + [padded - offset])
         if trainable:
-            full.register_post_accumulate_grad_hook(lambda _t, g=group: self._post_backward(g))
+            full.register_post_accumulate_grad_hook(_hooks.weak_hook(self._post_backward, group))
         for e in entries:  # outside forward/backward the original names are shape-only placeholders
             for m, attr in e.bindings:
                 setattr(m, attr, torch.empty(e.shape, dtype=compute_dtype, device="meta"))
@@ -391,7 +391,7 @@ class FSDPEngine(Engine):
                 for e, piece in zip(g.entries, torch.split(g.full, g.sizes)):
                     view = piece.view(e.shape)
                     if track and g.trainable:  # see [Note: freeing a unit before its flat gradient exists]
-                        view.register_hook(lambda _grad, g=g: self._group_grads_computed(g))
+                        view.register_hook(_hooks.weak_hook(self._group_grads_computed, g))
                     for m, attr in e.bindings:
                         setattr(m, attr, view)
         if track:
@@ -512,7 +512,7 @@ class FSDPEngine(Engine):
     # allocation, takes one unit off the backward peak (measured on gpt2-small at N=4:
     # 27 MiB of 457). The hooks of one node all fire together; the first does the work.
 
-    def _group_grads_computed(self, g: FlatGroup) -> None:
+    def _group_grads_computed(self, g: FlatGroup, _grad: torch.Tensor | None = None) -> None:
         if g.grads_computed:
             return
         g.grads_computed = True
@@ -539,7 +539,7 @@ class FSDPEngine(Engine):
         if u.needs_backward and self._unit_backward_done(u):
             self._finish_unit(u)
 
-    def _post_backward(self, g: FlatGroup) -> None:
+    def _post_backward(self, g: FlatGroup, _full: torch.Tensor | None = None) -> None:
         self.backward_end.arm()
         u = g.unit
         full_grad = g.full.grad

@@ -299,7 +299,7 @@ class Zero3Engine(Engine):
             for pos, (slot, full) in enumerate(zip(unit.slots, fulls)):
                 if slot.requires_grad:
                     full.requires_grad_(True)
-                    full.register_post_accumulate_grad_hook(partial(self._on_grad, gather, pos))
+                    full.register_post_accumulate_grad_hook(_hooks.weak_hook(self._on_grad, gather, pos))
         self._live.append(gather)
         return gather
 
