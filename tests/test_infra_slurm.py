@@ -134,7 +134,13 @@ def test_preempted_job_saves_requeues_resumes(slurm, tmp_path):
         signalled = subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm, timeout=30,
                                    capture_output=True, text=True)
         assert signalled.returncode == 0, signalled.stderr
-        state = _wait_state(slurm, job_id, lambda s: s in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 240)
+        # Slurm makes a requeued batch job eligible only 120 s later (EligibleTime); the test
+        # does not wait for that: once the job is pending again, it may start now
+        state = _wait_state(slurm, job_id, lambda s: s in ("PENDING", "COMPLETED", "FAILED", "CANCELLED"), 120)
+        if state == "PENDING":
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=slurm, timeout=30,
+                           check=True)
+        state = _wait_state(slurm, job_id, lambda s: s in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 180)
     finally:
         if job_state(slurm, job_id) in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED"):
             subprocess.run(["scancel", job_id], env=slurm, timeout=30)
