@@ -83,3 +83,79 @@ def test_rendered_sbatch_runs_two_agents(slurm, tmp_path):
     assert metrics["world_size"] == 2
     assert metrics["steps"] == 4
     assert "2 agent(s)" in logs
+
+
+def _wait_state(env: dict, job_id: str, done, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    state = job_state(env, job_id)
+    while time.monotonic() < deadline and not done(state):
+        time.sleep(0.5)
+        state = job_state(env, job_id)
+    return state
+
+
+def test_preempted_job_saves_requeues_resumes(slurm, tmp_path):
+    """USR1 to the batch shell (as `#SBATCH --signal=B:USR1@...` sends it before the time limit):
+    the workers save, the script requeues the job, the requeued job resumes and finishes with
+    the same losses as an uninterrupted run of the same config."""
+    from shardlab.checkpoint import list_checkpoints
+
+    t0 = time.monotonic()
+    out, runs = tmp_path / "deploy", tmp_path / "runs"
+    common = ["model.preset=gpt-nano", "data.source=synthetic", "data.seq_len=32", "data.synthetic_samples=512",
+              "train.steps=60", "train.global_batch_size=8", "train.micro_batch_size=2", "train.eval_batches=1",
+              "checkpoint.every_steps=5", "output.progress=false", "output.tensorboard=false", f"output.dir={runs}"]
+    render = subprocess.run(
+        [sys.executable, "-m", "shardlab", "render", "slurm", str(ROOT / "configs" / "gpt-tiny.yaml"), *common,
+         "output.run_name=preempted", "preemption.grace_s=60",
+         "--nodes", "2", "--gpus-per-node", "0", "--cpus-per-task", "1", "--max-restarts", "1",
+         "--python", sys.executable, "--socket-ifname", "lo", "--rdzv-port", "29632",
+         "--time", "00:10:00", "--out", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert render.returncode == 0, render.stderr
+    assert "#SBATCH --signal=B:USR1@60" in (out / "shardlab.sbatch").read_text()
+    # the uninterrupted reference: the same config at the same world size (fsdp is exact across
+    # world sizes only up to reordering), beside the Slurm job
+    ref_env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    reference = subprocess.Popen([sys.executable, "-m", "shardlab", "train", str(ROOT / "configs" / "gpt-tiny.yaml"),
+                                  "--nproc", "2", *common,
+                                  "output.run_name=reference"], stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL, env=ref_env)
+    sub = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", str(out / "shardlab.sbatch")],
+                         capture_output=True, text=True, env=slurm, timeout=30)
+    assert sub.returncode == 0, sub.stderr
+    job_id = sub.stdout.strip().split(";")[0]
+    root = runs / "preempted" / "checkpoints"
+    try:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and not (list_checkpoints(str(root)) if root.is_dir() else []):
+            time.sleep(0.2)
+        assert root.is_dir() and list_checkpoints(str(root)), f"job {job_id} saved nothing in 150 s"
+        signalled = subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm, timeout=30,
+                                   capture_output=True, text=True)
+        assert signalled.returncode == 0, signalled.stderr
+        # Slurm makes a requeued batch job eligible only 120 s later (EligibleTime); the test
+        # does not wait for that: once the job is pending again, it may start now
+        state = _wait_state(slurm, job_id, lambda s: s in ("PENDING", "COMPLETED", "FAILED", "CANCELLED"), 120)
+        if state == "PENDING":
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=slurm, timeout=30,
+                           check=True)
+        state = _wait_state(slurm, job_id, lambda s: s in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 180)
+    finally:
+        if job_state(slurm, job_id) in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED"):
+            subprocess.run(["scancel", job_id], env=slurm, timeout=30)
+    assert reference.wait(timeout=120) == 0
+    logs = "\n".join(p.read_text() for p in (out / "logs").glob("*.out"))
+    info = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, env=slurm,
+                          timeout=30).stdout
+    assert state == "COMPLETED", f"job {job_id} ended {state}:\n{info}\nlog:\n{logs[-5000:]}"
+    assert "Restarts=1" in info, info                          # requeued exactly once
+    assert "got USR1, forwarding it" in logs and "requeueing job" in logs
+    preempted = json.loads((runs / "preempted" / "preempted.json").read_text())
+    assert preempted["signal"] == "SIGUSR1" and 0 < preempted["step"] < 60
+    metrics = json.loads((runs / "preempted" / "metrics.json").read_text())
+    ref = json.loads((runs / "reference" / "metrics.json").read_text())
+    assert metrics["steps"] == 60 and metrics["steps_this_run"] == 60 - preempted["step"]
+    assert metrics["losses"] == ref["losses"] and metrics["val_loss"] == ref["val_loss"]
+    print(f"\nslurm preemption: step {preempted['step']}, save {preempted['save_seconds']:.3f} s, "
+          f"test {time.monotonic() - t0:.1f} s")

@@ -97,6 +97,17 @@ class CheckpointConfig:
 
 
 @dataclass
+class PreemptionConfig:
+    """What a SIGTERM/SIGUSR1 does and how long the job must be given for it (docs/preemption.md)."""
+
+    enabled: bool = True                   # save a checkpoint and exit 75 on SIGTERM/SIGUSR1
+    grace_s: Optional[float] = None        # signal-to-exit seconds; null = ceil(2 x save + margin_s)
+    save_s: Optional[float] = None         # one save; null = measured (newest checkpoint) or estimated
+    write_mb_s: float = 100.0              # storage write speed the estimate assumes
+    margin_s: float = 30.0                 # the step in flight, process exit, filesystem latency
+
+
+@dataclass
 class OutputConfig:
     dir: str = "runs"
     run_name: Optional[str] = None         # null = <model>-<strategy>-<timestamp>
@@ -112,6 +123,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -377,6 +389,11 @@ def validate(cfg: Config) -> None:
     _check(c.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {c.keep_last}")
     _check(c.resume in ("auto", "none") or os.path.exists(c.resume),
            f"checkpoint.resume must be auto, none or an existing checkpoint path; {c.resume!r} does not exist")
+    pre = cfg.preemption
+    _check(pre.grace_s is None or pre.grace_s >= 1, f"preemption.grace_s must be >= 1 or null, got {pre.grace_s}")
+    _check(pre.save_s is None or pre.save_s > 0, f"preemption.save_s must be > 0 or null, got {pre.save_s}")
+    _check(pre.write_mb_s > 0, f"preemption.write_mb_s must be > 0, got {pre.write_mb_s}")
+    _check(pre.margin_s >= 0, f"preemption.margin_s must be >= 0, got {pre.margin_s}")
 
 
 def validate_for_world(cfg: Config, world_size: int) -> None:

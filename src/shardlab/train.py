@@ -34,6 +34,7 @@ from shardlab.engines import Engine, engine_class, engine_of, is_sharded, optimi
 from shardlab.engines.api import MixedPrecision
 from shardlab.evaluate import evaluate
 from shardlab.models import build_model, count_parameters
+from shardlab.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionGuard
 from shardlab.runtime import Runtime, all_gather_object, hostname, init_runtime, seed_everything, shutdown
 
 
@@ -142,6 +143,20 @@ class Run:
         else:
             self.manager.maybe_save(self.model, self.opt, self.sched, self.state)
 
+    def save_now(self) -> str:
+        """A synchronous checkpoint of the current step (a preemption's), unless that step is
+        saved already; any in-flight asynchronous save is committed first."""
+        if self.scaler is not None:
+            self.state.loss_scaler = self.scaler.state_dict()
+        m = self.manager
+        if m.last_saved_step != self.state.step:
+            m._refuse_non_finite(self.model, self.state.step)
+            m.save(self.model, self.opt, self.sched, self.state, blocking=True)
+        m.wait()
+        from shardlab.checkpoint import step_dir_name
+
+        return os.path.join(m.root, step_dir_name(self.state.step))
+
 
 def build_run(cfg: Config, rt: Runtime) -> Run:
     validate_for_world(cfg, rt.world_size)
@@ -165,7 +180,7 @@ def build_run(cfg: Config, rt: Runtime) -> Run:
     state = TrainState()
     out_dir = run_dir(cfg)
     manager = None
-    if cfg.checkpoint.every_steps > 0 or cfg.checkpoint.resume != "none":
+    if cfg.checkpoint.every_steps > 0 or cfg.checkpoint.resume != "none" or cfg.preemption.enabled:
         # sharded save and exact resume: docs/checkpointing.md
         from shardlab.checkpoint import CheckpointManager
 
@@ -293,7 +308,13 @@ class StepLogger:
 
 # -- the loop ---------------------------------------------------------------------------------------
 def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
-    """Train with `cfg` in this worker; returns the metrics (written by rank 0)."""
+    """Train with `cfg` in this worker; returns the metrics (written by rank 0). Raises
+    Preempted once a SIGTERM/SIGUSR1 turned into a complete checkpoint (docs/preemption.md)."""
+    with PreemptionGuard(cfg.preemption.enabled) as guard:
+        return _train(cfg, rt, guard)
+
+
+def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str, Any]:
     t0 = time.perf_counter()
     rt = rt or init_runtime(cfg.parallel.backend, cfg.parallel.timeout_s,
                             force_group=cfg.parallel.strategy != "single")
@@ -316,6 +337,9 @@ def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
         profiler = memory.StepProfiler(run.out_dir, rt.rank, first, t.profile_steps, rt.device)
     try:
         while state.step < t.steps:
+            # the step boundary: all ranks agree whether a signal arrived (one tiny all-reduce)
+            if guard.should_stop(rt):
+                raise Preempted(guard.save_and_record(run))
             if profiler is not None:
                 profiler.before_step(state.step)
             start = time.perf_counter()
@@ -435,7 +459,8 @@ def print_summary(result: dict[str, Any], out_dir: str) -> None:
     Console().print(table)
     print(f"run directory: {out_dir}")
 def worker_main(cfg: Config) -> int:
-    """Entry point of one worker process (under shardlab's launcher, torchrun, srun or a pod)."""
+    """Entry point of one worker process (under shardlab's launcher, torchrun, srun or a pod).
+    Exit codes: 0 done, PREEMPTED_EXIT_CODE (75) a signal was turned into a checkpoint."""
     rt = init_runtime(cfg.parallel.backend, cfg.parallel.timeout_s, force_group=cfg.parallel.strategy != "single")
     clean = False
     try:
@@ -446,6 +471,11 @@ def worker_main(cfg: Config) -> int:
             print_summary(result, run_dir(cfg))
         clean = True
         return 0
+    except Preempted as p:
+        if rt.is_main:
+            print(f"shardlab: {p}; exit code {PREEMPTED_EXIT_CODE}. The same command (checkpoint.resume=auto) "
+                  "continues from it.", flush=True)
+        return PREEMPTED_EXIT_CODE
     except (dist.DistBackendError, RuntimeError) as e:
         if rt.distributed and _is_peer_failure(e):
             import sys

@@ -44,7 +44,9 @@ def _add_slurm(p: argparse.ArgumentParser) -> None:
     p.add_argument("--python", default="python3", help="Python on the compute nodes that has shardlab installed")
     p.add_argument("--setup", default="", help="shell line run before training, e.g. 'source ~/venv/bin/activate'")
     p.add_argument("--workdir", default=None, help="job working directory (default: the current directory)")
-    p.add_argument("--requeue", action="store_true", help="let Slurm requeue the job after a node failure")
+    p.add_argument("--requeue", action=argparse.BooleanOptionalAction, default=True,
+                   help="#SBATCH --requeue, and `scontrol requeue` after a preemption save (default: on; "
+                        "docs/preemption.md)")
 
 
 def _add_k8s(p: argparse.ArgumentParser) -> None:

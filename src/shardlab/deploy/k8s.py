@@ -12,6 +12,13 @@ writes a self-contained overlay: a copy of the base with the user's values, a
 kustomization that adds the namespace, the image and the config as a ConfigMap, and the
 same objects emitted directly in `manifest.yaml` for clusters applied without kustomize
 (tests/kustomize_expand.py and `kubectl kustomize` check that both agree).
+
+Preemption (docs/preemption.md): the agents are `python -m shardlab.torchrun` (torchrun that
+exits 75 once its workers saved after a SIGTERM), `--shutdown-timeout` and the pod's
+`terminationGracePeriodSeconds` come from the config's preemption grace, and the Job's
+podFailurePolicy ignores both a `DisruptionTarget` pod (spot preemption, drain) and exit code
+75, so the replacement pod resumes (checkpoint.resume=auto) without using up backoffLimit.
+On GKE spot nodes the kubelet gives pods 15 s whatever the spec says (FIELD-NOTES).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from pathlib import Path
 
 import yaml
 
+from shardlab import preemption
 from shardlab.deploy.common import (
     RESOLVED_CONFIG_NAME,
     RenderError,
@@ -41,6 +49,8 @@ BUCKET_MOUNT = "/mnt/shardlab"
 CONFIG_MOUNT = "/etc/shardlab"
 RDZV_PORT = 29500
 GPU_RESOURCE = "nvidia.com/gpu"
+GKE_SPOT_POD_GRACE_S = 15          # graceful node shutdown's default share for pods on spot VMs
+AGENT_EXIT_S = 5                   # after the workers: the agent's own exit
 
 # Checkov findings that do not fit a training pod, skipped in place with the reason.
 CHECKOV_SKIPS = {
@@ -69,6 +79,7 @@ class K8sRequest:
     backoff_limit: int | None = None      # default: nodes * (max_restarts + 1)
     create_namespace: bool = True
     extra_labels: dict[str, str] = field(default_factory=dict)
+    grace_s: int = 30                     # preemption grace (render fills it from the config)
 
     @property
     def nproc(self) -> int:
@@ -96,7 +107,7 @@ def _torchrun_script(req: K8sRequest, rdzv_host: str) -> str:
     # A shell line because pod 0 must be told it hosts the rendezvous store: guessing it from
     # DNS fails while its own record is not yet published, and then nobody serves the store.
     parts = [
-        "exec python -m torch.distributed.run",
+        "exec python -m shardlab.torchrun",
         f"--nnodes={req.nodes}",
         f"--nproc-per-node={req.nproc}",
         "--rdzv-backend=c10d",
@@ -105,6 +116,7 @@ def _torchrun_script(req: K8sRequest, rdzv_host: str) -> str:
         '--rdzv-conf="is_host=$([ "$JOB_COMPLETION_INDEX" = 0 ] && echo 1 || echo 0)"',
         '--local-addr="$POD_IP"',
         f"--max-restarts={req.max_restarts}",
+        f"--shutdown-timeout={req.grace_s}",
         f"-m shardlab train {CONFIG_MOUNT}/config.yaml",
     ]
     return " \\\n  ".join(parts) + "\n"
@@ -158,6 +170,8 @@ def pod_spec(req: K8sRequest, command: list[str] | None, container_name: str = "
         container["command"] = command
     spec: dict = {
         "restartPolicy": restart_policy,
+        # SIGTERM -> the workers save at their next step boundary; then SIGKILL (docs/preemption.md)
+        "terminationGracePeriodSeconds": req.grace_s + AGENT_EXIT_S,
         "serviceAccountName": req.service_account,
         # nothing in the pod talks to the API server; the GCS FUSE driver gets its own token
         "automountServiceAccountToken": False,
@@ -214,6 +228,9 @@ def job(req: K8sRequest) -> dict:
             "podFailurePolicy": {"rules": [
                 # a spot preemption or node drain is not the job's fault: replace the pod for free
                 {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+                # 75: a SIGTERM became a complete checkpoint (shardlab.preemption); resume in a new pod
+                {"action": "Ignore", "onExitCodes": {"containerName": "trainer", "operator": "In",
+                                                     "values": [preemption.PREEMPTED_EXIT_CODE]}},
             ]},
             "template": _pod_template(req, spec),
         },
@@ -378,13 +395,22 @@ def render(req: K8sRequest) -> tuple[list[Path], str]:
     check_request(req)
     assert req.out is not None
     run = resolve_config(req.config, k8s_overrides(req, req.overrides), req.nodes * req.nproc)
+    grace = preemption.grace_estimate(run.config) if run.config.preemption.enabled else None
+    if grace is not None:
+        req = dataclasses.replace(req, grace_s=grace.grace_s)
     files = overlay_files(req, run.yaml_text)
     # the same objects the kustomization expands to, emitted directly (the tests check that
     # `kubectl kustomize` and an offline expansion of the written directory agree with it)
     files["manifest.yaml"] = dump_all(manifest_objects(req, run.yaml_text))
     out = req.out.resolve()
     written = write_files(out, files)
-    return written, f"kubectl apply -k {sh_quote(str(out))}   # or: kubectl apply -f {sh_quote(str(out / 'manifest.yaml'))}"
+    hint = f"kubectl apply -k {sh_quote(str(out))}   # or: kubectl apply -f {sh_quote(str(out / 'manifest.yaml'))}"
+    if grace is not None:
+        hint += f"\n{grace.describe()}"
+        if req.gpus_per_node and grace.grace_s > GKE_SPOT_POD_GRACE_S:
+            hint += (f"\nnote: on GKE spot nodes pods get {GKE_SPOT_POD_GRACE_S} s after a preemption notice whatever "
+                     f"terminationGracePeriodSeconds says; a save must fit in that (docs/preemption.md)")
+    return written, hint
 
 
 # ---------------------------------------------------------------- infra/kubernetes (write-infra)
@@ -392,8 +418,8 @@ def render(req: K8sRequest) -> tuple[list[Path], str]:
 def _pytorchjob_overlay(req: K8sRequest) -> dict[str, str]:
     # Kubeflow's training operator sets PET_* variables (nnodes, rdzv endpoint and id, max
     # restarts) from elasticPolicy, and torchrun reads them as defaults.
-    spec = pod_spec(req, ["python", "-m", "torch.distributed.run", "-m", "shardlab", "train",
-                          f"{CONFIG_MOUNT}/config.yaml"], container_name="pytorch", restart_policy="OnFailure")
+    spec = pod_spec(req, ["python", "-m", "shardlab.torchrun", f"--shutdown-timeout={req.grace_s}", "-m", "shardlab",
+                          "train", f"{CONFIG_MOUNT}/config.yaml"], container_name="pytorch", restart_policy="OnFailure")
     spec["containers"][0]["env"] = [e for e in spec["containers"][0]["env"]
                                     if e["name"] not in ("JOB_UID", "POD_IP")]
     pj = {
@@ -441,7 +467,7 @@ def _replace_job_kustomization(req: K8sRequest, new_resource: str) -> dict:
 
 def infra_files(config_yaml: str) -> dict[str, str]:
     """infra/kubernetes: base with default values (2 T4 nodes x 1 GPU) and the two overlays."""
-    req = K8sRequest(config=None, overrides=[], nodes=2, gpus_per_node=1)
+    req = K8sRequest(config=None, overrides=[], nodes=2, gpus_per_node=1, grace_s=default_infra_grace_s())
     files = {f"base/{k}": v for k, v in base_files(req, config_yaml).items()}
     files.update({f"overlays/pytorchjob/{k}": v for k, v in _pytorchjob_overlay(req).items()})
     files.update({f"overlays/jobset/{k}": v for k, v in _jobset_overlay(req).items()})
@@ -449,6 +475,12 @@ def infra_files(config_yaml: str) -> dict[str, str]:
 
 
 DEFAULT_INFRA_CONFIG = "configs/gpt-tiny.yaml"
+
+
+def default_infra_grace_s() -> int:
+    req = K8sRequest(config=None, overrides=[], nodes=2, gpus_per_node=1)
+    cfg = resolve_config(DEFAULT_INFRA_CONFIG, k8s_overrides(req, []), req.nodes * req.nproc).config
+    return preemption.grace_estimate(cfg).grace_s
 
 
 def default_infra_config_yaml() -> str:

@@ -5,6 +5,13 @@ torchrun elastic agent that starts `nproc_per_node` workers, and the agents meet
 c10d rendezvous on the allocation's first host. The agent count is read from SLURM_NTASKS,
 not SLURM_NNODES, so the same file also runs several agents on one host (the local test
 cluster submits it with `--nodes=1 --ntasks-per-node=2`).
+
+Preemption (docs/preemption.md): with preemption.enabled the file asks Slurm for
+`--signal=B:USR1@<grace>` and `--requeue`. The batch shell traps USR1 (from the time limit,
+or `scancel --signal=USR1 --batch`), forwards it to the job steps, and when the agents exit 75
+(their workers saved a checkpoint) runs `scontrol requeue`; the requeued job resumes
+(checkpoint.resume=auto). The agents are `python -m shardlab.torchrun`: torchrun that also
+forwards SIGUSR1, waits the grace period (--shutdown-timeout) and exits 75 after a save.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardlab import preemption
 from shardlab.deploy.common import (
     RESOLVED_CONFIG_NAME,
     RenderError,
@@ -60,19 +68,48 @@ RDZV_PORT=@rdzv_port
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-@omp_threads}"
 
 @setup
-echo "shardlab: job $SLURM_JOB_ID, $NUM_AGENTS agent(s), rendezvous $HEAD_HOST:$RDZV_PORT, config $CONFIG"
+echo "shardlab: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}), $NUM_AGENTS agent(s), rendezvous $HEAD_HOST:$RDZV_PORT, config $CONFIG"
+
+# Preemption: the workers leave this file once their checkpoint is saved (the agents exit 75).
+export SHARDLAB_PREEMPTION_MARKER="${TMPDIR:-/tmp}/shardlab-preempted-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"
+rm -f "$SHARDLAB_PREEMPTION_MARKER"
+SRUN_PID=""
+# shellcheck disable=SC2317  # called by the traps below
+forward_signal() {
+    # Slurm signals only this shell (--signal=B:...); the workers save at their next step boundary.
+    echo "shardlab: got $1, forwarding it to the job steps"
+    scancel --signal="$1" "$SLURM_JOB_ID" || { [ -n "$SRUN_PID" ] && kill -s "$1" "$SRUN_PID"; } || true
+}
+@traps
 
 # --kill-on-bad-exit: if one agent gives up (restarts used up), stop the others too
 # instead of leaving them waiting in the rendezvous until the time limit.
 srun --kill-on-bad-exit=1 --label --ntasks="$NUM_AGENTS" \
-    @python -m torch.distributed.run \
+    @python -m shardlab.torchrun \
     --nnodes="$NUM_AGENTS" \
     --nproc-per-node=@nproc \
     --rdzv-id="$SLURM_JOB_ID" \
     --rdzv-backend=c10d \
     --rdzv-endpoint="$HEAD_HOST:$RDZV_PORT" \
     --max-restarts=@max_restarts \
-    -m shardlab train "$CONFIG"
+    --shutdown-timeout=@grace_s \
+    -m shardlab train "$CONFIG" &
+SRUN_PID=$!
+# a trapped signal interrupts `wait`; wait again until srun itself has ended
+set +e
+while :; do
+    wait "$SRUN_PID"
+    rc=$?
+    kill -0 "$SRUN_PID" 2>/dev/null || break
+done
+set -e
+# 75: the workers saved a preemption checkpoint. (The marker covers an agent that Slurm
+# killed after the save because another agent exited first: --kill-on-bad-exit.)
+if [ "$rc" = @preempted_code ] || [ -e "$SHARDLAB_PREEMPTION_MARKER" ]; then
+    rm -f "$SHARDLAB_PREEMPTION_MARKER"
+    @on_preempted
+fi
+exit "$rc"
 """
 
 
@@ -97,7 +134,7 @@ class SlurmRequest:
     python: str = "python3"
     setup: str = ""
     workdir: str | None = None
-    requeue: bool = False
+    requeue: bool = True                  # with preemption.enabled: requeue after a preemption save
 
 
 def _procs(req: SlurmRequest) -> int:
@@ -132,8 +169,20 @@ def render(req: SlurmRequest) -> tuple[list[Path], str]:
                         ("mem", req.mem)):
         if value:
             optional.append(f"#SBATCH --{flag}={value}")
+    cfg = run.config
+    grace = preemption.grace_estimate(cfg) if cfg.preemption.enabled else None
+    if grace is not None:
+        # B: only the batch shell gets it (it forwards); Slurm may send it up to 60 s early
+        optional.append(f"#SBATCH --signal=B:USR1@{grace.grace_s}")
     if req.requeue:
         optional.append("#SBATCH --requeue")
+    if grace is not None and req.requeue:
+        on_preempted = ('echo "shardlab: checkpoint saved after a preemption signal; requeueing job $SLURM_JOB_ID"\n'
+                        '    scontrol requeue "$SLURM_JOB_ID"\n    exit 0')
+    else:
+        on_preempted = 'echo "shardlab: checkpoint saved after a preemption signal; resubmit to continue"'
+    traps = ("trap 'forward_signal USR1' USR1\ntrap 'forward_signal TERM' TERM" if grace is not None
+             else "# (preemption.enabled=false: no signal is trapped)")
     if req.socket_ifname:
         socket_env = (f"export NCCL_SOCKET_IFNAME={sh_quote(req.socket_ifname)}\n"
                       f"export GLOO_SOCKET_IFNAME={sh_quote(req.socket_ifname)}")
@@ -149,11 +198,16 @@ def render(req: SlurmRequest) -> tuple[list[Path], str]:
         rdzv_port=req.rdzv_port, socket_env=socket_env, omp_threads=max(1, cpus // nproc),
         setup=req.setup or "# (no environment setup requested: --setup 'source venv/bin/activate')",
         python=sh_quote(req.python), max_restarts=req.max_restarts,
+        grace_s=grace.grace_s if grace is not None else 30, preempted_code=preemption.PREEMPTED_EXIT_CODE,
+        traps=traps, on_preempted=on_preempted,
     )
     log_dir.mkdir(parents=True, exist_ok=True)    # Slurm does not create the --output directory
     written = write_files(out, {SBATCH_NAME: text, RESOLVED_CONFIG_NAME: run.yaml_text},
                           executable=(SBATCH_NAME,))
-    return written, f"sbatch {sh_quote(str(out / SBATCH_NAME))}"
+    hint = f"sbatch {sh_quote(str(out / SBATCH_NAME))}"
+    if grace is not None:
+        hint += f"   # {grace.describe()}"
+    return written, hint
 
 
 def submit(sbatch_file: Path, extra_args: list[str], timeout_s: float = 60.0) -> str:

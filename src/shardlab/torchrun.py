@@ -1,0 +1,54 @@
+"""`python -m shardlab.torchrun [torchrun options] -m shardlab train CONFIG`: torchrun with
+shardlab's preemption exit code (docs/preemption.md). The rendered Slurm and Kubernetes jobs
+start their agents with it.
+
+It is `python -m torch.distributed.run` with three differences:
+  - SIGUSR1 is among the signals the agent forwards to its workers (unless
+    --signals-to-handle is given), so `#SBATCH --signal=B:USR1@...` reaches them;
+  - the workers learn where to leave the "checkpoint saved" marker (SHARDLAB_PREEMPTION_MARKER;
+    a value already in the environment is kept, so a batch script can check it too);
+  - it exits 75 (PREEMPTED_EXIT_CODE) when its workers saved a preemption checkpoint, where
+    torchrun would exit 1 with a SignalException traceback.
+The grace period is torchrun's own `--shutdown-timeout` (rendered from preemption.grace_s).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from shardlab import preemption
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.run import parse_args, run
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not any(a.split("=", 1)[0] in ("--signals-to-handle", "--signals_to_handle") for a in argv):
+        argv.insert(0, f"--signals-to-handle={preemption.AGENT_SIGNALS}")
+    own_marker = not os.environ.get(preemption.MARKER_ENV)
+    marker = os.environ.get(preemption.MARKER_ENV) or preemption.new_marker()
+    os.environ[preemption.MARKER_ENV] = marker
+    try:
+        run(parse_args(argv))
+    except BaseException as e:  # noqa: BLE001 - mapped to an exit code below
+        code = preemption.agent_exit_code(e, marker)
+        record = preemption.read_marker(marker)
+        if code == preemption.PREEMPTED_EXIT_CODE and record is not None:
+            print(f"shardlab.torchrun: workers saved a preemption checkpoint of step {record['step']} "
+                  f"({record['signal']}, {record['save_seconds']:.2f} s): exit code {code}", file=sys.stderr,
+                  flush=True)
+            return code
+        if code == 1 and not isinstance(e, Exception):
+            raise
+        message = e.format_msg() if hasattr(e, "format_msg") else f"{type(e).__name__}: {e}"
+        print(f"shardlab.torchrun: {message}\n(exit code {code})", file=sys.stderr, flush=True)
+        return code
+    finally:
+        if own_marker and os.path.exists(marker):
+            os.remove(marker)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
