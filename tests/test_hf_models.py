@@ -105,18 +105,35 @@ def _train(rank: int, world: int, arch: str, strategy: str, packed: bool, lora: 
     return (losses, shardlab.full_state_dict(model)), trainable, reduced
 
 
-def _all_parity_runs(rank: int, world: int, cases):
-    return {case: _train(rank, world, *case) for case in cases}
+def _all_runs(rank: int, world: int, cases, saved: dict[str, str]):
+    """Everything that needs two ranks, in one spawn (start-up dominates on small machines)."""
+    out = {case: _train(rank, world, *case) for case in cases}
+    for arch, path in saved.items():
+        out[("load", arch)] = _load_runs(rank, world, path, arch)
+    return out
 
 
-PARITY_CASES = [(arch, strategy, packed, False) for arch in ("mistral", "gpt2") for strategy in ENGINES
-                for packed in (False, True)]
+# every engine on both architectures; packed and padded batches alternate (each engine sees both)
+PARITY_CASES = [(arch, strategy, (i + j) % 2 == 0, False) for i, arch in enumerate(("mistral", "gpt2"))
+                for j, strategy in enumerate(ENGINES)]
 LORA_CASES = [("mistral", "fsdp", True, True), ("gpt2", "zero3", False, True), ("mistral", "torch-fsdp", False, True)]
 
 
 @pytest.fixture(scope="module")
-def parity_runs():
-    return run_workers(2, _all_parity_runs, PARITY_CASES + LORA_CASES, timeout_s=240)
+def saved_models(tmp_path_factory):
+    """Each architecture saved by transformers as a sharded safetensors directory (with an index)."""
+    out = {}
+    for arch in ("mistral", "gpt2"):
+        path = tmp_path_factory.mktemp(arch)
+        build(arch, "cpu").hf_model.save_pretrained(path, max_shard_size="20KB")
+        assert (path / "model.safetensors.index.json").exists()
+        out[arch] = str(path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def parity_runs(saved_models):
+    return run_workers(2, _all_runs, PARITY_CASES + LORA_CASES, saved_models, timeout_s=300)
 
 
 @pytest.mark.parametrize("case", PARITY_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{'packed' if c[2] else 'padded'}")
@@ -156,24 +173,24 @@ def _load_runs(rank: int, world: int, path: str, arch: str):
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gpt2"])
-def test_load_sharded_safetensors_on_every_engine(tmp_path, arch):
+def test_load_sharded_safetensors_on_every_engine(saved_models, parity_runs, arch):
+    """Built on the meta device, every engine fills its units from the files: the same weights as
+    a whole load in one process (and as transformers' from_pretrained), rotary buffers recomputed."""
     from transformers import AutoModelForCausalLM
 
-    source = build(arch, "cpu").hf_model
-    source.save_pretrained(tmp_path, max_shard_size="20KB")
-    assert (tmp_path / "model.safetensors.index.json").exists()
-    whole = HFCausalLM(hf_config(arch), seed=99, dtype=torch.float64, hf_path=str(tmp_path))
+    path = saved_models[arch]
+    whole = HFCausalLM(hf_config(arch), seed=99, dtype=torch.float64, hf_path=path)
     expected = whole.state_dict()
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
     for k, v in hf.state_dict().items():
         torch.testing.assert_close(expected["model." + k], v, rtol=0, atol=0)
-    results = run_workers(2, _load_runs, str(tmp_path), arch, timeout_s=120)
-    for rank, per_engine in enumerate(results):
+    for rank, runs in enumerate(parity_runs):
+        per_engine = runs[("load", arch)]
         for strategy, (state, buffers) in per_engine.items():
             assert set(state) == set(expected), strategy
             for k in expected:
                 torch.testing.assert_close(state[k], expected[k], rtol=0, atol=0,
-                                           msg=lambda m, k=k, s=strategy: f"{s} rank {rank} {k}: {m}")
+                                           msg=lambda m, k=k, s=strategy, r=rank: f"{s} rank {r} {k}: {m}")
             if arch == "mistral":  # rotary inverse frequencies recomputed, not empty_like garbage
                 assert buffers, strategy
                 for k, v in buffers.items():

@@ -213,7 +213,7 @@ class HFCausalLM(nn.Module):
                 with torch.random.fork_rng(devices=_rng_devices(params[0][1])):
                     torch.manual_seed(_seed_for(self.init_seed, module_names[id(m)]))
                     hf._init_weights(m)
-            for ln, p in params:
+            for _local, p in params:
                 canonical = names.get(id(p)) or all_names[id(p)]
                 if ".lora_" in canonical:
                     _init_lora_(p, canonical, self.init_seed)
