@@ -27,13 +27,13 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) $(TORCH_SPEC)
-	$(PIP) -e .
+	$(PIP) -e ".[hf]"
 	@touch $(STAMP)
 
 setup-dev: $(DEV_STAMP)
 
 $(DEV_STAMP): $(STAMP)
-	$(PIP) -e ".[dev,plot,infra]"
+	$(PIP) -e ".[dev,plot,infra,hf]"
 	@touch $(DEV_STAMP)
 
 demo: setup

@@ -57,7 +57,11 @@ def _train(args: argparse.Namespace) -> int:
 
         if not cfg.output.run_name:
             cfg.output.run_name = default_run_name(cfg)
-        _prepare_data(cfg)
+        try:
+            _prepare_data(cfg)
+        except ValueError as e:  # bad data: said before any worker starts
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         return launch_local(cfg, args.nproc, args.max_restarts)
     from shardlab.train import worker_main
 
@@ -70,6 +74,10 @@ def _prepare_data(cfg) -> None:
         from shardlab.data.corpus import corpus_path
 
         corpus_path()
+    if cfg.data.source == "sft":  # read, check (errors name file and line), tokenize and cache once
+        from shardlab.data.sft import prepare
+
+        prepare(cfg)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -41,10 +41,14 @@ ModelConfig = dataclass(type("ModelConfig", (*reversed([spec.keys for spec in MO
 
 @dataclass
 class DataConfig:
-    source: str = "builtin"                # builtin | text | cifar10 | synthetic
-    path: Optional[str] = None             # text: file, directory or glob; cifar10: folder with cifar-10-batches-py
+    source: str = "builtin"                # builtin | text | sft | cifar10 | synthetic
+    path: Optional[str] = None             # text: file, directory or glob; sft: a JSON/JSONL file (null: the
+                                           # embedded instruction set); cifar10: folder with cifar-10-batches-py
     tokenizer: Optional[str] = None        # text: a local directory with tokenizer.json (null = bytes)
-    seq_len: int = 128                     # text: tokens per sample
+    tokenizer_path: Optional[str] = None   # sft: a local directory with tokenizer.json (null: model.hf_path's,
+                                           # else a BPE trained at run time)
+    packing: bool = False                  # sft: several examples per row (attention and loss never cross)
+    seq_len: int = 128                     # text, sft: tokens per sample
     val_fraction: float = 0.05
     synthetic_samples: int = 4096
     shuffle: bool = True
@@ -85,6 +89,7 @@ class ParallelConfig:
     prefetch: bool = True                  # fsdp
     backend: str = "auto"                  # auto (nccl on CUDA, else gloo) | gloo | nccl
     timeout_s: float = 300.0               # every collective; a dead rank fails the others within it
+    wrap_classes: Optional[list[str]] = None  # wrap units by class name (null: the model's default units)
 
 
 @dataclass
@@ -116,6 +121,13 @@ class OutputConfig:
 
 
 @dataclass
+class ExportConfig:
+    format: str = "none"                   # none | hf: at the end of training, write a Hugging Face directory
+    dir: Optional[str] = None              # null = <run dir>/hf
+    lora: str = "merged"                   # merged (adapters folded into the weights) | adapter (peft adapter alone)
+
+
+@dataclass
 class Config:
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -125,6 +137,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return _to_dict(self)
@@ -347,6 +360,14 @@ def validate(cfg: Config) -> None:
         fits = [name for name, other in MODELS.items() if other.data_kind == kind]
         _check(False, f"data.source={d.source} gives {kind}, but model.name={m.name} takes {spec.data_kind}; "
                f"use model.name={' or '.join(fits)}, or data.source=synthetic")
+    if d.source == "sft":
+        _check(d.path is None or os.path.isfile(d.path), f"data.path {d.path!r}: no such file; give a JSON or "
+               "JSONL file of alpaca or chat records (or null for the embedded instruction set)")
+    if d.tokenizer_path is not None:
+        _check(os.path.isfile(os.path.join(d.tokenizer_path, "tokenizer.json")),
+               f"data.tokenizer_path {d.tokenizer_path!r}: no tokenizer.json in that directory; point it at a "
+               "local tokenizer directory (or null for model.hf_path's, else one trained at run time)")
+    _check(not d.packing or d.source == "sft", "data.packing applies to data.source=sft only")
     if d.tokenizer is not None:
         _check(os.path.isfile(os.path.join(d.tokenizer, "tokenizer.json")),
                f"data.tokenizer {d.tokenizer!r}: no tokenizer.json in that directory")
@@ -384,6 +405,15 @@ def validate(cfg: Config) -> None:
     _choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
     _check(p.bucket_size_mb > 0, f"parallel.bucket_size_mb must be > 0, got {p.bucket_size_mb}")
     _check(p.timeout_s > 0, f"parallel.timeout_s must be > 0, got {p.timeout_s}")
+
+    if p.wrap_classes is not None:
+        _check(all(isinstance(n, str) and n for n in p.wrap_classes),
+               "parallel.wrap_classes must be a list of module class names, e.g. [MistralDecoderLayer]")
+    e = cfg.export
+    _choice("export.format", e.format, ("none", "hf"))
+    _choice("export.lora", e.lora, ("merged", "adapter"))
+    if e.format == "hf":
+        _check(m.name in ("hf", "gpt"), f"export.format=hf exports model.name=hf or gpt, not {m.name}")
 
     _check(c.every_steps >= 0, f"checkpoint.every_steps must be >= 0 (0 = off), got {c.every_steps}")
     _check(c.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {c.keep_last}")

@@ -104,6 +104,8 @@ def evaluate_model(model: nn.Module, cfg, batches: int | None = None) -> float |
 
 # ---------------------------------------------------------------------------------------- commands
 def _export_cmd(args: argparse.Namespace) -> int:
+    if args.format == "hf":
+        return _export_hf_cmd(args)
     try:
         path = checkpoint_path(args.run, args.step)
         info = export_checkpoint(path, args.out)
@@ -112,6 +114,30 @@ def _export_cmd(args: argparse.Namespace) -> int:
         return 1
     print(f"exported step {info['step']} of {path} ({info['strategy']} at world size {info['world_size']}) "
           f"to {args.out}")
+    return 0
+
+
+def _export_hf_cmd(args: argparse.Namespace) -> int:
+    """A Hugging Face directory (config.json, safetensors, tokenizer, generation_config.json)."""
+    from shardlab.export_hf import export_hf, model_from_state, run_tokenizer_dir
+
+    try:
+        path = checkpoint_path(args.run, args.step)
+        state, manifest = read_model_state(path)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    record = manifest.get("model")
+    if not record or record.get("name") not in ("hf", "gpt"):
+        print(f"error: {path}: --format hf exports model.name=hf or gpt checkpoints, not "
+              f"{(record or {}).get('name')}", file=sys.stderr)
+        return 1
+    config = manifest.get("config") or {}
+    lora = args.lora or config.get("export", {}).get("lora", "merged")
+    run_dir = args.run if os.path.isfile(os.path.join(args.run, "config.yaml")) else None
+    out = export_hf(model_from_state(record, state), args.out, tokenizer_dir=run_tokenizer_dir(run_dir, config),
+                    lora=lora)
+    print(f"exported step {manifest['step']} of {path} as a Hugging Face directory: {out}")
     return 0
 
 
@@ -162,7 +188,13 @@ def add_export_parsers(subparsers) -> None:
                                            "write the full model with its original parameter names.")
     ex.add_argument("run", metavar="RUN_DIR", help="a run directory, its checkpoints/ directory or a step_* checkpoint")
     ex.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the latest complete one)")
-    ex.add_argument("--out", required=True, help="output file, e.g. model.safetensors")
+    ex.add_argument("--out", required=True, help="output file (model.safetensors), or directory with --format hf")
+    ex.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                    help="safetensors: one file of shardlab's names; hf: a Hugging Face directory that "
+                         "transformers' from_pretrained loads (model.name=hf, or gpt as GPT2LMHeadModel)")
+    ex.add_argument("--lora", choices=("merged", "adapter"), default=None,
+                    help="with --format hf and LoRA: merge adapters into the weights, or save the adapter "
+                         "alone (default: the run's export.lora)")
     ex.set_defaults(func=_export_cmd)
 
     ge = subparsers.add_parser("generate", help="sample text from an exported GPT",

@@ -58,6 +58,19 @@ def build_model_for(cfg: Config, vocab_size: int | None, device: str) -> nn.Modu
     return build_model(cfg.model, seed=cfg.seed, vocab_size=vocab_size, device=device)
 
 
+def wrap_units(cfg: Config, model: nn.Module):
+    """parallel.wrap_classes: the modules of those class names (null: the model's default units)."""
+    names = cfg.parallel.wrap_classes
+    if not names:
+        return None
+    found = {type(m).__name__ for m in model.modules()}
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise ValueError(f"parallel.wrap_classes: no module of class {missing} in the model; its classes include "
+                         f"{sorted(found)[:12]}")
+    return lambda m: type(m).__name__ in names
+
+
 def engine_options(cfg: Config) -> dict[str, Any]:
     p = cfg.parallel
     offered = {
@@ -166,7 +179,7 @@ def build_run(cfg: Config, rt: Runtime) -> Run:
     # Sharded engines materialize only their shard from the meta device; the others materialize whole.
     model = build_model_for(cfg, data.vocab_size, "meta")
     n_params = count_parameters(model)
-    model = shardlab.parallelize(model, cfg.parallel.strategy, device=rt.device,
+    model = shardlab.parallelize(model, cfg.parallel.strategy, wrap=wrap_units(cfg, model), device=rt.device,
                                  activation_checkpointing=t.activation_checkpointing, **engine_options(cfg))
     engine = engine_of(model)
     if not engine.local_parameters():
@@ -205,6 +218,10 @@ def write_run_args(run: Run) -> None:
              "restart_count": rt.restart_count, "resumed_from_step": run.state.step}), default=str)
         with open(os.path.join(run.out_dir, "config.yaml"), "w") as f:
             f.write(dump_config(cfg))
+        if run.data.tokenizer_dir:  # exports read it from here (a trained one lives in a cache)
+            from shardlab.data.sft import SFTTokenizer
+
+            SFTTokenizer(run.data.tokenizer_dir).save(os.path.join(run.out_dir, "tokenizer"))
 
 
 # -- one step ---------------------------------------------------------------------------------------
@@ -365,6 +382,10 @@ def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str,
         train_comm = _comm_since(comm_before_loop, run.engine.comm_stats())  # before the final eval's traffic
         run.save_if_due(final=True)
         val_losses[state.step] = evaluate(run.model, run.data.val, cfg, rt, cfg.seed + 1)
+        if cfg.export.format == "hf":  # every rank gathers, rank 0 writes (export_hf.py)
+            from shardlab.export_hf import export_at_end
+
+            export_at_end(run)
     finally:
         logger.close()
         if profiler is not None:
@@ -421,7 +442,12 @@ def summarize(run: Run, timer: M.StepTimer, per_rank: list[dict], val_losses: di
     if run.scaler is not None:
         result["loss_scale"] = run.scaler.get_scale()
         result["skipped_steps"] = state.skipped_steps
-    if run.data.tokens_per_sample:
+    if run.data.real_tokens is not None:  # padding excluded: the samples' real tokens, step by step
+        steps = range(state.step - steps_run, state.step)
+        result["tokens_processed"] = int(sum(run.data.real_tokens[run.sampler.rank_indices(s, 0, 1)].sum()
+                                             for s in steps))
+        result["tokens_per_s"] = result["tokens_processed"] / train_seconds if train_seconds else None
+    elif run.data.tokens_per_sample:
         result["tokens_processed"] = samples * run.data.tokens_per_sample
         result["tokens_per_s"] = result["tokens_processed"] / train_seconds if train_seconds else None
     return result

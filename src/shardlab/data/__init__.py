@@ -17,7 +17,8 @@ from shardlab.data.sampler import GlobalBatchSampler
 __all__ = ["GlobalBatchSampler", "Datasets", "DATA_SOURCES", "build_datasets", "collate"]
 
 # data.source -> what it yields (a ModelSpec.data_kind); None: whatever the model takes.
-DATA_SOURCES: dict[str, str | None] = {"builtin": "tokens", "text": "tokens", "cifar10": "images", "synthetic": None}
+DATA_SOURCES: dict[str, str | None] = {"builtin": "tokens", "text": "tokens", "sft": "tokens", "cifar10": "images",
+                                       "synthetic": None}
 
 
 @dataclass
@@ -27,6 +28,9 @@ class Datasets:
     vocab_size: int | None = None       # text sources
     tokens_per_sample: int | None = None
     info: dict[str, Any] | None = None  # goes to run_args.json (e.g. corpus hash)
+    tokenizer_dir: str | None = None    # sft: the tokenizer used (exports copy it)
+    # sft: non-padding tokens of each training sample (tokens_processed counts these, not padding)
+    real_tokens: torch.Tensor | None = None
 
 
 def build_datasets(cfg) -> Datasets:
@@ -49,6 +53,10 @@ def build_datasets(cfg) -> Datasets:
         return Datasets(text.TokenWindows(train_t, d.seq_len),
                         text.TokenWindows(val_t, d.seq_len) if val_t.numel() > d.seq_len else None,
                         vocab_size=tok.vocab_size, tokens_per_sample=d.seq_len, info=info)
+    if d.source == "sft":
+        from shardlab.data import sft
+
+        return sft.build(cfg)
     if d.source == "cifar10":
         from shardlab.data.cifar import CIFAR10, find_cifar_dir
 

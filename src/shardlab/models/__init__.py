@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardlab.models import gpt, mlp, resnet
+from shardlab.models import gpt, hf, mlp, resnet
 from shardlab.models.gpt import GPT, GPT_PRESETS, GPTConfig
 from shardlab.models.init import canonical_names, init_parameters_
 from shardlab.models.mlp import MLPModel
@@ -25,7 +25,7 @@ __all__ = ["GPT", "GPTConfig", "GPT_PRESETS", "MLPModel", "ResNet", "MODELS", "M
            "canonical_names", "count_parameters"]
 
 # name -> spec. The order is the order help texts list them in.
-MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (gpt.SPEC, resnet.SPEC, mlp.SPEC)}
+MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (gpt.SPEC, resnet.SPEC, mlp.SPEC, hf.SPEC)}
 
 
 def model_spec(name: str) -> ModelSpec:
@@ -53,8 +53,14 @@ def rebuild_model(record: dict[str, Any], device: str | torch.device = "cpu") ->
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The default wrap units below the root: every child of an nn.ModuleList of blocks
-    (GPT blocks, MLP layers) and every ResNet stage, in forward order."""
+    """The default wrap units below the root: the modules of the classes the model names in
+    `wrap_classes()` (a transformers model: its decoder layers), else every child of an
+    nn.ModuleList of blocks (GPT blocks, MLP layers) and every ResNet stage, in forward order."""
+    classes = model.wrap_classes() if hasattr(model, "wrap_classes") else None
+    if classes:
+        from shardlab.engines.api import resolve_units
+
+        return resolve_units(model, set(classes))
     units: list[nn.Module] = []
     for module in model.modules():
         if isinstance(module, nn.ModuleList):

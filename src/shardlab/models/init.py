@@ -8,6 +8,14 @@ in which tensors are created or on which device they live. So each tensor is dra
 a CPU generator seeded by (seed, the tensor's canonical name in the root model). Tied
 parameters resolve to one canonical name (the first under which `named_parameters`
 lists them), so they get one value whichever module reaches them first.
+
+[Note: models that fill their own tensors]
+A model whose values come from elsewhere (pretrained weights in safetensors files, a library's
+own init scheme: `models/hf.py`) defines `shardlab_initialize_(modules, names)` on its root.
+`init_parameters_` then hands the call over, with the same arguments, so every engine's
+materialization (whole, unit by unit, owned tensors only) fills that model correctly without
+knowing it. It must fill the parameters with storage of those modules and their buffers
+(buffers computed at construction included), and leave meta tensors alone.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from torch import nn
 # Models may set this attribute on a Linear to scale its init (GPT-2's residual projections).
 INIT_STD_ATTR = "_shardlab_init_std"
 DEFAULT_STD = 0.02
+# A root model with this method fills its own tensors (see the Note above).
+INITIALIZER_ATTR = "shardlab_initialize_"
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
@@ -55,6 +65,10 @@ def init_parameters_(root: nn.Module, seed: int, modules: Iterable[nn.Module] | 
     Parameters must already have storage (call `to_empty` first for meta modules). `names`
     lets an engine pass canonical names computed before it replaced any parameter.
     """
+    custom = getattr(root, INITIALIZER_ATTR, None)
+    if custom is not None:  # see [Note: models that fill their own tensors]
+        custom(modules=None if modules is None else list(modules), names=names)
+        return
     names = names if names is not None else canonical_names(root)
     wanted = None if modules is None else {id(m) for m in modules}
     for module in root.modules():

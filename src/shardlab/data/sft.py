@@ -1,0 +1,401 @@
+"""`data.source=sft`: supervised fine-tuning examples from local JSON/JSONL, or the embedded
+default instruction set, as (inputs, targets) rows with the prompt masked.
+
+Formats (one record per JSONL line, or a JSON list of records; detected per record):
+    alpaca  {"instruction": ..., "input": ... (optional), "output": ...}
+    chat    {"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}
+
+Prompt template: the tokenizer's chat template when it has one; otherwise DEFAULT_TEMPLATE
+(docs/sft.md): "### Instruction:/### Input:/### Response:" for alpaca, "### User:/### Assistant:"
+turns for chat. The loss is on response tokens only (assistant turns and the end-of-text token);
+prompt tokens get target -100. Rows are `data.seq_len` tokens: an example longer than that is
+truncated, and one whose response is cut away entirely is dropped (counted in run_args.json).
+With `data.packing=true` several examples share a row: inputs are [2, T] (token ids, position
+ids restarting at 0 per example; models/hf.py turns them into a block-diagonal mask) and the
+padding at the end of a row has target -100 and counts in no token total.
+
+The tokenizer: `data.tokenizer_path` (a local directory with tokenizer.json), else the model's
+directory (model.hf_path) when it has one, else a byte-level BPE trained at run time with
+`tokenizers` on the examples (cached by content hash). Tokenization is done once per machine
+(local rank 0, or `shardlab train --nproc` before the workers start), cached by content hash,
+and read by the others.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+IGNORE = -100
+FORMAT_VERSION = 1
+SPECIALS = {"pad": "<pad>", "bos": "<s>", "eos": "</s>"}
+DEFAULT_TEMPLATE = {
+    "alpaca": ("### Instruction:\n{instruction}\n\n", "### Input:\n{input}\n\n", "### Response:\n"),
+    "chat_turn": "### {Role}:\n",
+}
+
+
+class SFTDataError(ValueError):
+    """Bad SFT data; the message names the file, the line and the fix."""
+
+
+# -- reading ---------------------------------------------------------------------------------------
+def read_examples(path: str) -> list[dict[str, Any]]:
+    """Records of a JSONL file (or a JSON list), each checked: alpaca or chat, with a response."""
+    text = Path(path).read_text(encoding="utf-8")
+    records: list[tuple[int, Any]] = []
+    if path.endswith(".json") and text.lstrip().startswith("["):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SFTDataError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); fix the file at that line") from None
+        records = [(i + 1, r) for i, r in enumerate(data)]
+        where = "record"
+    else:
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                records.append((n, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise SFTDataError(f"{path}:{n}: not valid JSON ({e.msg}); each line of a JSONL file must be one "
+                                   "JSON object, e.g. {\"instruction\": ..., \"output\": ...}") from None
+        where = "line"
+    if not records:
+        raise SFTDataError(f"{path}: no examples; give alpaca records (instruction/input/output) or chat records "
+                           "(messages with roles)")
+    return [check_example(r, f"{path}:{n}" if where == "line" else f"{path} record {n}") for n, r in records]
+
+
+def check_example(r: Any, where: str) -> dict[str, Any]:
+    if not isinstance(r, dict):
+        raise SFTDataError(f"{where}: expected a JSON object, got {type(r).__name__}")
+    if "messages" in r:
+        msgs = r["messages"]
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                 and isinstance(m.get("content"), str) for m in msgs):
+            raise SFTDataError(f"{where}: \"messages\" must be a list of {{\"role\": ..., \"content\": ...}} objects")
+        bad = [m["role"] for m in msgs if m["role"] not in ("system", "user", "assistant")]
+        if bad:
+            raise SFTDataError(f"{where}: unknown role {bad[0]!r}; use system, user or assistant")
+        if not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
+            raise SFTDataError(f"{where}: no response: the messages hold no non-empty assistant turn; add one "
+                               "or remove the example")
+        return {"messages": msgs}
+    if "instruction" in r or "output" in r:
+        if not isinstance(r.get("instruction"), str) or not r["instruction"].strip():
+            raise SFTDataError(f"{where}: alpaca record without an \"instruction\" string")
+        out = r.get("output")
+        if not isinstance(out, str) or not out.strip():
+            raise SFTDataError(f"{where}: no response: \"output\" is missing or empty; add the response or remove "
+                               "the example")
+        inp = r.get("input") or ""
+        if not isinstance(inp, str):
+            raise SFTDataError(f"{where}: \"input\" must be a string")
+        return {"instruction": r["instruction"], "input": inp, "output": out}
+    raise SFTDataError(f"{where}: neither alpaca (instruction/input/output) nor chat (messages) keys; "
+                       f"found {sorted(r)[:5]}")
+
+
+# -- the embedded default instruction set ------------------------------------------------------------
+BUILTIN_MODULES = ("os", "os.path", "shutil", "json", "re", "math", "string", "textwrap", "itertools",
+                   "functools", "collections", "heapq", "bisect", "random", "statistics", "datetime",
+                   "pathlib", "glob", "fnmatch", "base64", "hashlib", "zlib", "gzip", "csv", "difflib",
+                   "inspect", "operator", "copy", "pprint", "tempfile", "uuid", "urllib.parse", "html",
+                   "time", "calendar", "decimal", "fractions", "struct", "secrets", "shlex")
+
+
+def builtin_examples(limit: int = 2000) -> list[dict[str, Any]]:
+    """Questions about standard-library functions, answered by the first paragraph of their
+    docstrings: built at run time from this Python installation, nothing shipped."""
+    out = []
+    for mod_name in BUILTIN_MODULES:
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:
+            continue
+        for name in sorted(dir(mod)):
+            if name.startswith("_"):
+                continue
+            obj = getattr(mod, name, None)
+            if not (inspect.isfunction(obj) or inspect.isbuiltin(obj) or inspect.isclass(obj)):
+                continue
+            doc = inspect.getdoc(obj) or ""
+            para = doc.split("\n\n")[0].strip()
+            if len(para) < 40 or para.startswith(name + "("):
+                continue
+            kind = "class" if inspect.isclass(obj) else "function"
+            out.append({"instruction": f"What does the Python {kind} {mod_name}.{name} do?", "input": "",
+                        "output": " ".join(para.split())})
+            if len(out) >= limit:
+                return out
+    return out
+
+
+# -- the tokenizer --------------------------------------------------------------------------------
+class SFTTokenizer:
+    """Token ids, special tokens and the prompt template; a transformers fast tokenizer inside."""
+
+    def __init__(self, directory: str, trained: bool = False):
+        from transformers import PreTrainedTokenizerFast
+
+        self.directory = directory
+        self.trained = trained
+        cfg_path = os.path.join(directory, "tokenizer_config.json")
+        if os.path.isfile(cfg_path):
+            from transformers import AutoTokenizer
+
+            self.tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        else:
+            self.tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(directory, "tokenizer.json"),
+                                               pad_token=SPECIALS["pad"], bos_token=SPECIALS["bos"],
+                                               eos_token=SPECIALS["eos"])
+        self.bos_id = self.tok.bos_token_id
+        self.eos_id = self.tok.eos_token_id
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else (self.eos_id or 0)
+        self.has_chat_template = bool(getattr(self.tok, "chat_template", None))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def sha256(self) -> str:
+        h = hashlib.sha256()
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            p = os.path.join(self.directory, name)
+            if os.path.isfile(p):
+                h.update(Path(p).read_bytes())
+        return h.hexdigest()
+
+    def save(self, out_dir: str) -> None:
+        self.tok.save_pretrained(out_dir)
+
+    # -- prompt/response pieces: [(text, is_response)] ---------------------------------------
+    def pieces(self, ex: dict[str, Any]) -> list[tuple[str, bool]]:
+        msgs = ex.get("messages") or _alpaca_as_messages(ex) if self.has_chat_template else ex.get("messages")
+        if self.has_chat_template:
+            out, done = [], ""
+            for i, m in enumerate(msgs):
+                if m["role"] != "assistant":
+                    continue
+                prompt = self.tok.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True)
+                full = self.tok.apply_chat_template(msgs[:i + 1], tokenize=False)
+                if not prompt.startswith(done) or not full.startswith(prompt):
+                    raise SFTDataError("the tokenizer's chat template does not render turns as prefixes of the "
+                                       "conversation; use a tokenizer without a chat template (the default template)")
+                out += [(prompt[len(done):], False), (full[len(prompt):], True)]
+                done = full
+            return out
+        if msgs is None:
+            a = DEFAULT_TEMPLATE["alpaca"]
+            prompt = a[0].format(instruction=ex["instruction"]) + (a[1].format(input=ex["input"]) if ex["input"] else "")
+            return [(prompt + a[2], False), (ex["output"], True)]
+        out = []
+        for m in msgs:
+            head = DEFAULT_TEMPLATE["chat_turn"].format(Role=m["role"].capitalize())
+            if m["role"] == "assistant":
+                out += [(head, False), (m["content"], True), ("\n\n", False)]
+            else:
+                out.append((head + m["content"] + "\n\n", False))
+        return out
+
+    def encode_example(self, ex: dict[str, Any]) -> tuple[list[int], list[int]]:
+        """Token ids and their labels (-100 on prompt tokens); the end-of-text token is trained."""
+        ids: list[int] = [self.bos_id] if self.bos_id is not None else []
+        labels: list[int] = [IGNORE] * len(ids)
+        pieces = self.pieces(ex)
+        for text, is_response in pieces:
+            t = self.encode(text)
+            ids += t
+            labels += t if is_response else [IGNORE] * len(t)
+        if self.eos_id is not None and not self.has_chat_template:
+            ids.append(self.eos_id)
+            labels.append(self.eos_id)
+        return ids, labels
+
+
+def _alpaca_as_messages(ex: dict[str, Any]) -> list[dict[str, str]] | None:
+    if "instruction" not in ex:
+        return None
+    user = ex["instruction"] + (f"\n\n{ex['input']}" if ex["input"] else "")
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": ex["output"]}]
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, out_dir: str) -> None:
+    """A byte-level BPE trained on `texts` with `tokenizers` (deterministic for the same texts)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS.values()),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    os.makedirs(out_dir, exist_ok=True)
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+
+
+# -- preparation (once) and the datasets ----------------------------------------------------------
+@dataclass
+class Prepared:
+    rows_x: torch.Tensor      # [N, T] or [N, 2, T]
+    rows_y: torch.Tensor      # [N, T]
+    real_tokens: torch.Tensor  # [N] non-padding tokens per row
+    info: dict[str, Any]
+    tokenizer_dir: str
+
+
+def _examples(cfg) -> tuple[list[dict[str, Any]], str, str]:
+    if cfg.data.path:
+        return read_examples(cfg.data.path), hashlib.sha256(Path(cfg.data.path).read_bytes()).hexdigest(), cfg.data.path
+    ex = builtin_examples()
+    return ex, hashlib.sha256(json.dumps(ex).encode()).hexdigest(), "builtin (python stdlib docstrings)"
+
+
+def _model_vocab(cfg) -> int | None:
+    if cfg.model.name == "hf":
+        from shardlab.models.hf import hf_vocab_size
+
+        return hf_vocab_size(cfg.model)
+    return getattr(cfg.model, "vocab_size", None)
+
+
+def tokenizer_dir(cfg, examples: list[dict[str, Any]], data_hash: str) -> tuple[str, bool]:
+    d = cfg.data
+    if d.tokenizer_path:
+        return d.tokenizer_path, False
+    hf_path = getattr(cfg.model, "hf_path", None) if cfg.model.name == "hf" else None
+    if hf_path and os.path.isfile(os.path.join(hf_path, "tokenizer.json")):
+        return hf_path, False
+    from shardlab.data.corpus import cache_dir
+
+    vocab = min(2048, _model_vocab(cfg) or 2048)
+    out = cache_dir() / f"sft-tokenizer-{data_hash[:16]}-{vocab}"
+    if not (out / "tokenizer.json").exists():
+        texts = [" ".join([e.get("instruction", ""), e.get("input", ""), e.get("output", "")] +
+                          [m["content"] for m in e.get("messages", [])]) for e in examples]
+        tmp = tempfile.mkdtemp(dir=out.parent if out.parent.exists() else None, prefix=".tok-")
+        train_tokenizer(texts, vocab, tmp)
+        os.makedirs(out.parent, exist_ok=True)
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process got there first
+            pass
+    return str(out), True
+
+
+def cache_path(cfg) -> tuple[Path, list[dict[str, Any]], str, str]:
+    from shardlab.data.corpus import cache_dir
+
+    examples, data_hash, source = _examples(cfg)
+    tdir, trained = tokenizer_dir(cfg, examples, data_hash)
+    tok = SFTTokenizer(tdir, trained)
+    key = json.dumps([FORMAT_VERSION, data_hash, tok.sha256(), cfg.data.seq_len, cfg.data.packing,
+                      cfg.data.val_fraction])
+    return cache_dir() / f"sft-{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt", examples, source, tdir
+
+
+def prepare(cfg) -> Path:
+    """Tokenize, mask, truncate, pack and cache; returns the cache file (reused when present)."""
+    path, examples, source, tdir = cache_path(cfg)
+    if path.exists():
+        return path
+    tok = SFTTokenizer(tdir)
+    T = cfg.data.seq_len
+    chunks, dropped, truncated = [], 0, 0
+    for ex in examples:
+        ids, labels = tok.encode_example(ex)
+        if len(ids) > T + 1:
+            ids, labels = ids[:T + 1], labels[:T + 1]
+            truncated += 1
+        x, y = ids[:-1], labels[1:]
+        if all(v == IGNORE for v in y):
+            dropped += 1  # the response was cut away entirely
+            continue
+        chunks.append((x, y))
+    if not chunks:
+        raise SFTDataError(f"{source}: every example's response lies beyond data.seq_len={T} tokens; raise "
+                           "data.seq_len")
+    n_val = int(len(chunks) * cfg.data.val_fraction)
+    split = {"train": chunks[:len(chunks) - n_val], "val": chunks[len(chunks) - n_val:]}
+    out: dict[str, Any] = {}
+    for name, part in split.items():
+        out[name] = _rows(part, T, tok.pad_id, cfg.data.packing)
+    info = {"sft_source": source, "examples": len(examples), "dropped_no_response_after_truncation": dropped,
+            "truncated": truncated, "tokenizer": tdir, "packing": cfg.data.packing,
+            "train_rows": int(out["train"][0].shape[0]), "val_rows": int(out["val"][0].shape[0])}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="tmp-sft-", suffix=".pt")
+    os.close(fd)
+    torch.save({"train": out["train"], "val": out["val"], "info": info, "tokenizer_dir": tdir}, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def _rows(chunks: list[tuple[list[int], list[int]]], T: int, pad: int, packing: bool):
+    rows: list[list[tuple[list[int], list[int]]]] = []
+    for c in chunks:
+        if packing and rows and sum(len(x) for x, _ in rows[-1]) + len(c[0]) <= T:
+            rows[-1].append(c)
+        else:
+            rows.append([c])
+    n = len(rows)
+    X = torch.full((n, T), pad, dtype=torch.int32)
+    P = torch.zeros((n, T), dtype=torch.int32)
+    Y = torch.full((n, T), IGNORE, dtype=torch.int32)
+    real = torch.zeros(n, dtype=torch.int64)
+    for i, row in enumerate(rows):
+        at = 0
+        for x, y in row:
+            X[i, at:at + len(x)] = torch.tensor(x, dtype=torch.int32)
+            Y[i, at:at + len(y)] = torch.tensor(y, dtype=torch.int32)
+            P[i, at:at + len(x)] = torch.arange(len(x), dtype=torch.int32)
+            at += len(x)
+        real[i] = at
+        P[i, at:] = torch.arange(T - at, dtype=torch.int32)  # padding: a segment of its own
+    return (torch.stack([X, P], dim=1) if packing else X), Y, real
+
+
+class SFTRows(torch.utils.data.Dataset):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, real: torch.Tensor):
+        self.x, self.y, self.real = x, y, real
+
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i].long(), self.y[i].long()
+
+
+def build(cfg):
+    """The Datasets of data.source=sft; local rank 0 prepares the cache, the others wait and read it."""
+    import torch.distributed as dist
+
+    from shardlab.data import Datasets
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:
+            path = prepare(cfg)
+        dist.barrier()
+        path = prepare(cfg)  # present now: only reads the hash inputs
+    else:
+        path = prepare(cfg)
+    blob = torch.load(path, weights_only=True)
+    tok = SFTTokenizer(blob["tokenizer_dir"])
+    train = SFTRows(*blob["train"])
+    val = SFTRows(*blob["val"]) if blob["val"][0].shape[0] else None
+    info = {**blob["info"], "cache": str(path)}
+    return Datasets(train, val, vocab_size=tok.vocab_size, tokens_per_sample=None, info=info,
+                    tokenizer_dir=blob["tokenizer_dir"], real_tokens=train.real)

@@ -1,0 +1,143 @@
+"""Hugging Face directories from shardlab models: `shardlab export RUN_DIR --format hf --out DIR`,
+and `export.format=hf` at the end of training.
+
+- model.name=hf: the transformers model itself (`save_pretrained`: config.json, safetensors,
+  generation_config.json), with LoRA either merged into the weights (`export.lora=merged`, a
+  plain model) or saved alone as a peft adapter (`export.lora=adapter`: adapter_config.json and
+  adapter_model.safetensors, loaded on top of the base model with peft).
+- model.name=gpt: a GPT-2 architecture directory (`GPT2LMHeadModel`): the same math (pre-LN
+  blocks, exact GELU, learned positions, tied head), with its Linear weights transposed into
+  GPT-2's Conv1D layout and zero biases where the shardlab model has none.
+The tokenizer files are written beside the model when the run had a tokenizer.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def gpt_to_gpt2(model: nn.Module):
+    """A transformers GPT2LMHeadModel computing what shardlab's GPT `model` computes."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    c = model.config
+    config = GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
+                        n_head=c.n_head, n_inner=4 * c.n_embd, activation_function="gelu", resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5, tie_word_embeddings=True,
+                        bos_token_id=None, eos_token_id=None)
+    sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    dtype = sd["tok_emb.weight"].dtype
+    out: dict[str, torch.Tensor] = {"transformer.wte.weight": sd["tok_emb.weight"],
+                                    "transformer.wpe.weight": sd["pos_emb.weight"]}
+
+    def ln(src: str, dst: str, width: int) -> None:
+        out[f"{dst}.weight"] = sd[f"{src}.weight"]
+        out[f"{dst}.bias"] = sd.get(f"{src}.bias", torch.zeros(width, dtype=dtype))
+
+    def linear(src: str, dst: str) -> None:  # nn.Linear [out, in] -> Conv1D [in, out]
+        w = sd[f"{src}.weight"]
+        out[f"{dst}.weight"] = w.t().contiguous()
+        out[f"{dst}.bias"] = sd.get(f"{src}.bias", torch.zeros(w.shape[0], dtype=dtype))
+
+    for i in range(c.n_layer):
+        s, d = f"blocks.{i}", f"transformer.h.{i}"
+        ln(f"{s}.ln_1", f"{d}.ln_1", c.n_embd)
+        ln(f"{s}.ln_2", f"{d}.ln_2", c.n_embd)
+        linear(f"{s}.attn.qkv", f"{d}.attn.c_attn")
+        linear(f"{s}.attn.proj", f"{d}.attn.c_proj")
+        linear(f"{s}.mlp.fc", f"{d}.mlp.c_fc")
+        linear(f"{s}.mlp.proj", f"{d}.mlp.c_proj")
+    ln("ln_f", "transformer.ln_f", c.n_embd)
+    with torch.device("meta"):
+        hf = GPT2LMHeadModel(config)
+    hf.load_state_dict(out, strict=False, assign=True)
+    hf.tie_weights()
+    missing = [n for n, p in hf.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise RuntimeError(f"GPT-2 export left parameters unset: {missing[:5]}")
+    return hf.to(dtype).eval()
+
+
+def model_from_state(record: dict[str, Any], state: dict[str, torch.Tensor]) -> nn.Module:
+    """The model of `record` holding `state`, built on the meta device and filled without a
+    random init (a 7B export does not first draw 7B random numbers); buffers recomputed."""
+    from shardlab.models import rebuild_model
+    from shardlab.models.hf import _recompute_buffers_
+
+    model = rebuild_model(record, "meta")
+    model.load_state_dict(state, strict=True, assign=True)
+    for m in model.modules():
+        for name, b in list(m._buffers.items()):
+            if b is not None and b.device.type == "meta":
+                m._buffers[name] = torch.zeros(b.shape, dtype=b.dtype)
+        _recompute_buffers_(m)
+    if record["name"] == "gpt":
+        model.lm_head.weight = model.tok_emb.weight
+    elif getattr(model.hf_config, "tie_word_embeddings", False):
+        model.hf_model.tie_weights()
+    return model.eval()
+
+
+def export_hf(model: nn.Module, out_dir: str, *, tokenizer_dir: str | None = None, lora: str = "merged") -> str:
+    """Write `model` (shardlab's HFCausalLM or GPT) as a Hugging Face directory; returns out_dir."""
+    from shardlab.models.gpt import GPT
+    from shardlab.models.hf import HFCausalLM
+
+    tmp = f"{out_dir.rstrip('/')}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    if isinstance(model, GPT):
+        hf = gpt_to_gpt2(model)
+        hf.save_pretrained(tmp)
+    elif isinstance(model, HFCausalLM):
+        if model.lora is not None and lora == "adapter":
+            model.model.save_pretrained(tmp)  # peft: adapter_config.json + adapter_model.safetensors
+        else:
+            hf = model.model.merge_and_unload() if model.lora is not None else model.model
+            hf.save_pretrained(tmp)
+    else:
+        raise TypeError(f"export --format hf takes model.name=hf or gpt, not {type(model).__name__}")
+    if tokenizer_dir and os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
+        from shardlab.data.sft import SFTTokenizer
+
+        SFTTokenizer(tokenizer_dir).save(tmp)
+    if os.path.exists(out_dir):
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def run_tokenizer_dir(run_dir: str | None, config: dict[str, Any] | None) -> str | None:
+    """The tokenizer a run used: <run dir>/tokenizer (copied there by training), else the config's."""
+    candidates = []
+    if run_dir:
+        candidates.append(os.path.join(run_dir, "tokenizer"))
+    data = (config or {}).get("data", {})
+    model = (config or {}).get("model", {})
+    candidates += [data.get("tokenizer_path"), data.get("tokenizer"), model.get("hf_path")]
+    for c in candidates:
+        if c and os.path.isfile(os.path.join(c, "tokenizer.json")):
+            return c
+    return None
+
+
+def export_at_end(run) -> str | None:
+    """export.format=hf after training: every rank gathers the full state (a collective), rank 0
+    rebuilds the model from it and writes the directory (export.dir, default <run dir>/hf)."""
+    import shardlab
+    from shardlab.engines import engine_of
+    from shardlab.models import model_record
+
+    cfg = run.cfg
+    state = shardlab.full_state_dict(run.model)
+    if not run.rt.is_main:
+        return None
+    record = model_record(cfg.model.name, engine_of(run.model).unwrapped(), cfg.seed)
+    model = model_from_state(record, state)
+    out = cfg.export.dir or os.path.join(run.out_dir, "hf")
+    tok = run_tokenizer_dir(run.out_dir, cfg.to_dict())
+    return export_hf(model, out, tokenizer_dir=tok, lora=cfg.export.lora)

@@ -1,0 +1,387 @@
+"""`model.name=hf`: a Hugging Face `transformers` causal LM (Mistral, Llama, Qwen2, GPT-2, ...)
+built from local files only, optionally with LoRA adapters through `peft`.
+
+    model.hf_path     a local directory: config.json and safetensors weights (one file, or
+                      sharded with model.safetensors.index.json)
+    model.hf_config   a config JSON only: random init with the model's own `_init_weights`
+    model.hf_dtype    the parameters' (master weights') dtype: fp32 | bf16 | fp64
+    model.lora.*      rank > 0 adds LoRA adapters; the base weights are frozen
+
+[Note: how an engine fills a model built on the meta device]
+Engines build nothing themselves: they give a meta module's tensors storage and call
+`shardlab.models.init.init_parameters_(root, seed, modules, names)` for the modules they
+materialize (a sharded engine: one unit at a time). When the root model defines
+`shardlab_initialize_(modules, names)` that call is handed to it, so this model fills each
+materialized tensor itself: from the safetensors files (only the tensors of those modules are
+read, through `safe_open`, never the whole model), or by the model's own `_init_weights`
+under a generator seeded by (seed, module name), so a unit materialized alone equals the same
+unit of a whole build. Non-persistent buffers (rotary `inv_freq`) are not in any file and a
+meta build left them meta; they are recomputed here from the config on the real device.
+
+[Note: packed sequences]
+A batch's inputs are either token ids [B, T], or [B, 2, T]: token ids and position ids. Position
+ids restart at 0 at each packed example, so the examples are the runs between zeros; the
+forward turns them into a block-diagonal causal mask (4-D boolean, which transformers' sdpa
+and eager attention honour) so attention never crosses examples. Targets of -100 are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardlab.models.spec import ModelSpec
+
+IGNORE_INDEX = -100
+HF_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def require_transformers():
+    try:
+        import transformers
+    except ImportError as e:  # pragma: no cover - the extra is installed by make setup
+        raise RuntimeError("model.name=hf needs the `transformers` package: pip install 'shardlab[hf]'") from e
+    return transformers
+
+
+# -- the local files ------------------------------------------------------------------------------
+def weight_files(hf_path: str) -> dict[str, str]:
+    """checkpoint key -> safetensors file, from the index of a sharded directory or the one file."""
+    index = os.path.join(hf_path, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {k: os.path.join(hf_path, v) for k, v in weight_map.items()}
+    single = os.path.join(hf_path, SINGLE_FILE)
+    if os.path.isfile(single):
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as f:
+            return {k: single for k in f.keys()}
+    raise FileNotFoundError(f"model.hf_path {hf_path!r}: neither {INDEX_FILE} nor {SINGLE_FILE} there; "
+                            "save the model with save_pretrained(..., safe_serialization=True)")
+
+
+class SafetensorsReader:
+    """Reads single tensors (or slices of them) from a local HF directory, keeping files open."""
+
+    def __init__(self, hf_path: str):
+        self.hf_path = hf_path
+        self.files = weight_files(hf_path)
+        self._open: dict[str, Any] = {}
+        self.bytes_read = 0
+
+    def _handle(self, path: str):
+        if path not in self._open:
+            from safetensors import safe_open
+
+            self._open[path] = safe_open(path, framework="pt")
+        return self._open[path]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.files
+
+    def get(self, key: str, index: Any = None) -> torch.Tensor:
+        """The tensor `key`, or only `index` of it (safetensors reads just that slice)."""
+        f = self._handle(self.files[key])
+        t = f.get_tensor(key) if index is None else f.get_slice(key)[index]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def close(self) -> None:
+        self._open.clear()
+
+
+# -- the model ------------------------------------------------------------------------------------
+@dataclass
+class LoRAKeys:
+    """`model.lora.*`: LoRA adapters through peft; rank 0 = full fine-tuning."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: Optional[list[str]] = None   # null: peft's default for the architecture
+
+
+def _seed_for(seed: int, name: str) -> int:
+    return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM behind shardlab's model contract:
+    forward(inputs, targets=None) -> logits, or the mean loss over targets != -100."""
+
+    def __init__(self, hf_config: Any, *, seed: int = 0, hf_path: str | None = None,
+                 dtype: torch.dtype = torch.float32, lora: dict[str, Any] | None = None):
+        super().__init__()
+        transformers = require_transformers()
+        self.init_seed = seed
+        self.hf_path = hf_path
+        self.lora = dict(lora) if lora and lora.get("rank", 0) > 0 else None
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        if self.lora is not None:
+            for p in model.parameters():
+                p.requires_grad_(False)
+            model = _add_lora(model, self.lora)
+            for name, m in model.named_modules():  # adapters in the model's dtype, on meta too
+                if _is_lora_leaf(name):
+                    m.to(dtype)
+        self.model = model
+        self._reader: SafetensorsReader | None = None
+        if not any(t.device.type == "meta" for t in self.parameters()):
+            from shardlab.models.init import init_parameters_
+
+            init_parameters_(self, seed)
+
+    # the pieces the rest of shardlab asks for
+    @property
+    def hf_model(self) -> nn.Module:
+        """The transformers model (with LoRA: the peft model's base, adapters injected)."""
+        return self.model.get_base_model() if self.lora is not None else self.model
+
+    @property
+    def hf_config(self):
+        return self.hf_model.config
+
+    def wrap_classes(self) -> set[type]:
+        """The decoder layers (transformers lists them in `_no_split_modules`)."""
+        names = set(getattr(self.hf_model, "_no_split_modules", None) or ())
+        return {type(m) for m in self.modules() if type(m).__name__ in names}
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        kwargs: dict[str, Any] = {}
+        if inputs.dim() == 3:  # packed: [B, 2, T] = token ids, position ids
+            ids, pos = inputs[:, 0], inputs[:, 1]
+            segment = torch.cumsum((pos == 0).to(torch.int32), dim=1)
+            T = ids.shape[1]
+            causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+            mask = (segment[:, :, None] == segment[:, None, :]) & causal
+            kwargs = {"position_ids": pos, "attention_mask": mask[:, None]}
+        else:
+            ids = inputs
+        logits = self.model(input_ids=ids, use_cache=False, **kwargs).logits
+        if targets is None:
+            return logits
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX)
+
+    # -- filling tensors (see the Note at the top) ----------------------------------------------
+    def checkpoint_key(self, canonical: str) -> str:
+        """Our parameter name -> its key in a transformers checkpoint."""
+        key = canonical.removeprefix("model.")
+        if self.lora is not None:
+            key = key.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        return key
+
+    def _find(self, reader: SafetensorsReader, key: str, alternatives: list[str]) -> str | None:
+        prefix = getattr(self.hf_model, "base_model_prefix", "") + "."
+        for k in [key, *alternatives]:
+            for cand in (k, k.removeprefix(prefix), prefix + k):
+                if cand in reader:
+                    return cand
+        return None
+
+    @torch.no_grad()
+    def shardlab_initialize_(self, modules=None, names: dict[int, str] | None = None) -> None:
+        """Fill the parameters and buffers of `modules` (all when None) that have storage: from
+        model.hf_path, or by random init; recompute non-persistent buffers. Called by
+        shardlab.models.init.init_parameters_, i.e. by every engine's materialization."""
+        all_names = {id(p): n for n, p in self.named_parameters(remove_duplicate=False)}
+        tied: dict[int, list[str]] = {}
+        for n, p in self.named_parameters(remove_duplicate=False):
+            tied.setdefault(id(p), []).append(n)
+        names = names if names is not None else {id(p): n for n, p in self.named_parameters()}
+        module_names = {id(m): n for n, m in self.named_modules(remove_duplicate=False)}
+        wanted = None if modules is None else {id(m) for m in modules}
+        # children before parents (as transformers' own initialize_weights): a parent's init
+        # (GPT-2 attention scaling its c_proj) has the last word, as in a whole build
+        order = [m for m in self.modules() if wanted is None or id(m) in wanted][::-1]
+        reader = self._open_reader() if self.hf_path else None
+        hf = self.hf_model
+        for m in order:
+            params = [(ln, p) for ln, p in m.named_parameters(recurse=False) if p.device.type != "meta"]
+            if reader is None and params and not _is_lora_leaf(module_names[id(m)]):
+                with torch.random.fork_rng(devices=_rng_devices(params[0][1])):
+                    torch.manual_seed(_seed_for(self.init_seed, module_names[id(m)]))
+                    hf._init_weights(m)
+            for _local, p in params:
+                canonical = names.get(id(p)) or all_names[id(p)]
+                if ".lora_" in canonical:
+                    _init_lora_(p, canonical, self.init_seed)
+                elif reader is not None:
+                    key = self._find(reader, self.checkpoint_key(canonical),
+                                     [self.checkpoint_key(n) for n in tied[id(p)]])
+                    if key is None:
+                        raise KeyError(f"model.hf_path {self.hf_path!r} has no weight for {self.checkpoint_key(canonical)!r}; "
+                                       "the directory does not match its config.json")
+                    value = reader.get(key)
+                    if tuple(value.shape) != tuple(p.shape):
+                        raise ValueError(f"model.hf_path: {key} has shape {tuple(value.shape)}, the config "
+                                         f"says {tuple(p.shape)}")
+                    p.copy_(value.to(dtype=p.dtype))
+            _recompute_buffers_(m)
+
+    def _open_reader(self) -> SafetensorsReader:
+        if self._reader is None:
+            self._reader = SafetensorsReader(self.hf_path)
+        return self._reader
+
+
+def _rng_devices(t: torch.Tensor) -> list:
+    return [t.device] if t.device.type == "cuda" else []
+
+
+def _is_lora_leaf(module_name: str) -> bool:
+    return ".lora_" in module_name
+
+
+def _init_lora_(p: torch.Tensor, name: str, seed: int) -> None:
+    """peft's default LoRA init (A: Kaiming uniform, B: zeros), drawn on CPU from (seed, name)."""
+    if ".lora_B" in name:
+        p.zero_()
+        return
+    g = torch.Generator().manual_seed(_seed_for(seed, name))
+    value = torch.empty(p.shape, dtype=torch.float64)
+    bound = (1.0 / p.shape[1]) ** 0.5  # kaiming_uniform_(a=sqrt(5)) = U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+    value.uniform_(-bound, bound, generator=g)
+    p.copy_(value.to(p.dtype))
+
+
+@torch.no_grad()
+def _recompute_buffers_(m: nn.Module) -> None:
+    """Non-persistent buffers computed at construction: rotary inverse frequencies."""
+    if "RotaryEmbedding" in type(m).__name__ and hasattr(m, "inv_freq") and m.inv_freq.device.type != "meta":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        fns = {"default": getattr(m, "compute_default_rope_parameters", None), **ROPE_INIT_FUNCTIONS}
+        inv_freq, scaling = fns[m.rope_type](m.config)
+        m.inv_freq.copy_(inv_freq.to(m.inv_freq.device))
+        if hasattr(m, "original_inv_freq"):
+            m.original_inv_freq.copy_(inv_freq.to(m.inv_freq.device))
+        m.attention_scaling = scaling
+
+
+def _add_lora(model: nn.Module, lora: dict[str, Any]) -> nn.Module:
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as e:  # pragma: no cover
+        raise RuntimeError("model.lora needs the `peft` package: pip install 'shardlab[hf]'") from e
+    config = LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                        target_modules=lora.get("target_modules"), task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+# -- registry entry (shardlab.models.MODELS) -------------------------------------------------------
+@dataclass
+class HFKeys:
+    """`model.*` keys of model.name=hf."""
+
+    hf_path: Optional[str] = None          # local HF directory: config.json + safetensors
+    hf_config: Optional[str] = None        # a config JSON (or a directory with config.json): random init
+    hf_dtype: str = "fp32"                 # parameter dtype: fp32 | bf16 | fp64
+    lora: LoRAKeys = field(default_factory=LoRAKeys)
+
+
+def config_file(section) -> str:
+    path = section.hf_path or section.hf_config
+    return os.path.join(path, "config.json") if os.path.isdir(path) else path
+
+
+def load_hf_config(section, vocab_size: int | None = None):
+    transformers = require_transformers()
+    with open(config_file(section)) as f:
+        raw = json.load(f)
+    config = transformers.AutoConfig.for_model(**raw)
+    if vocab_size is not None and section.hf_path is None and vocab_size > config.vocab_size:
+        config.vocab_size = vocab_size  # random init: room for the data's tokenizer
+    return config
+
+
+def _check(section) -> None:
+    from shardlab.config import ConfigError
+
+    if section.name != "hf":
+        return
+    if (section.hf_path is None) == (section.hf_config is None):
+        raise ConfigError("model.name=hf needs exactly one of model.hf_path (a local HF directory with config.json "
+                          "and safetensors weights) or model.hf_config (a config JSON, random init)")
+    if section.hf_path is not None:
+        if not os.path.isfile(os.path.join(section.hf_path, "config.json")):
+            raise ConfigError(f"model.hf_path {section.hf_path!r}: no config.json there; point it at a local "
+                              "directory written by save_pretrained (nothing is downloaded)")
+        if not any(os.path.isfile(os.path.join(section.hf_path, f)) for f in (INDEX_FILE, SINGLE_FILE)):
+            raise ConfigError(f"model.hf_path {section.hf_path!r}: no {SINGLE_FILE} or {INDEX_FILE}; save the model "
+                              "in safetensors (save_pretrained(..., safe_serialization=True))")
+    elif not os.path.isfile(config_file(section)):
+        raise ConfigError(f"model.hf_config {section.hf_config!r}: no such file; give a config JSON "
+                          "(e.g. configs/hf/mistral-tiny.json) or a directory with config.json")
+    try:
+        with open(config_file(section)) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{config_file(section)}:{e.lineno}: not valid JSON ({e.msg})") from None
+    if "model_type" not in raw:
+        raise ConfigError(f"{config_file(section)}: no \"model_type\" (e.g. \"mistral\", \"llama\", \"gpt2\"); "
+                          "transformers needs it to pick the architecture")
+    if section.hf_dtype not in HF_DTYPES:
+        raise ConfigError(f"model.hf_dtype: unknown value {section.hf_dtype!r}; valid: {', '.join(HF_DTYPES)}")
+    lo = section.lora
+    if lo.rank < 0:
+        raise ConfigError(f"model.lora.rank must be >= 0 (0 = full fine-tuning), got {lo.rank}")
+    if lo.rank and (lo.alpha <= 0 or not 0 <= lo.dropout < 1):
+        raise ConfigError("model.lora.alpha must be > 0 and model.lora.dropout in [0, 1)")
+
+
+def _build(section, seed: int, vocab_size: int | None) -> HFCausalLM:
+    config = load_hf_config(section, vocab_size)
+    return HFCausalLM(config, seed=seed, hf_path=section.hf_path, dtype=HF_DTYPES[section.hf_dtype],
+                      lora=asdict(section.lora))
+
+
+def _record(model: HFCausalLM) -> dict[str, Any]:
+    dtype = {v: k for k, v in HF_DTYPES.items()}[next(model.parameters()).dtype]
+    return {"hf_config": model.hf_config.to_dict(), "dtype": dtype, "lora": model.lora,
+            "hf_path": model.hf_path}
+
+
+def _rebuild(kwargs: dict[str, Any], seed: int) -> HFCausalLM:
+    """The architecture, randomly initialized (the checkpoint's state_dict is loaded next)."""
+    transformers = require_transformers()
+    raw = dict(kwargs["hf_config"])
+    config = transformers.AutoConfig.for_model(**raw)
+    return HFCausalLM(config, seed=seed, dtype=HF_DTYPES[kwargs.get("dtype", "fp32")], lora=kwargs.get("lora"))
+
+
+def _max_seq_len(section) -> int | None:
+    if section.name != "hf" or not (section.hf_path or section.hf_config):
+        return None
+    try:
+        with open(config_file(section)) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+    return raw.get("max_position_embeddings") or raw.get("n_positions")
+
+
+def hf_vocab_size(section) -> int | None:
+    try:
+        with open(config_file(section)) as f:
+            return json.load(f).get("vocab_size")
+    except (OSError, TypeError, json.JSONDecodeError):
+        return None
+
+
+SPEC = ModelSpec(
+    name="hf", keys=HFKeys, data_kind="tokens",
+    build=_build, record=_record, rebuild=_rebuild, check=_check,
+    synthetic=lambda section: {"vocab_size": hf_vocab_size(section) or 256},
+    max_seq_len=_max_seq_len)

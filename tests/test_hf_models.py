@@ -1,0 +1,210 @@
+"""model.name=hf: tiny Mistral and GPT-2 architectures (built here from configs) train identically
+with fsdp, zero3 and torch-fsdp as with single over a few SFT steps (masked targets, packed
+inputs), load from a sharded safetensors directory on the meta device into the same weights on
+every engine, recompute rotary buffers, and with LoRA train only adapters with adapter-sized traffic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+import shardlab  # noqa: E402
+from shardlab.models.hf import HFCausalLM  # noqa: E402
+from shardlab.testing import run_workers  # noqa: E402
+from tests.parity import F64_ATOL, F64_RTOL, assert_parity  # noqa: E402
+
+VOCAB, T, GLOBAL = 61, 12, 8
+ENGINES = ("fsdp", "zero3", "torch-fsdp")
+
+
+def hf_config(arch: str):
+    from transformers import GPT2Config, MistralConfig
+
+    if arch == "mistral":
+        return MistralConfig(vocab_size=VOCAB, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                             tie_word_embeddings=False)
+    return GPT2Config(vocab_size=VOCAB, n_embd=24, n_layer=2, n_head=3, n_positions=32, bos_token_id=0,
+                      eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+LORA = {"rank": 2, "alpha": 4.0, "dropout": 0.0, "target_modules": None}
+
+
+def build(arch: str, device: str, lora: bool = False, hf_path: str | None = None) -> HFCausalLM:
+    with torch.device(device):
+        return HFCausalLM(hf_config(arch), seed=5, dtype=torch.float64, hf_path=hf_path,
+                          lora=LORA if lora else None)
+
+
+def sft_batch(step: int, packed: bool):
+    """Random ids; targets are the next tokens with a random-length prompt masked (-100). Packed:
+    two examples per row, position ids restarting at the second one."""
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(1, VOCAB, (GLOBAL, T), generator=g)
+    y = torch.roll(ids, -1, dims=1)
+    prompt = torch.randint(2, T // 2, (GLOBAL,), generator=g)
+    y[torch.arange(T)[None, :] < prompt[:, None]] = -100
+    y[:, -1] = -100
+    if not packed:
+        return ids, y
+    cut = torch.randint(3, T - 3, (GLOBAL,), generator=g)
+    pos = torch.stack([torch.cat([torch.arange(c), torch.arange(T - c)]) for c in cut.tolist()])
+    y[torch.arange(T)[None, :] == (cut[:, None] - 1)] = -100  # no target across the boundary
+    return torch.stack([ids, pos], dim=1), y
+
+
+def _adamw(params):
+    return torch.optim.AdamW([p for p in params if p.requires_grad], lr=1e-2, weight_decay=0.1, foreach=False)
+
+
+def reference(arch: str, world: int, packed: bool, lora: bool, steps: int = 3):
+    """One process; each step's loss is the mean of the per-rank micro-batch losses (the
+    objective the engines train: each rank's loss is the mean over its own target tokens)."""
+    model = build(arch, "cpu", lora)
+    opt = _adamw(model.parameters())
+    b = GLOBAL // world
+    losses = []
+    for step in range(steps):
+        x, y = sft_batch(step, packed)
+        opt.zero_grad(set_to_none=True)
+        loss = sum(model(x[r * b:(r + 1) * b], y[r * b:(r + 1) * b]) for r in range(world)) / world
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train(rank: int, world: int, arch: str, strategy: str, packed: bool, lora: bool, steps: int = 3):
+    import torch.distributed as dist
+
+    model = shardlab.parallelize(build(arch, "meta", lora), strategy, device="cpu")
+    engine = shardlab.engine_of(model)
+    opt = _adamw(model.parameters())
+    b = GLOBAL // world
+    losses = []
+    before = engine.comm_stats()
+    for step in range(steps):
+        x, y = sft_batch(step, packed)
+        opt.zero_grad(set_to_none=True)
+        loss = model(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b])
+        loss.backward()
+        opt.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    after = engine.comm_stats()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    reduced = None
+    if after is not None:
+        kinds = [k for k in after if "reduce" in k]
+        reduced = sum(after[k]["payload_bytes"] - (before or {}).get(k, {}).get("payload_bytes", 0) for k in kinds)
+    return (losses, shardlab.full_state_dict(model)), trainable, reduced
+
+
+def _all_runs(rank: int, world: int, cases, saved: dict[str, str]):
+    """Everything that needs two ranks, in one spawn (start-up dominates on small machines)."""
+    out = {case: _train(rank, world, *case) for case in cases}
+    for arch, path in saved.items():
+        out[("load", arch)] = _load_runs(rank, world, path, arch)
+    return out
+
+
+# every engine on both architectures; packed and padded batches alternate (each engine sees both)
+PARITY_CASES = [(arch, strategy, (i + j) % 2 == 0, False) for i, arch in enumerate(("mistral", "gpt2"))
+                for j, strategy in enumerate(ENGINES)]
+LORA_CASES = [("mistral", "fsdp", True, True), ("gpt2", "zero3", False, True), ("mistral", "torch-fsdp", False, True)]
+
+
+@pytest.fixture(scope="module")
+def saved_models(tmp_path_factory):
+    """Each architecture saved by transformers as a sharded safetensors directory (with an index)."""
+    out = {}
+    for arch in ("mistral", "gpt2"):
+        path = tmp_path_factory.mktemp(arch)
+        build(arch, "cpu").hf_model.save_pretrained(path, max_shard_size="20KB")
+        assert (path / "model.safetensors.index.json").exists()
+        out[arch] = str(path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def parity_runs(saved_models):
+    return run_workers(2, _all_runs, PARITY_CASES + LORA_CASES, saved_models, timeout_s=300)
+
+
+@pytest.mark.parametrize("case", PARITY_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{'packed' if c[2] else 'padded'}")
+def test_engines_match_single(parity_runs, case):
+    arch, strategy, packed, lora = case
+    ref = reference(arch, 2, packed, lora)
+    got, _, _ = parity_runs[0][case]
+    assert_parity(ref, got, f"{arch}/{strategy}", rtol=F64_RTOL, atol=F64_ATOL)
+
+
+@pytest.mark.parametrize("case", LORA_CASES, ids=lambda c: f"lora-{c[0]}-{c[1]}")
+def test_lora_trains_only_adapters(parity_runs, case):
+    arch, strategy, packed, lora = case
+    ref = reference(arch, 2, packed, lora)
+    got, trainable, reduced = parity_runs[0][case]
+    assert_parity(ref, got, f"lora {arch}/{strategy}")
+    start = build(arch, "cpu", lora=True).state_dict()
+    for k, v in got[1].items():
+        changed = not torch.equal(v, start[k])
+        assert changed == ("lora_A" in k or "lora_B" in k), f"{k}: changed={changed}"
+    adapters = sum(v.numel() for k, v in start.items() if "lora_" in k)
+    assert sum(r[case][1] for r in parity_runs) >= adapters  # every adapter element is held by some rank
+    if reduced is not None:  # shardlab's engines count bytes: gradient traffic is adapter-sized
+        per_step = reduced / 3
+        assert 0 < per_step <= adapters * 8 * 1.5, (per_step, adapters * 8)
+
+
+# -- loading from a sharded safetensors directory -------------------------------------------------
+def _load_runs(rank: int, world: int, path: str, arch: str):
+    out = {}
+    for strategy in ("fsdp", "zero3", "torch-fsdp", "ddp"):
+        model = shardlab.parallelize(build(arch, "meta", hf_path=path), strategy, device="cpu")
+        inner = shardlab.engine_of(model).unwrapped()
+        buffers = {k: v.clone() for k, v in inner.named_buffers() if "inv_freq" in k}
+        out[strategy] = (shardlab.full_state_dict(model), buffers)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gpt2"])
+def test_load_sharded_safetensors_on_every_engine(saved_models, parity_runs, arch):
+    """Built on the meta device, every engine fills its units from the files: the same weights as
+    a whole load in one process (and as transformers' from_pretrained), rotary buffers recomputed."""
+    from transformers import AutoModelForCausalLM
+
+    path = saved_models[arch]
+    whole = HFCausalLM(hf_config(arch), seed=99, dtype=torch.float64, hf_path=path)
+    expected = whole.state_dict()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    for k, v in hf.state_dict().items():
+        torch.testing.assert_close(expected["model." + k], v, rtol=0, atol=0)
+    for rank, runs in enumerate(parity_runs):
+        per_engine = runs[("load", arch)]
+        for strategy, (state, buffers) in per_engine.items():
+            assert set(state) == set(expected), strategy
+            for k in expected:
+                torch.testing.assert_close(state[k], expected[k], rtol=0, atol=0,
+                                           msg=lambda m, k=k, s=strategy, r=rank: f"{s} rank {r} {k}: {m}")
+            if arch == "mistral":  # rotary inverse frequencies recomputed, not empty_like garbage
+                assert buffers, strategy
+                for k, v in buffers.items():
+                    want = 1.0 / (10000.0 ** (torch.arange(0, 6, 2, dtype=torch.float) / 6))
+                    torch.testing.assert_close(v.float(), want, msg=lambda m, k=k, s=strategy: f"{s} {k}: {m}")
+
+
+def test_packing_never_mixes_examples():
+    """A packed row's logits equal each example's logits computed alone."""
+    model = build("mistral", "cpu").eval()
+    ids = torch.randint(1, VOCAB, (1, T))
+    pos = torch.cat([torch.arange(5), torch.arange(T - 5)])[None]
+    packed = model(torch.stack([ids, pos], dim=1))
+    alone = torch.cat([model(ids[:, :5]), model(ids[:, 5:])], dim=1)
+    torch.testing.assert_close(packed, alone, rtol=1e-12, atol=1e-12)
+    unpacked = model(ids)
+    assert (unpacked[:, 5:] - alone[:, 5:]).abs().max() > 1e-6  # without the mask they would mix

@@ -1,0 +1,195 @@
+"""SFT data (masking token by token, packing, bad input named by file and line, the embedded
+set) and Hugging Face export (hf and gpt models, LoRA merged and adapter: equal logits)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from shardlab.data import sft  # noqa: E402
+from shardlab.models.hf import HFCausalLM  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    texts = [e["instruction"] + " " + e["output"] for e in sft.builtin_examples(300)]
+    sft.train_tokenizer(texts, 400, str(d))
+    return sft.SFTTokenizer(str(d))
+
+
+def test_builtin_examples_are_built_from_the_stdlib():
+    a, b = sft.builtin_examples(50), sft.builtin_examples(50)
+    assert a == b and len(a) == 50
+    assert all(e["instruction"].startswith("What does the Python") and len(e["output"]) >= 40 for e in a)
+
+
+def test_masking_token_by_token(tokenizer):
+    ex = {"instruction": "What does os.path.join do?", "input": "two paths", "output": "Join two paths."}
+    ids, labels = tokenizer.encode_example(ex)
+    prompt = tokenizer.encode("### Instruction:\nWhat does os.path.join do?\n\n### Input:\ntwo paths\n\n### Response:\n")
+    response = tokenizer.encode("Join two paths.")
+    assert ids == [tokenizer.bos_id, *prompt, *response, tokenizer.eos_id]
+    assert labels == [-100] * (1 + len(prompt)) + response + [tokenizer.eos_id]
+    chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"},
+                         {"role": "assistant", "content": "Goodbye."}]}
+    ids, labels = tokenizer.encode_example(chat)
+    trained = [t for t, lab in zip(ids, labels) if lab != -100]
+    assert trained == tokenizer.encode("Hello.") + tokenizer.encode("Goodbye.") + [tokenizer.eos_id]
+    assert all(lab in (-100, t) for t, lab in zip(ids, labels))
+
+
+def test_rows_truncate_pad_and_pack():
+    chunks = [([1, 2, 3], [-100, 5, 6]), ([7, 8], [-100, 9]), ([4, 4, 4, 4], [-100, -100, 1, 2])]
+    x, y, real = sft._rows(chunks, 6, 0, packing=False)
+    assert x.shape == (3, 6) and real.tolist() == [3, 2, 4]
+    assert y[0].tolist() == [-100, 5, 6, -100, -100, -100]
+    x, y, real = sft._rows(chunks, 6, 0, packing=True)
+    assert x.shape == (2, 2, 6) and real.tolist() == [5, 4]
+    assert x[0, 0].tolist() == [1, 2, 3, 7, 8, 0]
+    assert x[0, 1].tolist() == [0, 1, 2, 0, 1, 0]  # positions restart per example; padding its own
+    assert y[0].tolist() == [-100, 5, 6, -100, 9, -100]
+
+
+@pytest.mark.parametrize("line,needle", [
+    ('{"instruction": "x", "output": "y"', "not valid JSON"),
+    ('{"instruction": "x", "output": ""}', "no response"),
+    ('{"messages": [{"role": "user", "content": "hi"}]}', "no response"),
+    ('{"messages": [{"role": "bot", "content": "hi"}]}', "unknown role"),
+    ('{"prompt": "x"}', "neither alpaca"),
+])
+def test_bad_jsonl_names_file_and_line(tmp_path, line, needle):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"instruction": "a", "output": "b"}\n' + line + "\n")
+    with pytest.raises(sft.SFTDataError, match=needle) as e:
+        sft.read_examples(str(path))
+    assert f"{path}:2" in str(e.value)
+
+
+def test_bad_data_stops_train_before_workers(tmp_path, capsys):
+    from shardlab.cli import main
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "x"}\n')
+    rc = main(["train", "configs/sft-mistral-tiny.yaml", "--nproc", "2", f"data.path={path}",
+               f"output.dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{path}:2" in err and "no response" in err
+
+
+def _tiny_mistral(lora=None):
+    from transformers import MistralConfig
+
+    cfg = MistralConfig(vocab_size=50, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    return HFCausalLM(cfg, seed=1, lora=lora)
+
+
+def test_export_hf_lora_merged_and_adapter(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from shardlab.export_hf import export_hf
+
+    model = _tiny_mistral({"rank": 2, "alpha": 4.0, "dropout": 0.0, "target_modules": None}).eval()
+    with torch.no_grad():  # trained-looking adapters (B starts at zero)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    ids = torch.randint(0, 50, (2, 9))
+    want = model(ids)
+    export_hf(model, str(tmp_path / "adapter"), lora="adapter")
+    assert (tmp_path / "adapter" / "adapter_config.json").exists()
+    base = AutoModelForCausalLM.from_config(model.hf_config)
+    base.load_state_dict({k.removeprefix("model.base_model.model.").replace(".base_layer.", "."): v
+                          for k, v in model.state_dict().items() if "lora_" not in k}, strict=False)
+    got = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    export_hf(model, str(tmp_path / "merged"), lora="merged")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert not any("lora" in k for k in merged.state_dict())
+    torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_exports_as_gpt2_with_equal_logits(tmp_path):
+    from transformers import AutoModelForCausalLM, GPT2LMHeadModel
+
+    from shardlab.export_hf import export_hf
+    from shardlab.models import GPT, GPTConfig
+
+    for bias in (True, False):
+        model = GPT(GPTConfig(vocab_size=71, block_size=24, n_layer=2, n_head=3, n_embd=36, bias=bias), seed=4).eval()
+        out = export_hf(model, str(tmp_path / f"gpt-{bias}"))
+        hf = AutoModelForCausalLM.from_pretrained(out).eval()
+        assert isinstance(hf, GPT2LMHeadModel)
+        ids = torch.randint(0, 71, (2, 24))
+        torch.testing.assert_close(hf(input_ids=ids).logits, model(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_train_then_export_cli_equal_logits(tmp_path, monkeypatch):
+    """A short single-process SFT run (embedded data, run-time tokenizer, checkpoint), then
+    `shardlab export RUN --format hf`: from_pretrained gives the trained model's logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardlab.cli import main
+    from shardlab.config import load_config
+    from shardlab.export import load_model
+    from shardlab.train import train
+
+    monkeypatch.setenv("SHARDLAB_CACHE", str(tmp_path / "cache"))
+    cfg = load_config("configs/sft-mistral-tiny.yaml", [
+        "parallel.strategy=single", "train.steps=3", "train.global_batch_size=4", "train.micro_batch_size=4",
+        "checkpoint.every_steps=3", f"output.dir={tmp_path}", "output.run_name=r", "output.progress=false",
+        "output.tensorboard=false", "train.memory_tracking=none", "data.seq_len=64"])
+    result = train(cfg)
+    assert result["tokens_processed"] < result["samples_processed"] * 64  # padding not counted
+    run = tmp_path / "r"
+    assert (run / "hf" / "config.json").exists() and (run / "hf" / "tokenizer.json").exists()
+    assert main(["export", str(run), "--format", "hf", "--out", str(tmp_path / "out")]) == 0
+    trained, _ = load_model(str(run))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    tok = AutoTokenizer.from_pretrained(tmp_path / "out")
+    ids = tok("### Instruction:\nWhat does json.dumps do?\n\n### Response:\n", return_tensors="pt").input_ids
+    torch.testing.assert_close(hf(input_ids=ids).logits, trained(ids), rtol=1e-5, atol=1e-5)
+    at_end = AutoModelForCausalLM.from_pretrained(run / "hf").eval()
+    torch.testing.assert_close(at_end(input_ids=ids).logits, trained(ids), rtol=1e-5, atol=1e-5)
+    assert hf.generate(ids, max_new_tokens=3, do_sample=False).shape[1] == ids.shape[1] + 3
+
+
+def test_config_errors():
+    from shardlab.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="exactly one of model.hf_path"):
+        load_config(None, ["model.name=hf"])
+    with pytest.raises(ConfigError, match="no config.json"):
+        load_config(None, ["model.name=hf", "model.hf_path=/nonexistent"])
+    with pytest.raises(ConfigError, match="data.tokenizer_path"):
+        load_config("configs/sft-mistral-tiny.yaml", ["data.tokenizer_path=/nonexistent"])
+    with pytest.raises(ConfigError, match="export.lora"):
+        load_config("configs/sft-mistral-tiny.yaml", ["export.lora=both"])
+    with pytest.raises(ConfigError, match="model.lora.rank"):
+        load_config("configs/sft-mistral-tiny.yaml", ["model.lora.rank=-1"])
+
+
+def test_render_sft_configs(tmp_path):
+    """shardlab render works for SFT configs unchanged (the 7B one with a stand-in model directory)."""
+    from shardlab.cli import main
+
+    model_dir = tmp_path / "Mistral-7B"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "mistral", "vocab_size": 32000,
+                                                       "max_position_embeddings": 32768}))
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    data = tmp_path / "sft.jsonl"
+    data.write_text('{"instruction": "a", "output": "b"}\n')
+    for target in ("slurm", "k8s", "accelerate"):
+        rc = main(["render", target, "configs/sft-mistral-7b.yaml", "--out", str(tmp_path / target),
+                   f"model.hf_path={model_dir}", f"data.path={data}"])
+        assert rc == 0, target
+        assert any(p.is_file() for p in (tmp_path / target).rglob("*")), target
