@@ -442,3 +442,244 @@ def _probe_state_estimate(cfg, engine: str, nproc: int, layers: int) -> int:
     psi = sum(p.numel() * p.element_size() for p in {id(p): p for p in _meta_model(c).parameters()}.values())
     sharded = engine in ("zero3", "fsdp", "torch-fsdp")
     return int(psi * (5 if not sharded else 4 / nproc + 2))  # psi: parameter bytes (4/param in fp32)
+
+
+# -- time: alpha-beta per collective --------------------------------------------------------------
+def collective_time(kind: str, nbytes: float, world: int, link: Link) -> float:
+    """Ring model: all_reduce 2(W-1) steps moving 2(W-1)/W of the buffer per rank; all_gather and
+    reduce_scatter (W-1) steps moving (W-1)/W of the full buffer; broadcast (pipelined chain)
+    ceil(log2 W) latency steps and the whole buffer once. nbytes: the full (unsharded) size."""
+    if world <= 1:
+        return 0.0
+    steps, bus = {"all_reduce": (2 * (world - 1), 2 * (world - 1) / world),
+                  "all_gather": (world - 1, (world - 1) / world),
+                  "reduce_scatter": (world - 1, (world - 1) / world),
+                  "broadcast": (math.ceil(math.log2(world)), 1.0),
+                  "reduce": (math.ceil(math.log2(world)), 1.0)}[kind]
+    return steps * link.alpha_s + bus * nbytes / link.bandwidth
+
+
+def comm_plan(cfg, engine: str, world: int) -> list[tuple[str, float, int]]:
+    """(kind, full bytes per call, calls per step) of an engine's training collectives: what its
+    design says it sends (docs/engines.md): ddp Psi all-reduced once per step in buckets; zero3
+    broadcasts every unit in forward and backward and reduces its gradients; fsdp/torch-fsdp
+    all-gather every unit in forward and again in backward (not the root, kept gathered) and
+    reduce-scatter the gradients once per step."""
+    if engine == "single" or world == 1:
+        return []
+    from shardlab.models import repeated_blocks
+
+    model = _meta_model(cfg)
+    units = repeated_blocks(model)
+    in_units = {id(p) for u in units for p in u.parameters()}
+    params = list({id(p): p for p in model.parameters()}.values())
+    mp_bytes = {"bf16": 2, "fp16": 2}.get(cfg.parallel.mixed_precision)
+    def nbytes(ps):  # noqa: E306
+        return sum(p.numel() * (mp_bytes or p.element_size()) for p in ps)
+    total = nbytes(params)
+    trainable = nbytes([p for p in params if p.requires_grad])
+    unit_bytes = [nbytes(list({id(p): p for p in u.parameters()}.values())) for u in units]
+    root_bytes = nbytes([p for p in params if id(p) not in in_units])
+    micro = max(1, cfg.train.global_batch_size // (world * cfg.train.micro_batch_size))
+    if engine in ("ddp", "torch-ddp"):
+        bucket = int(cfg.parallel.bucket_size_mb * 2**20)
+        calls = max(1, math.ceil(trainable / bucket))
+        return [("all_reduce", trainable / calls, calls)]
+    n = len(units) + 1
+    gather = "broadcast" if engine == "zero3" else "all_gather"
+    out = [(gather, total / n, n * micro)]                        # forward: every unit, every micro batch
+    again = total - (root_bytes if engine != "zero3" else 0)      # backward: again (fsdp keeps the root)
+    out.append((gather, again / max(1, n - (engine != "zero3")), (n - (engine != "zero3")) * micro))
+    out.append(("reduce" if engine == "zero3" else "reduce_scatter", trainable / n, n))
+    return out
+
+
+def comm_seconds(cfg, engine: str, world: int, link: Link) -> float:
+    return sum(calls * collective_time(kind, b, world, link) for kind, b, calls in comm_plan(cfg, engine, world))
+
+
+def _param_count(cfg) -> int:
+    return sum(p.numel() for p in {id(p): p for p in _meta_model(cfg).parameters()}.values())
+
+
+def step_time(cfg, engine: str, world: int, link: Link, gpu: GPU | None, probe_seconds: float | None,
+              nodes: int = 1) -> dict[str, Any]:
+    """Predicted step time: compute (GPU: 6*Psi*tokens at peak FLOP/s x MFU; CPU: the probe's
+    measured step) and communication (alpha-beta); overlapped = max(compute, comm) for engines that
+    overlap (all do: bucketed all-reduce, prefetch), serial = compute + comm."""
+    t = cfg.train
+    tokens_rank = t.global_batch_size // world * (cfg.data.seq_len if _n_layer(cfg) is not None else 1)
+    flops = (8 if t.activation_checkpointing else 6) * _param_count(cfg) * tokens_rank
+    if gpu is not None:
+        compute = flops / (gpu.peak_flops * MFU)
+        source = f"6*Psi*tokens at {gpu.peak_flops / 1e12:.0f} TFLOP/s x MFU {MFU:g}"
+    else:
+        compute = probe_seconds or float("nan")
+        source = "the probe's measured step on this CPU, scaled"
+    comm = comm_seconds(cfg, engine, world, link)
+    overlapped = max(compute, comm)
+    tokens_step = t.global_batch_size * (cfg.data.seq_len if _n_layer(cfg) is not None else 1)
+    return {"compute_s": compute, "comm_s": comm, "step_s": overlapped, "step_serial_s": compute + comm,
+            "tokens_per_s": tokens_step / overlapped if overlapped else None, "compute_source": source,
+            "comm_hidden": comm <= compute, "link": link.name}
+
+
+def hiding_limit(cfg, engine: str, per_node: int, link: Link, compute_s: float, max_nodes: int = 1024) -> int | None:
+    """The first node count (at fixed micro batch per rank) at which the step's communication
+    exceeds its compute, i.e. stops hiding behind it; None if it never does up to max_nodes."""
+    c = copy.deepcopy(cfg)
+    k = 1
+    while k <= max_nodes:
+        world = per_node * k
+        c.train.global_batch_size = cfg.train.micro_batch_size * world * max(
+            1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * per_node))
+        if comm_seconds(c, engine, world, link) > compute_s:
+            return k
+        k *= 2
+    return None
+
+
+# -- verdict -----------------------------------------------------------------------------------------
+def verdict(cfg, p: Prediction, gpu: GPU, others: dict[str, Prediction], world: int) -> dict[str, Any]:
+    usable = usable_bytes(gpu)
+    precision_problem = None
+    if not gpu.bf16 and "bf16" in (cfg.train.precision, cfg.parallel.mixed_precision):
+        precision_problem = (f"{gpu.name} has no bf16 (Turing): use train.precision=fp16 "
+                             "parallel.mixed_precision=fp16 (dynamic loss scaling turns on with it)")
+    fits = p.peak_bytes <= usable and precision_problem is None and p.probed
+    out: dict[str, Any] = {"usable_bytes": usable, "fits": fits, "margin_bytes": usable - p.peak_bytes,
+                           "changes": []}
+    ch = out["changes"]
+    if precision_problem:
+        ch.append(precision_problem)
+    if p.peak_bytes <= usable:
+        return out
+    sharded_state = p.parts["params"] + p.parts["grads"] + p.parts["optimizer"]
+    if p.engine in ("zero3", "fsdp", "torch-fsdp") and sharded_state > 0:
+        rest = p.peak_bytes - sharded_state
+        if rest < usable:
+            need = math.ceil(world * sharded_state / (usable - rest))
+            ch.append(f"more ranks: about {need} in all (model state {sharded_state / 2**30:.1f} GiB/rank now "
+                      f"scales as 1/N; the other {rest / 2**30:.1f} GiB do not); check with --nproc")
+        else:
+            ch.append(f"more ranks alone cannot help: {rest / 2**30:.1f} GiB of the peak do not shrink with N")
+    else:
+        fitting = [e for e, q in others.items() if q.probed and q.peak_bytes <= usable]
+        ch.append("a sharded engine: " + (", ".join(f"{e} ({others[e].peak_bytes / 2**30:.1f} GiB)" for e in fitting)
+                                           if fitting else "zero3/fsdp/torch-fsdp (none fits at this N either)"))
+    act = p.parts["activations"]
+    if act > 0.1 * p.peak_bytes and not cfg.train.activation_checkpointing:
+        ch.append(f"train.activation_checkpointing=true (activations are {act / 2**30:.1f} GiB of the peak; "
+                  "it keeps about one block's worth, at ~33% more compute)")
+    if act > 0 and cfg.train.micro_batch_size > 1:
+        room = usable - (p.peak_bytes - act)
+        b = int(cfg.train.micro_batch_size * room / act) if room > 0 else 0
+        if b >= 1:
+            ch.append(f"a smaller micro batch: train.micro_batch_size={min(b, cfg.train.micro_batch_size - 1)} "
+                      "(activations scale linearly; keep global_batch_size by accumulation)")
+    if cfg.train.precision == "fp32" and cfg.parallel.mixed_precision == "fp32":
+        if gpu.bf16:
+            ch.append("bf16: train.precision=bf16 parallel.mixed_precision=bf16 (about halves activations and "
+                      "gathered parameters; shards, gradients and Adam state stay fp32)")
+        else:
+            ch.append(f"{gpu.name} has no bf16: train.precision=fp16 parallel.mixed_precision=fp16 with loss "
+                      "scaling (about halves activations and gathered parameters)")
+    return out
+
+
+# -- the command -------------------------------------------------------------------------------------
+def add_arguments(p) -> None:
+    p.add_argument("config", nargs="?", help="YAML config file")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.micro_batch_size=2")
+    p.add_argument("--gpu", required=True, choices=list(GPUS), help="the GPU each rank runs on")
+    p.add_argument("--nproc", type=int, required=True, metavar="N", help="ranks (GPUs) per node")
+    p.add_argument("--nodes", type=int, default=1, metavar="K", help="nodes (world size = N x K)")
+    p.add_argument("--interconnect", default=None, choices=list(INTERCONNECTS),
+                   help="link between ranks for the time prediction (default: nvlink on one node, "
+                        "infiniband-400 across nodes)")
+    p.add_argument("--engines", default=None, help="comma-separated engines (default: all that apply)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def run(args) -> int:
+    from shardlab.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.nproc < 1 or args.nodes < 1:
+            raise ConfigError(f"--nproc and --nodes must be >= 1, got {args.nproc} and {args.nodes}")
+        engines = args.engines.split(",") if args.engines else None
+        if engines:
+            bad = [e for e in engines if e not in ENGINES]
+            if bad:
+                raise ConfigError(f"--engines: unknown {', '.join(bad)}; valid: {', '.join(ENGINES)}")
+        world = args.nproc * args.nodes
+        if engines is None:
+            engines = [e for e in ENGINES if e != "single" or world == 1]
+        from shardlab.config import validate_for_world
+
+        for e in engines:
+            c = copy.deepcopy(cfg)
+            c.parallel.strategy = e
+            validate_for_world(c, world)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    gpu = GPUS[args.gpu]
+    link = INTERCONNECTS[args.interconnect or ("nvlink" if args.nodes == 1 else "infiniband-400")]
+    preds = predict_all(cfg, world, engines)
+    report: dict[str, Any] = {"gpu": dataclasses.asdict(gpu), "usable_bytes": usable_bytes(gpu), "world": world,
+                              "nodes": args.nodes, "interconnect": dataclasses.asdict(link), "mfu": MFU,
+                              "engines": {}}
+    for e, p in preds.items():
+        v = verdict(cfg, p, gpu, preds, world)
+        ts = step_time(cfg, e, world, link, gpu, None, args.nodes)
+        ts["comm_stops_hiding_at_nodes"] = hiding_limit(cfg, e, args.nproc, link, ts["compute_s"])
+        report["engines"][e] = {**p.to_dict(), "verdict": v, "time": ts}
+    if args.json:
+        print(json.dumps(report, indent=1, default=str))
+        return 0
+    print_report(cfg, report)
+    return 0
+
+
+_UNIT = [2**30, "GiB"]
+
+
+def _gib(b: float) -> str:
+    return f"{b / _UNIT[0]:.2f}"
+
+
+def print_report(cfg, report: dict[str, Any]) -> None:
+    gpu = report["gpu"]
+    print(f"shardlab plan: {cfg.model.name} ({_param_count(cfg) / 1e6:.1f} M parameters), micro batch "
+          f"{cfg.train.micro_batch_size} x {cfg.data.seq_len}, global batch {cfg.train.global_batch_size}, "
+          f"{report['world']} rank(s) = {report['world'] // report['nodes']} x {report['nodes']} node(s) of "
+          f"{gpu['name']} ({gpu['memory_bytes'] / 1e9:.0f} GB, usable {_gib(report['usable_bytes'])} GiB)")
+    small = max(r["peak_bytes"] for r in report["engines"].values()) < 2**30
+    _UNIT[:] = [2**20, "MiB"] if small else [2**30, "GiB"]
+    print(f"predicted peak per rank, {_UNIT[1]}, by part:")
+    cols = ["params", "gathered_params", "grads", "unsharded_grads", "optimizer", "activations", "comm"]
+    head = f"{'engine':11s} {'peak':>7s} " + " ".join(f"{c[:10]:>10s}" for c in cols) + "  verdict"
+    print(head)
+    for e, r in report["engines"].items():
+        v = r["verdict"]
+        word = (f"fits, {_gib(v['margin_bytes'])} {_UNIT[1]} spare" if v["fits"] else
+                ("does not fit" if r["probed"] else "does not fit (lower bound)" if v["margin_bytes"] < 0
+                 else "unknown (not probed)"))
+        print(f"{e:11s} {_gib(r['peak_bytes']):>7s} " + " ".join(f"{_gib(r['parts'][c]):>10s}" for c in cols)
+              + f"  {word}")
+    for e, r in report["engines"].items():
+        for n in r["notes"]:
+            print(f"  {e}: {n}")
+        for c in r["verdict"]["changes"]:
+            print(f"  {e}: change: {c}")
+    print(f"time per step on {report['interconnect']['name']} (alpha {report['interconnect']['alpha_s'] * 1e6:.0f} us, "
+          f"{report['interconnect']['bandwidth'] / 1e9:.1f} GB/s), compute at MFU {report['mfu']:g}:")
+    for e, r in report["engines"].items():
+        t = r["time"]
+        lim = t["comm_stops_hiding_at_nodes"]
+        print(f"  {e:11s} compute {t['compute_s'] * 1e3:9.1f} ms  comm {t['comm_s'] * 1e3:9.1f} ms  step "
+              f"{t['step_s'] * 1e3:9.1f} ms  {t['tokens_per_s'] or 0:12.0f} tokens/s  comm "
+              f"{'hidden' if t['comm_hidden'] else 'EXPOSED'}"
+              + (f"; stops hiding at {lim} node(s)" if lim else "; hidden up to 1024 nodes"))
