@@ -683,3 +683,82 @@ def print_report(cfg, report: dict[str, Any]) -> None:
               f"{t['step_s'] * 1e3:9.1f} ms  {t['tokens_per_s'] or 0:12.0f} tokens/s  comm "
               f"{'hidden' if t['comm_hidden'] else 'EXPOSED'}"
               + (f"; stops hiding at {lim} node(s)" if lim else "; hidden up to 1024 nodes"))
+
+
+# -- fitting the loopback link ----------------------------------------------------------------------------
+FIT_SIZES = (2**12, 2**16, 2**20, 2**22, 2**24)   # bytes of the full buffer
+FIT_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+
+def _time_collectives(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> list[tuple[str, int, float]]:
+    import torch
+    import torch.distributed as dist
+
+    out = []
+    for nbytes in sizes:
+        n = nbytes // 4
+        full = torch.ones(n - n % world)
+        shard = torch.ones(full.numel() // world)
+        ops = {"all_reduce": lambda: dist.all_reduce(full),
+               "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
+               "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
+               "broadcast": lambda: dist.broadcast(full, 0)}
+        for kind, op in ops.items():
+            op()  # warm-up
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                t0 = time.perf_counter()
+                op()
+                times.append(time.perf_counter() - t0)
+            out.append((kind, full.numel() * 4, sorted(times)[len(times) // 2]))
+    return out
+
+
+def measure_collectives(world: int, sizes: tuple[int, ...] = FIT_SIZES, repeats: int = 5) -> list[tuple[str, int, float]]:
+    """Median seconds of each collective kind and size on `world` local gloo workers (rank 0's clock)."""
+    from shardlab.testing import run_workers
+
+    return run_workers(world, _time_collectives, sizes, repeats, timeout_s=600)[0]
+
+
+def fit_alpha_beta(samples: list[tuple[str, int, float]], world: int) -> tuple[float, float]:
+    """Least squares of t = alpha * steps + bus_bytes / bandwidth over every kind and size, with
+    the ring model of `collective_time`; returns (alpha_s, bandwidth)."""
+    import numpy as np
+
+    unit = Link("unit", 1.0, 1.0, "")
+    rows, ts = [], []
+    for kind, nbytes, t in samples:
+        steps = collective_time(kind, 0, world, unit)            # alpha coefficient
+        bus = collective_time(kind, nbytes, world, Link("b", 0.0, 1.0, ""))  # bytes on the bus
+        rows.append([steps / t, bus / t])                        # relative errors: divide by t
+        ts.append(1.0)
+    (alpha, inv_bw), *_ = np.linalg.lstsq(np.array(rows), np.array(ts), rcond=None)
+    return float(alpha), float(1.0 / inv_bw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m shardlab.plan fit-loopback: fit loopback's alpha-beta at 2 workers, check at 4."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] != ["fit-loopback"]:
+        print("usage: python -m shardlab.plan fit-loopback [--check-world 4]", file=sys.stderr)
+        return 2
+    check = int(argv[argv.index("--check-world") + 1]) if "--check-world" in argv else 4
+    s2 = measure_collectives(2)
+    alpha, bw = fit_alpha_beta(s2, 2)
+    link = Link("loopback-fit", alpha, bw, "fit")
+    print(f"fit at 2 workers: alpha = {alpha * 1e6:.1f} us, bandwidth = {bw / 1e9:.3f} GB/s")
+    for label, samples, w in (("2 workers (fit)", s2, 2), (f"{check} workers (check)", measure_collectives(check), check)):
+        errs = []
+        print(f"{label}: kind, bytes, measured ms, predicted ms, error")
+        for kind, nbytes, t in samples:
+            p = collective_time(kind, nbytes, w, link)
+            errs.append(abs(p - t) / t)
+            print(f"  {kind:15s} {nbytes:10d} {t * 1e3:9.3f} {p * 1e3:9.3f} {100 * (p - t) / t:+6.1f}%")
+        print(f"  mean |error| {100 * sum(errs) / len(errs):.1f}%, median {100 * sorted(errs)[len(errs) // 2]:.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
