@@ -42,7 +42,6 @@ import dataclasses
 import json
 import math
 import multiprocessing as mp
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -223,7 +222,7 @@ def _layout_state_child(raw: dict, engine: str, nproc: int) -> dict[str, int]:
                 for s in e.slots:
                     per_rank[s.owner].append(s)
                 buffers = sum(b.numel() * b.element_size() for b in e.unwrapped().buffers())
-                for r, slots in per_rank.items():
+                for slots in per_rank.values():
                     size = lambda s: s.numel * _elem(s.dtype)  # noqa: E731
                     tr = [(s.numel, _elem(s.dtype)) for s in slots if s.requires_grad]
                     st = {"params": sum(size(s) for s in slots) + buffers, "grads": sum(n * x for n, x in tr),
@@ -400,7 +399,7 @@ def predict_all(cfg, nproc: int, engines: list[str] | None = None) -> dict[str, 
             continue
         per_layer = probes[PROBED_AS.get(e, e)]
         candidates = []
-        for key, parts_key, label in (("peak", "parts", None), ("fwd_peak", "fwd_parts", "forward")):
+        for _key, parts_key, label in (("peak", "parts", None), ("fwd_peak", "fwd_parts", "forward")):
             parts = {}
             for part in PARTS:
                 vals = {(None if k == "None" else int(k)): v[parts_key].get(part, 0) for k, v in per_layer.items()}
@@ -478,7 +477,6 @@ def comm_plan(cfg, engine: str, world: int) -> list[tuple[str, float, int]]:
         return sum(p.numel() * (mp_bytes or p.element_size()) for p in ps)
     total = nbytes(params)
     trainable = nbytes([p for p in params if p.requires_grad])
-    unit_bytes = [nbytes(list({id(p): p for p in u.parameters()}.values())) for u in units]
     root_bytes = nbytes([p for p in params if id(p) not in in_units])
     micro = max(1, cfg.train.global_batch_size // (world * cfg.train.micro_batch_size))
     if engine in ("ddp", "torch-ddp"):
@@ -699,10 +697,10 @@ def _time_collectives(rank: int, world: int, sizes: tuple[int, ...], repeats: in
         n = nbytes // 4
         full = torch.ones(n - n % world)
         shard = torch.ones(full.numel() // world)
-        ops = {"all_reduce": lambda: dist.all_reduce(full),
-               "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
-               "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
-               "broadcast": lambda: dist.broadcast(full, 0)}
+        ops = {"all_reduce": lambda f=full: dist.all_reduce(f),
+               "all_gather": lambda f=full, s=shard: dist.all_gather_into_tensor(f, s),
+               "reduce_scatter": lambda f=full, s=shard: dist.reduce_scatter_tensor(s, f),
+               "broadcast": lambda f=full: dist.broadcast(f, 0)}
         for kind, op in ops.items():
             op()  # warm-up
             times = []
