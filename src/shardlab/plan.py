@@ -54,7 +54,8 @@ PROBE_TOKENS = 256
 #: A probe whose model state would exceed this is not run (the engine is then reported by its model state only).
 PROBE_MAX_BYTES = 6 * 2**30
 
-#: Engines whose probe runs another engine with the same memory behaviour (see the note it prints).
+#: Engines whose probe runs another engine (see the note it prints). torch-ddp as ddp is exact with
+#: accumulation or an activation-bound peak, ~21 % high on gpt2-small without accumulation (docs/memory.md).
 PROBED_AS = {"torch-ddp": "ddp"}
 ENGINES = ("single", "ddp", "zero3", "fsdp", "torch-ddp", "torch-fsdp")
 PARTS = ("params", "gathered_params", "grads", "unsharded_grads", "optimizer", "activations", "comm", "other")
