@@ -2,6 +2,7 @@
 
   shardlab train [CONFIG.yaml] [key=value ...] [--nproc N] [--max-restarts R] [--print-config]
   shardlab bench [CONFIG.yaml] [key=value ...] [--nproc 1,2,4]  measure every engine side by side
+  shardlab plan CONFIG.yaml [key=value ...] --gpu T4 --nproc N [--nodes K]  predict peak memory and step time
   shardlab render {slurm,k8s,accelerate} CONFIG.yaml ...    write a job for a cluster
   shardlab submit {slurm,k8s} CONFIG.yaml ...               render and submit it
   shardlab export RUN_DIR | generate RUN_DIR | eval RUN_DIR  use a trained checkpoint
@@ -110,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
                         description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_arguments(be)
     be.set_defaults(func=bench.run)
+
+    from shardlab import plan
+
+    pl = sub.add_parser("plan", help="predict peak memory per rank of every engine on a GPU, and step time",
+                        description=plan.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    plan.add_arguments(pl)
+    pl.set_defaults(func=plan.run)
 
     # Commands that live beside their feature: render/submit (shardlab.deploy),
     # export/generate/eval (shardlab.export). Each module adds its own subparsers.

@@ -1,0 +1,763 @@
+"""`shardlab plan`: predict the peak memory per rank of every engine before launch, say whether it
+fits a GPU, and predict step time and tokens/s at K nodes (docs/memory.md, "shardlab plan").
+
+  shardlab plan CONFIG.yaml [key=value ...] --gpu T4|L4|A100-40|A100-80|H100|H200 --nproc N [--nodes K]
+                [--interconnect NAME] [--engines a,b] [--json]
+
+How the peak is predicted (per engine, per rank):
+
+1. Model state, exactly. The model is built on the meta device (no memory) and each engine's
+   layout rules give what a rank holds: `fsdp` and `zero3` are built for real on the meta device
+   on a fake process group of N ranks (`torch.testing._internal.distributed.fake_pg`), so their
+   padding and ownership are the engines' own; `ddp`, `single`, `torch-ddp` hold every tensor
+   whole; `torch-fsdp` (FSDP2, which cannot be built on meta) is computed from its rule: every
+   parameter split on dim 0 into N chunks of ceil(d0/N) rows, each rank's storage padded to one
+   chunk. Parameters + buffers, gradients and optimizer state (AdamW: two moments + a 4-byte
+   step per tensor; SGD with momentum: one buffer) are exact; the maximum over ranks is taken.
+2. Everything transient (gathered parameters, unsharded gradients in flight, communication
+   buffers, activations) from a probe: the engine itself runs a real training step on CPU, in
+   this process, on a fake process group of N ranks (collectives return at once; the memory
+   they use is allocated as in a real run), on the model cut to `PROBE_LAYERS` blocks, at a
+   micro batch of at most `PROBE_TOKENS` tokens, measured by the live-memory tracker
+   (shardlab.memory). The engine's real code runs, so its bounds (how many units are gathered,
+   how many gradients are in flight) are measured, not assumed. Two figures per probe: the
+   step's peak and the forward peak, each with its breakdown by part.
+3. Scaled to the real model: each part is extrapolated linearly in the number of blocks (from
+   the probes at 1 and 2 blocks), the activation part is scaled linearly in tokens per micro
+   batch (the CPU attention kernel, as FlashAttention on a GPU, keeps no T x T score matrix;
+   where a model materializes scores the quadratic term is NOT modelled: see
+   docs/memory.md), and params/optimizer are replaced by their exact values. The predicted peak
+   is the larger of the scaled step peak and the scaled forward peak (a larger batch moves the
+   peak to where activations are largest).
+
+Time: compute from the probe's measured step time on this CPU (scaled by FLOPs) or, for a GPU,
+6 * params * tokens FLOPs at `GPUS[...].peak_flops * MFU`; communication from an alpha-beta
+model per collective (`INTERCONNECTS`, `comm_plan`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import multiprocessing as mp
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Blocks of the model the probes run with (model keys n_layer; other models run whole).
+PROBE_LAYERS = (2, 3)
+#: Tokens (micro batch x sequence) a probe micro batch holds at most; activations scale from there.
+PROBE_TOKENS = 256
+#: A probe whose model state would exceed this is not run (the engine is then reported by its model state only).
+PROBE_MAX_BYTES = 6 * 2**30
+
+#: Engines whose probe runs another engine (see the note it prints). torch-ddp as ddp is exact with
+#: accumulation or an activation-bound peak, ~21 % high on gpt2-small without accumulation (docs/memory.md).
+PROBED_AS = {"torch-ddp": "ddp"}
+ENGINES = ("single", "ddp", "zero3", "fsdp", "torch-ddp", "torch-fsdp")
+PARTS = ("params", "gathered_params", "grads", "unsharded_grads", "optimizer", "activations", "comm", "other")
+
+
+# -- GPUs -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_bytes: int          # as sold (GB = 1e9 bytes where the vendor says GB)
+    bf16: bool                 # native bfloat16 (Ampere and newer)
+    peak_flops: float          # dense tensor-core FLOP/s at the training dtype (bf16, or fp16 on T4), no sparsity
+    source: str
+
+
+# Vendor data sheets (dense, no structured sparsity). T4: 65 TFLOP/s fp16 tensor cores, no bf16
+# (Turing). L4: 121 TFLOP/s bf16 dense (242 with sparsity). A100: 312 TFLOP/s bf16. H100 SXM:
+# 989 TFLOP/s bf16 dense. H200: same compute as H100 SXM, 141 GB HBM3e.
+GPUS: dict[str, GPU] = {
+    "T4": GPU("T4", 16 * 10**9, False, 65e12, "NVIDIA T4 data sheet: 16 GB GDDR6, 65 TFLOPS fp16 tensor"),
+    "L4": GPU("L4", 24 * 10**9, True, 121e12, "NVIDIA L4 data sheet: 24 GB, 242 TFLOPS bf16 with sparsity"),
+    "A100-40": GPU("A100-40", 40 * 10**9, True, 312e12, "NVIDIA A100 data sheet: 40 GB HBM2, 312 TFLOPS bf16"),
+    "A100-80": GPU("A100-80", 80 * 10**9, True, 312e12, "NVIDIA A100 data sheet: 80 GB HBM2e, 312 TFLOPS bf16"),
+    "H100": GPU("H100", 80 * 10**9, True, 989e12, "NVIDIA H100 SXM data sheet: 80 GB HBM3, 989 TFLOPS bf16 dense"),
+    "H200": GPU("H200", 141 * 10**9, True, 989e12, "NVIDIA H200 data sheet: 141 GB HBM3e, H100 compute"),
+}
+#: Memory no tensor can use: the CUDA context and libraries (cuBLAS/NCCL workspaces), ~0.5-1 GiB.
+CUDA_CONTEXT_BYTES = 1 * 2**30
+#: Of the rest, the fraction the caching allocator can hand out before fragmentation bites.
+ALLOCATOR_USABLE_FRACTION = 0.90
+#: Model FLOPs utilisation assumed for GPU step-time predictions (typical for FSDP training of
+#: decoders at this scale: 30-50 % on A100/H100; stated, not measured here).
+MFU = 0.40
+
+
+def usable_bytes(gpu: GPU) -> int:
+    return int((gpu.memory_bytes - CUDA_CONTEXT_BYTES) * ALLOCATOR_USABLE_FRACTION)
+
+
+# -- interconnects (alpha-beta) ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Link:
+    name: str
+    alpha_s: float             # latency per collective step (s)
+    bandwidth: float           # bytes/s one rank can send (bus bandwidth)
+    source: str
+
+
+#: Per-link constants: alpha (latency per ring step) and bus bandwidth per rank. "loopback" is
+#: fitted on this machine (docs/memory.md, `python -m shardlab.plan fit-loopback`); the others
+#: are nominal figures from vendor specifications with a stated efficiency.
+INTERCONNECTS: dict[str, Link] = {
+    "loopback": Link("loopback", 2.6e-4, 1.1e9, "fitted here: gloo on 127.0.0.1, 2 workers, 2 CPU cores"),
+    "pcie": Link("pcie", 10e-6, 0.8 * 16e9, "PCIe 4.0 x16: 32 GB/s per direction nominal; ~16 GB/s ring bus, 80 %"),
+    "nvlink": Link("nvlink", 5e-6, 0.8 * 300e9, "NVLink 4 (H100): 450 GB/s per direction; ~300 GB/s NCCL bus, 80 %"),
+    "infiniband-400": Link("infiniband-400", 5e-6, 0.8 * 50e9, "InfiniBand NDR 400 Gb/s = 50 GB/s per port, 80 %"),
+    "ethernet-100": Link("ethernet-100", 30e-6, 0.7 * 12.5e9, "100 GbE = 12.5 GB/s, 70 % with TCP/NCCL sockets"),
+}
+
+
+# -- the result -------------------------------------------------------------------------------------------
+@dataclass
+class Prediction:
+    engine: str
+    nproc: int
+    peak_bytes: int
+    parts: dict[str, int]
+    phase: str
+    model_state: dict[str, int]          # params (+buffers), grads, optimizer: exact
+    probed: bool = True
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# -- model state, exactly ---------------------------------------------------------------------------------
+def _probe_config(cfg, n_layer: int | None, micro: int, seq: int, world: int, steps: int, accumulation: int):
+    from shardlab.config import config_from_dict
+
+    raw = cfg.to_dict()
+    if n_layer is not None:
+        raw["model"]["n_layer"] = n_layer
+    raw["data"]["seq_len"] = seq
+    raw["train"].update(micro_batch_size=micro, global_batch_size=micro * world * accumulation, steps=steps,
+                        memory_tracking="none", eval_every=0, profile=False)
+    if cfg.model.name == "gpt":  # the probe's data: synthetic tokens with the real vocabulary
+        raw["model"]["vocab_size"] = _vocab_size(cfg)
+    raw["data"].update(source="synthetic", path=None, tokenizer=None, synthetic_samples=max(64, 4 * micro * world))
+    raw["checkpoint"].update(every_steps=0, resume="none")
+    raw["output"].update(tensorboard=False, progress=False, run_name="plan-probe")
+    return config_from_dict(raw)
+
+
+def _vocab_size(cfg) -> int | None:
+    if cfg.model.name != "gpt":
+        return None
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size
+    if cfg.data.source in ("builtin", "text"):
+        from shardlab.data.text import Tokenizer
+
+        return Tokenizer(cfg.data.tokenizer).vocab_size
+    from shardlab.models import MODELS
+
+    return MODELS["gpt"].synthetic(cfg.model).get("vocab_size")
+
+
+def _meta_model(cfg):
+    from shardlab.models import build_model
+
+    return build_model(cfg.model, seed=cfg.seed, vocab_size=_vocab_size(cfg), device="meta")
+
+
+def _optimizer_bytes(cfg, tensors: list[tuple[int, int]]) -> int:
+    """(numel, element size) of each trainable local tensor -> optimizer state bytes."""
+    t = cfg.train
+    if t.optimizer == "adamw":
+        return sum(2 * n * e + 4 for n, e in tensors)  # exp_avg, exp_avg_sq, a 0-dim fp32 step
+    return sum(n * e for n, e in tensors) if t.momentum > 0 else 0
+
+
+def model_state(cfg, engine: str, nproc: int) -> dict[str, int]:
+    """Exact bytes per rank (the maximum over ranks) of parameters + buffers, gradients and
+    optimizer state the engine keeps between steps. Runs in a child process when an engine
+    must be built on a fake process group (so this process keeps no process group)."""
+    model = _meta_model(cfg)
+    params = list({id(p): p for p in model.parameters()}.values())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    if engine in ("single", "ddp", "torch-ddp") or nproc == 1 and engine != "fsdp":
+        trainable = [(p.numel(), p.element_size()) for p in params if p.requires_grad]
+        return {"params": sum(p.numel() * p.element_size() for p in params) + buffers,
+                "grads": sum(n * e for n, e in trainable), "optimizer": _optimizer_bytes(cfg, trainable)}
+    if engine == "torch-fsdp":
+        # FSDP2: Shard(0) per parameter; every rank's storage padded to ceil(d0/N) rows.
+        local, trainable = 0, []
+        for p in params:
+            rows = p.shape[0] if p.dim() else 1
+            per_rank = math.ceil(rows / nproc) * (p.numel() // rows if rows else 0)
+            local += per_rank * p.element_size()
+            if p.requires_grad:
+                trainable.append((per_rank, p.element_size()))
+        return {"params": local + buffers, "grads": sum(n * e for n, e in trainable),
+                "optimizer": _optimizer_bytes(cfg, trainable)}
+    return _in_child(_layout_state_child, cfg.to_dict(), engine, nproc)
+
+
+def _layout_state_child(raw: dict, engine: str, nproc: int) -> dict[str, int]:
+    """fsdp / zero3 built on the meta device on a fake N-rank group: their own layout."""
+    import torch.distributed as dist
+
+    import shardlab
+    from shardlab.config import config_from_dict
+
+    cfg = config_from_dict(raw)
+    best: dict[str, int] | None = None
+    ranks = [0, nproc - 1] if engine == "fsdp" else [0]  # fsdp: padding only shrinks the last shard
+    for rank in ranks:
+        _init_fake(rank, nproc)
+        try:
+            m = shardlab.parallelize(_meta_model(cfg), engine, device="meta")
+            e = shardlab.engine_of(m)
+            if engine == "zero3":  # ownership of every rank is known on any rank
+                per_rank: dict[int, list] = {r: [] for r in range(nproc)}
+                for s in e.slots:
+                    per_rank[s.owner].append(s)
+                buffers = sum(b.numel() * b.element_size() for b in e.unwrapped().buffers())
+                for slots in per_rank.values():
+                    size = lambda s: s.numel * _elem(s.dtype)  # noqa: E731
+                    tr = [(s.numel, _elem(s.dtype)) for s in slots if s.requires_grad]
+                    st = {"params": sum(size(s) for s in slots) + buffers, "grads": sum(n * x for n, x in tr),
+                          "optimizer": _optimizer_bytes(cfg, tr)}
+                    if best is None or sum(st.values()) > sum(best.values()):
+                        best = st
+            else:
+                local = e.local_parameters()
+                buffers = sum(b.numel() * b.element_size() for b in e.unwrapped().buffers())
+                tr = [(p.numel(), p.element_size()) for p in local if p.requires_grad]
+                st = {"params": sum(p.numel() * p.element_size() for p in local) + buffers,
+                      "grads": sum(n * x for n, x in tr), "optimizer": _optimizer_bytes(cfg, tr)}
+                if best is None or sum(st.values()) > sum(best.values()):
+                    best = st
+        finally:
+            dist.destroy_process_group()
+    assert best is not None
+    return best
+
+
+def _elem(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _init_fake(rank: int, world: int) -> None:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+
+# -- the probe ----------------------------------------------------------------------------------------
+def _probe_child(raw: dict, engines: list[str], nproc: int, layers: list[int | None], micro: int, seq: int,
+                 accumulation: int) -> dict:
+    """Run each engine for real on a fake N-rank group at each probe depth: an untracked step
+    (creates optimizer state), a tracked step (the peak) and a step whose forward alone is
+    tracked (the forward peak). Returns {engine: {layers: {...}}}."""
+    import torch
+
+    from shardlab import memory
+    from shardlab.config import config_from_dict
+    from shardlab.runtime import Runtime
+    from shardlab.train import build_run, train_step
+
+    torch.set_num_threads(1)
+    cfg0 = config_from_dict(raw)
+    out: dict = {}
+    _init_fake(0, nproc)
+    rt = Runtime(0, 0, nproc, torch.device("cpu"), "fake")
+    for engine in engines:
+        out[engine] = {}
+        for L in layers:
+            cfg = _probe_config(cfg0, L, micro, seq, nproc, 3, accumulation)
+            cfg.parallel.strategy = engine
+            run = build_run(cfg, rt)
+            run.model.train()
+            train_step(run)
+            run.opt.zero_grad(set_to_none=True)
+            run.state.step += 1
+            tracker = memory.LiveMemoryTracker(rt.device, engine=run.engine, optimizer=run.opt)
+            t0 = time.perf_counter()
+            with tracker.step(1):
+                train_step(run, tracker)
+            seconds = time.perf_counter() - t0
+            full = tracker.summary()
+            tracker.close()
+            run.opt.zero_grad(set_to_none=True)
+            run.state.step += 1
+            # the forward peak: only the forward of the last micro batch (after the no_sync ones) is tracked
+            fwd = _forward_peak(run, rt)
+            out[engine][str(L)] = {"peak": full["peak_live_bytes"], "parts": full["parts"], "phase": full["phase"],
+                                   "fwd_peak": fwd["peak_live_bytes"], "fwd_parts": fwd["parts"],
+                                   "step_seconds": seconds}
+            del run, tracker
+    return out
+
+
+def _forward_peak(run, rt) -> dict:
+    import contextlib
+
+    import shardlab
+    from shardlab import memory
+    from shardlab.amp import autocast
+    from shardlab.data import collate
+
+    t = run.cfg.train
+    idx = run.sampler.rank_indices(run.state.step, rt.rank, rt.world_size)
+    for i in range(run.accumulation):
+        x, y = collate(run.data.train, idx[i * t.micro_batch_size:(i + 1) * t.micro_batch_size])
+        last = i == run.accumulation - 1
+        with contextlib.nullcontext() if last else shardlab.no_sync(run.model):
+            if last:
+                tracker = memory.LiveMemoryTracker(rt.device, engine=run.engine, optimizer=run.opt)
+                with tracker.step(2), tracker.phase("forward"), autocast(t.precision, rt.device):
+                    loss = run.model(x, y) / run.accumulation
+                summary = tracker.summary()
+                tracker.close()
+            else:
+                with autocast(t.precision, rt.device):
+                    loss = run.model(x, y) / run.accumulation
+            loss.backward()
+    run.opt.zero_grad(set_to_none=True)
+    return summary
+
+
+def _in_child(fn, *args, timeout_s: float = 1800.0):
+    """Run fn(*args) in a spawned process (its own process group and memory); return its result."""
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        res = pool.apply_async(fn, args)
+        return res.get(timeout_s)
+
+
+# -- scaling ------------------------------------------------------------------------------------------
+def _probe_shape(cfg) -> tuple[int, int, float]:
+    """(micro batch, seq) the probe runs at and the factor activations scale by."""
+    b, seq = cfg.train.micro_batch_size, cfg.data.seq_len
+    pb, ps = b, seq
+    while pb * ps > PROBE_TOKENS and pb > 1:
+        pb = max(1, pb // 2)
+    while pb * ps > PROBE_TOKENS and ps > 16:
+        ps = max(16, ps // 2)
+    return pb, ps, (b * seq) / (pb * ps)
+
+
+def _extrapolate(values: dict[int | None, float], L: int | None) -> float:
+    keys = sorted(k for k in values if k is not None)
+    if L is None or len(keys) < 2:
+        return values[keys[0] if keys else None]
+    (l1, v1), (l2, v2) = (keys[0], values[keys[0]]), (keys[-1], values[keys[-1]])
+    return v1 + (L - l1) * (v2 - v1) / (l2 - l1)
+
+
+def _n_layer(cfg) -> int | None:
+    if cfg.model.name != "gpt":
+        return None
+    from shardlab.models.gpt import gpt_config
+
+    return gpt_config(cfg.model).n_layer
+
+
+def predict_all(cfg, nproc: int, engines: list[str] | None = None) -> dict[str, Prediction]:
+    """Predicted peak per rank, by part, for each engine at world size nproc."""
+    from shardlab.config import ConfigError, validate_for_world
+
+    engines = list(engines or [e for e in ENGINES if e != "single" or nproc == 1])
+    for e in engines:
+        c = copy.deepcopy(cfg)
+        c.parallel.strategy = e
+        if e == "single" and nproc != 1:
+            raise ConfigError(f"engine single runs one process; --nproc {nproc} asks for {nproc}")
+        validate_for_world(c, nproc)
+    L = _n_layer(cfg)
+    layers: list[int | None] = [min(x, L) for x in PROBE_LAYERS] if L is not None else [None]
+    layers = sorted(set(layers), key=lambda x: -1 if x is None else x)
+    micro, seq, act_scale = _probe_shape(cfg)
+    accumulation = cfg.train.global_batch_size // (nproc * cfg.train.micro_batch_size)
+    states = {e: model_state(cfg, e, nproc) for e in engines}
+    probe_ok = [e for e in engines if _probe_state_estimate(cfg, e, nproc, max(x or 0 for x in layers)) <= PROBE_MAX_BYTES]
+    probe_ok = sorted({PROBED_AS.get(e, e) for e in probe_ok}, key=ENGINES.index)
+    probes = _in_child(_probe_child, cfg.to_dict(), probe_ok, nproc, layers, micro, seq,
+                       min(accumulation, 2)) if probe_ok else {}
+    out = {}
+    for e in engines:
+        state = states[e]
+        if PROBED_AS.get(e, e) not in probes:
+            parts = dict.fromkeys(PARTS, 0)
+            parts.update(params=state["params"], optimizer=state["optimizer"])
+            out[e] = Prediction(e, nproc, sum(parts.values()), parts, "unknown", state, probed=False,
+                                notes=[f"not probed: the probe would need over {PROBE_MAX_BYTES / 2**30:.0f} GiB here; "
+                                       "the figure is parameters + optimizer state only (a lower bound)"])
+            continue
+        per_layer = probes[PROBED_AS.get(e, e)]
+        candidates = []
+        for _key, parts_key, label in (("peak", "parts", None), ("fwd_peak", "fwd_parts", "forward")):
+            parts = {}
+            for part in PARTS:
+                vals = {(None if k == "None" else int(k)): v[parts_key].get(part, 0) for k, v in per_layer.items()}
+                parts[part] = _extrapolate(vals, L)
+            parts["activations"] *= act_scale
+            parts["params"], parts["optimizer"] = state["params"], state["optimizer"]
+            if label is None:
+                phase = next(iter(per_layer.values()))["phase"]
+            else:
+                phase = label
+            candidates.append((sum(parts.values()), parts, phase))
+        total, parts, phase = max(candidates, key=lambda c: c[0])
+        notes = []
+        if e in PROBED_AS:
+            notes.append(f"probed as {PROBED_AS[e]}: PyTorch's DDP reducer does not run on a fake process group; "
+                         "their peaks measured equal (docs/memory.md)")
+        if act_scale != 1:
+            notes.append(f"activations scaled x{act_scale:g} from a probe micro batch of {micro} x {seq} tokens")
+        if L is not None and L > max(x or 0 for x in layers):
+            notes.append(f"extrapolated from probes at {', '.join(str(x) for x in layers)} of {L} blocks")
+        out[e] = Prediction(e, nproc, int(round(total)), {k: int(round(v)) for k, v in parts.items()}, phase, state,
+                            notes=notes)
+        out[e].probe_step_seconds = {k: v["step_seconds"] for k, v in per_layer.items()}  # type: ignore[attr-defined]
+    return out
+
+
+def predict(cfg, engine: str, nproc: int) -> Prediction:
+    return predict_all(cfg, nproc, [engine])[engine]
+
+
+def _probe_state_estimate(cfg, engine: str, nproc: int, layers: int) -> int:
+    """Rough bytes the probe of `engine` holds (model state of the probe model + one gathered
+    copy), to refuse probes that would not fit on this machine."""
+    import copy as _copy
+
+    c = _copy.deepcopy(cfg)
+    if layers and cfg.model.name == "gpt":
+        c.model.n_layer = layers
+    psi = sum(p.numel() * p.element_size() for p in {id(p): p for p in _meta_model(c).parameters()}.values())
+    sharded = engine in ("zero3", "fsdp", "torch-fsdp")
+    return int(psi * (5 if not sharded else 4 / nproc + 2))  # psi: parameter bytes (4/param in fp32)
+
+
+# -- time: alpha-beta per collective --------------------------------------------------------------
+def collective_time(kind: str, nbytes: float, world: int, link: Link) -> float:
+    """Ring model: all_reduce 2(W-1) steps moving 2(W-1)/W of the buffer per rank; all_gather and
+    reduce_scatter (W-1) steps moving (W-1)/W of the full buffer; broadcast (pipelined chain)
+    ceil(log2 W) latency steps and the whole buffer once. nbytes: the full (unsharded) size."""
+    if world <= 1:
+        return 0.0
+    steps, bus = {"all_reduce": (2 * (world - 1), 2 * (world - 1) / world),
+                  "all_gather": (world - 1, (world - 1) / world),
+                  "reduce_scatter": (world - 1, (world - 1) / world),
+                  "broadcast": (math.ceil(math.log2(world)), 1.0),
+                  "reduce": (math.ceil(math.log2(world)), 1.0)}[kind]
+    return steps * link.alpha_s + bus * nbytes / link.bandwidth
+
+
+def comm_plan(cfg, engine: str, world: int) -> list[tuple[str, float, int]]:
+    """(kind, full bytes per call, calls per step) of an engine's training collectives: what its
+    design says it sends (docs/engines.md): ddp Psi all-reduced once per step in buckets; zero3
+    broadcasts every unit in forward and backward and reduces its gradients; fsdp/torch-fsdp
+    all-gather every unit in forward and again in backward (not the root, kept gathered) and
+    reduce-scatter the gradients once per step."""
+    if engine == "single" or world == 1:
+        return []
+    from shardlab.models import repeated_blocks
+
+    model = _meta_model(cfg)
+    units = repeated_blocks(model)
+    in_units = {id(p) for u in units for p in u.parameters()}
+    params = list({id(p): p for p in model.parameters()}.values())
+    mp_bytes = {"bf16": 2, "fp16": 2}.get(cfg.parallel.mixed_precision)
+    def nbytes(ps):  # noqa: E306
+        return sum(p.numel() * (mp_bytes or p.element_size()) for p in ps)
+    total = nbytes(params)
+    trainable = nbytes([p for p in params if p.requires_grad])
+    root_bytes = nbytes([p for p in params if id(p) not in in_units])
+    micro = max(1, cfg.train.global_batch_size // (world * cfg.train.micro_batch_size))
+    if engine in ("ddp", "torch-ddp"):
+        bucket = int(cfg.parallel.bucket_size_mb * 2**20)
+        calls = max(1, math.ceil(trainable / bucket))
+        return [("all_reduce", trainable / calls, calls)]
+    n = len(units) + 1
+    gather = "broadcast" if engine == "zero3" else "all_gather"
+    out = [(gather, total / n, n * micro)]                        # forward: every unit, every micro batch
+    again = total - (root_bytes if engine != "zero3" else 0)      # backward: again (fsdp keeps the root)
+    out.append((gather, again / max(1, n - (engine != "zero3")), (n - (engine != "zero3")) * micro))
+    out.append(("reduce" if engine == "zero3" else "reduce_scatter", trainable / n, n))
+    return out
+
+
+def comm_seconds(cfg, engine: str, world: int, link: Link) -> float:
+    return sum(calls * collective_time(kind, b, world, link) for kind, b, calls in comm_plan(cfg, engine, world))
+
+
+def _param_count(cfg) -> int:
+    return sum(p.numel() for p in {id(p): p for p in _meta_model(cfg).parameters()}.values())
+
+
+def step_time(cfg, engine: str, world: int, link: Link, gpu: GPU | None, probe_seconds: float | None,
+              nodes: int = 1) -> dict[str, Any]:
+    """Predicted step time: compute (GPU: 6*Psi*tokens at peak FLOP/s x MFU; CPU: the probe's
+    measured step) and communication (alpha-beta); overlapped = max(compute, comm) for engines that
+    overlap (all do: bucketed all-reduce, prefetch), serial = compute + comm."""
+    t = cfg.train
+    tokens_rank = t.global_batch_size // world * (cfg.data.seq_len if _n_layer(cfg) is not None else 1)
+    flops = (8 if t.activation_checkpointing else 6) * _param_count(cfg) * tokens_rank
+    if gpu is not None:
+        compute = flops / (gpu.peak_flops * MFU)
+        source = f"6*Psi*tokens at {gpu.peak_flops / 1e12:.0f} TFLOP/s x MFU {MFU:g}"
+    else:
+        compute = probe_seconds or float("nan")
+        source = "the probe's measured step on this CPU, scaled"
+    comm = comm_seconds(cfg, engine, world, link)
+    overlapped = max(compute, comm)
+    tokens_step = t.global_batch_size * (cfg.data.seq_len if _n_layer(cfg) is not None else 1)
+    return {"compute_s": compute, "comm_s": comm, "step_s": overlapped, "step_serial_s": compute + comm,
+            "tokens_per_s": tokens_step / overlapped if overlapped else None, "compute_source": source,
+            "comm_hidden": comm <= compute, "link": link.name}
+
+
+def hiding_limit(cfg, engine: str, per_node: int, link: Link, compute_s: float, max_nodes: int = 1024) -> int | None:
+    """The first node count (at fixed micro batch per rank) at which the step's communication
+    exceeds its compute, i.e. stops hiding behind it; None if it never does up to max_nodes."""
+    c = copy.deepcopy(cfg)
+    k = 1
+    while k <= max_nodes:
+        world = per_node * k
+        c.train.global_batch_size = cfg.train.micro_batch_size * world * max(
+            1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * per_node))
+        if comm_seconds(c, engine, world, link) > compute_s:
+            return k
+        k *= 2
+    return None
+
+
+# -- verdict -----------------------------------------------------------------------------------------
+def verdict(cfg, p: Prediction, gpu: GPU, others: dict[str, Prediction], world: int) -> dict[str, Any]:
+    usable = usable_bytes(gpu)
+    precision_problem = None
+    if not gpu.bf16 and "bf16" in (cfg.train.precision, cfg.parallel.mixed_precision):
+        precision_problem = (f"{gpu.name} has no bf16 (Turing): use train.precision=fp16 "
+                             "parallel.mixed_precision=fp16 (dynamic loss scaling turns on with it)")
+    fits = p.peak_bytes <= usable and precision_problem is None and p.probed
+    out: dict[str, Any] = {"usable_bytes": usable, "fits": fits, "margin_bytes": usable - p.peak_bytes,
+                           "changes": []}
+    ch = out["changes"]
+    if precision_problem:
+        ch.append(precision_problem)
+    if p.peak_bytes <= usable:
+        return out
+    sharded_state = p.parts["params"] + p.parts["grads"] + p.parts["optimizer"]
+    if p.engine in ("zero3", "fsdp", "torch-fsdp") and sharded_state > 0:
+        rest = p.peak_bytes - sharded_state
+        if rest < usable:
+            need = math.ceil(world * sharded_state / (usable - rest))
+            ch.append(f"more ranks: about {need} in all (model state {sharded_state / 2**30:.1f} GiB/rank now "
+                      f"scales as 1/N; the other {rest / 2**30:.1f} GiB do not); check with --nproc")
+        else:
+            ch.append(f"more ranks alone cannot help: {rest / 2**30:.1f} GiB of the peak do not shrink with N")
+    else:
+        fitting = [e for e, q in others.items() if q.probed and q.peak_bytes <= usable]
+        ch.append("a sharded engine: " + (", ".join(f"{e} ({others[e].peak_bytes / 2**30:.1f} GiB)" for e in fitting)
+                                           if fitting else "zero3/fsdp/torch-fsdp (none fits at this N either)"))
+    act = p.parts["activations"]
+    if act > 0.1 * p.peak_bytes and not cfg.train.activation_checkpointing:
+        ch.append(f"train.activation_checkpointing=true (activations are {act / 2**30:.1f} GiB of the peak; "
+                  "it keeps about one block's worth, at ~33% more compute)")
+    if act > 0 and cfg.train.micro_batch_size > 1:
+        room = usable - (p.peak_bytes - act)
+        b = int(cfg.train.micro_batch_size * room / act) if room > 0 else 0
+        if b >= 1:
+            ch.append(f"a smaller micro batch: train.micro_batch_size={min(b, cfg.train.micro_batch_size - 1)} "
+                      "(activations scale linearly; keep global_batch_size by accumulation)")
+    if cfg.train.precision == "fp32" and cfg.parallel.mixed_precision == "fp32":
+        if gpu.bf16:
+            ch.append("bf16: train.precision=bf16 parallel.mixed_precision=bf16 (about halves activations and "
+                      "gathered parameters; shards, gradients and Adam state stay fp32)")
+        else:
+            ch.append(f"{gpu.name} has no bf16: train.precision=fp16 parallel.mixed_precision=fp16 with loss "
+                      "scaling (about halves activations and gathered parameters)")
+    return out
+
+
+# -- the command -------------------------------------------------------------------------------------
+def add_arguments(p) -> None:
+    p.add_argument("config", nargs="?", help="YAML config file")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.micro_batch_size=2")
+    p.add_argument("--gpu", required=True, choices=list(GPUS), help="the GPU each rank runs on")
+    p.add_argument("--nproc", type=int, required=True, metavar="N", help="ranks (GPUs) per node")
+    p.add_argument("--nodes", type=int, default=1, metavar="K", help="nodes (world size = N x K)")
+    p.add_argument("--interconnect", default=None, choices=list(INTERCONNECTS),
+                   help="link between ranks for the time prediction (default: nvlink on one node, "
+                        "infiniband-400 across nodes)")
+    p.add_argument("--engines", default=None, help="comma-separated engines (default: all that apply)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def run(args) -> int:
+    from shardlab.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.nproc < 1 or args.nodes < 1:
+            raise ConfigError(f"--nproc and --nodes must be >= 1, got {args.nproc} and {args.nodes}")
+        engines = args.engines.split(",") if args.engines else None
+        if engines:
+            bad = [e for e in engines if e not in ENGINES]
+            if bad:
+                raise ConfigError(f"--engines: unknown {', '.join(bad)}; valid: {', '.join(ENGINES)}")
+        world = args.nproc * args.nodes
+        if engines is None:
+            engines = [e for e in ENGINES if e != "single" or world == 1]
+        from shardlab.config import validate_for_world
+
+        for e in engines:
+            c = copy.deepcopy(cfg)
+            c.parallel.strategy = e
+            validate_for_world(c, world)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    gpu = GPUS[args.gpu]
+    link = INTERCONNECTS[args.interconnect or ("nvlink" if args.nodes == 1 else "infiniband-400")]
+    preds = predict_all(cfg, world, engines)
+    report: dict[str, Any] = {"gpu": dataclasses.asdict(gpu), "usable_bytes": usable_bytes(gpu), "world": world,
+                              "nodes": args.nodes, "interconnect": dataclasses.asdict(link), "mfu": MFU,
+                              "engines": {}}
+    for e, p in preds.items():
+        v = verdict(cfg, p, gpu, preds, world)
+        ts = step_time(cfg, e, world, link, gpu, None, args.nodes)
+        ts["comm_stops_hiding_at_nodes"] = hiding_limit(cfg, e, args.nproc, link, ts["compute_s"])
+        report["engines"][e] = {**p.to_dict(), "verdict": v, "time": ts}
+    if args.json:
+        print(json.dumps(report, indent=1, default=str))
+        return 0
+    print_report(cfg, report)
+    return 0
+
+
+_UNIT = [2**30, "GiB"]
+
+
+def _gib(b: float) -> str:
+    return f"{b / _UNIT[0]:.2f}"
+
+
+def print_report(cfg, report: dict[str, Any]) -> None:
+    gpu = report["gpu"]
+    print(f"shardlab plan: {cfg.model.name} ({_param_count(cfg) / 1e6:.1f} M parameters), micro batch "
+          f"{cfg.train.micro_batch_size} x {cfg.data.seq_len}, global batch {cfg.train.global_batch_size}, "
+          f"{report['world']} rank(s) = {report['world'] // report['nodes']} x {report['nodes']} node(s) of "
+          f"{gpu['name']} ({gpu['memory_bytes'] / 1e9:.0f} GB, usable {_gib(report['usable_bytes'])} GiB)")
+    small = max(r["peak_bytes"] for r in report["engines"].values()) < 2**30
+    _UNIT[:] = [2**20, "MiB"] if small else [2**30, "GiB"]
+    print(f"predicted peak per rank, {_UNIT[1]}, by part:")
+    cols = ["params", "gathered_params", "grads", "unsharded_grads", "optimizer", "activations", "comm"]
+    head = f"{'engine':11s} {'peak':>7s} " + " ".join(f"{c[:10]:>10s}" for c in cols) + "  verdict"
+    print(head)
+    for e, r in report["engines"].items():
+        v = r["verdict"]
+        word = (f"fits, {_gib(v['margin_bytes'])} {_UNIT[1]} spare" if v["fits"] else
+                ("does not fit" if r["probed"] else "does not fit (lower bound)" if v["margin_bytes"] < 0
+                 else "unknown (not probed)"))
+        print(f"{e:11s} {_gib(r['peak_bytes']):>7s} " + " ".join(f"{_gib(r['parts'][c]):>10s}" for c in cols)
+              + f"  {word}")
+    for e, r in report["engines"].items():
+        for n in r["notes"]:
+            print(f"  {e}: {n}")
+        for c in r["verdict"]["changes"]:
+            print(f"  {e}: change: {c}")
+    print(f"time per step on {report['interconnect']['name']} (alpha {report['interconnect']['alpha_s'] * 1e6:.0f} us, "
+          f"{report['interconnect']['bandwidth'] / 1e9:.1f} GB/s), compute at MFU {report['mfu']:g}:")
+    for e, r in report["engines"].items():
+        t = r["time"]
+        lim = t["comm_stops_hiding_at_nodes"]
+        print(f"  {e:11s} compute {t['compute_s'] * 1e3:9.1f} ms  comm {t['comm_s'] * 1e3:9.1f} ms  step "
+              f"{t['step_s'] * 1e3:9.1f} ms  {t['tokens_per_s'] or 0:12.0f} tokens/s  comm "
+              f"{'hidden' if t['comm_hidden'] else 'EXPOSED'}"
+              + (f"; stops hiding at {lim} node(s)" if lim else "; hidden up to 1024 nodes"))
+
+
+# -- fitting the loopback link ----------------------------------------------------------------------------
+FIT_SIZES = (2**12, 2**16, 2**20, 2**22, 2**24)   # bytes of the full buffer
+FIT_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+
+def _time_collectives(rank: int, world: int, sizes: tuple[int, ...], repeats: int) -> list[tuple[str, int, float]]:
+    import torch
+    import torch.distributed as dist
+
+    out = []
+    for nbytes in sizes:
+        n = nbytes // 4
+        full = torch.ones(n - n % world)
+        shard = torch.ones(full.numel() // world)
+        ops = {"all_reduce": lambda f=full: dist.all_reduce(f),
+               "all_gather": lambda f=full, s=shard: dist.all_gather_into_tensor(f, s),
+               "reduce_scatter": lambda f=full, s=shard: dist.reduce_scatter_tensor(s, f),
+               "broadcast": lambda f=full: dist.broadcast(f, 0)}
+        for kind, op in ops.items():
+            op()  # warm-up
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                t0 = time.perf_counter()
+                op()
+                times.append(time.perf_counter() - t0)
+            out.append((kind, full.numel() * 4, sorted(times)[len(times) // 2]))
+    return out
+
+
+def measure_collectives(world: int, sizes: tuple[int, ...] = FIT_SIZES, repeats: int = 5) -> list[tuple[str, int, float]]:
+    """Median seconds of each collective kind and size on `world` local gloo workers (rank 0's clock)."""
+    from shardlab.testing import run_workers
+
+    return run_workers(world, _time_collectives, sizes, repeats, timeout_s=600)[0]
+
+
+def fit_alpha_beta(samples: list[tuple[str, int, float]], world: int) -> tuple[float, float]:
+    """Least squares of t = alpha * steps + bus_bytes / bandwidth over every kind and size, with
+    the ring model of `collective_time`; returns (alpha_s, bandwidth)."""
+    import numpy as np
+
+    unit = Link("unit", 1.0, 1.0, "")
+    rows, ts = [], []
+    for kind, nbytes, t in samples:
+        steps = collective_time(kind, 0, world, unit)            # alpha coefficient
+        bus = collective_time(kind, nbytes, world, Link("b", 0.0, 1.0, ""))  # bytes on the bus
+        rows.append([steps / t, bus / t])                        # relative errors: divide by t
+        ts.append(1.0)
+    (alpha, inv_bw), *_ = np.linalg.lstsq(np.array(rows), np.array(ts), rcond=None)
+    return float(alpha), float(1.0 / inv_bw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m shardlab.plan fit-loopback: fit loopback's alpha-beta at 2 workers, check at 4."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] != ["fit-loopback"]:
+        print("usage: python -m shardlab.plan fit-loopback [--check-world 4]", file=sys.stderr)
+        return 2
+    check = int(argv[argv.index("--check-world") + 1]) if "--check-world" in argv else 4
+    s2 = measure_collectives(2)
+    alpha, bw = fit_alpha_beta(s2, 2)
+    link = Link("loopback-fit", alpha, bw, "fit")
+    print(f"fit at 2 workers: alpha = {alpha * 1e6:.1f} us, bandwidth = {bw / 1e9:.3f} GB/s")
+    for label, samples, w in (("2 workers (fit)", s2, 2), (f"{check} workers (check)", measure_collectives(check), check)):
+        errs = []
+        print(f"{label}: kind, bytes, measured ms, predicted ms, error")
+        for kind, nbytes, t in samples:
+            p = collective_time(kind, nbytes, w, link)
+            errs.append(abs(p - t) / t)
+            print(f"  {kind:15s} {nbytes:10d} {t * 1e3:9.3f} {p * 1e3:9.3f} {100 * (p - t) / t:+6.1f}%")
+        print(f"  mean |error| {100 * sum(errs) / len(errs):.1f}%, median {100 * sorted(errs)[len(errs) // 2]:.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
