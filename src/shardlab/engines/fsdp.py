@@ -100,7 +100,7 @@ import torch
 from torch import nn
 
 from shardlab.engines import _hooks, collectives
-from shardlab.engines.api import Engine, MixedPrecision, ShardPiece, is_meta
+from shardlab.engines.api import CPUOffload, Engine, MixedPrecision, ShardPiece, is_meta
 from shardlab.models.init import canonical_names, init_parameters_
 
 
@@ -168,13 +168,23 @@ class FlatUnit:
 class FSDPEngine(Engine):
     strategy = "fsdp"
     grads_sharded = True
-    options = ("reshard_after_forward", "mixed_precision", "prefetch")
+    options = ("reshard_after_forward", "mixed_precision", "prefetch", "shard_size", "offload")
 
     def __init__(self, module: nn.Module, *, reshard_after_forward: bool = True, mixed_precision: Any = None,
-                 prefetch: bool = True, **kw: Any):
+                 prefetch: bool = True, shard_size: int | None = None, offload: Any = None, **kw: Any):
         super().__init__(module, **kw)
         self.reshard_after_forward = bool(reshard_after_forward)
         self.prefetch = bool(prefetch)
+        # [Note: hybrid sharding] shard over S ranks, replicate over N/S
+        self.hybrid = collectives.hybrid_groups(self.group, shard_size)
+        self.shard_group, self.replica_group = self.hybrid.shard, self.hybrid.replicate
+        self.shard_size, self.shard_rank = self.hybrid.shard_size, self.hybrid.shard_rank
+        self.grad_norm_group = self.shard_group  # replicas hold equal gradients: count each shard once
+        # [Note: CPU offload] shards, their gradients and the optimizer state on the host
+        self.offload = CPUOffload.parse(offload)
+        self.replica_counter = collectives.CommCounter()  # all-reduces over the replica group
+        self.host_grads: list[tuple[FlatGroup, torch.Tensor]] = []  # offload: reduced gradients copied to the host
+        self.pending_all_reduces: list[tuple[FlatGroup, torch.Tensor, Any]] = []  # HSDP: (group, shard grad, handle)
         mp = MixedPrecision.parse(mixed_precision) or MixedPrecision()
         # None: each group computes and communicates in its parameters' own dtype.
         self.param_dtype = mp.param_dtype
@@ -305,10 +315,13 @@ class FSDPEngine(Engine):
         for name, p, binds in params:
             entries.append(FlatEntry(name, p.shape, offset, p.numel(), binds))
             offset += p.numel()
-        padded = -(-offset // self.world_size) * self.world_size
-        shard_numel = padded // self.world_size
-        lo = self.rank * shard_numel
-        shard = torch.zeros(shard_numel, dtype=dtype, device=self.device)
+        padded = -(-offset // self.shard_size) * self.shard_size
+        shard_numel = padded // self.shard_size
+        lo = self.shard_rank * shard_numel
+        if self.offload is not None:
+            shard = self.offload.host_tensor(params[0][1], shard_numel).zero_()
+        else:
+            shard = torch.zeros(shard_numel, dtype=dtype, device=self.device)
         for e, (_, p, _) in zip(entries, params):
             a, b = max(lo, e.offset), min(lo + shard_numel, e.offset + e.numel)
             if a < b:
@@ -347,11 +360,23 @@ class FSDPEngine(Engine):
         in_flight = False
         for g in u.groups:
             g.full_data.untyped_storage().resize_(g.full_data.numel() * g.full_data.element_size())
-            g.send = g.shard.detach().to(g.full.dtype)  # no copy without mixed precision: the shard itself is sent
-            g.handle = collectives.all_gather_into(g.full_data, g.send, self.group, async_op=async_op,
+            g.send = self._shard_on_device(g)
+            g.handle = collectives.all_gather_into(g.full_data, g.send, self.shard_group, async_op=async_op,
                                                    counter=self.counter)
             in_flight |= g.handle is not None and async_op
         u.state = UnitState.GATHERING if in_flight else UnitState.GATHERED
+
+    def _shard_on_device(self, g: FlatGroup) -> torch.Tensor:
+        """What this rank sends in a gather: its shard in the compute dtype, on the device. Without
+        offload and mixed precision that is the shard itself (no copy); with offload an explicit
+        host-to-device copy, asynchronous from pinned memory (the all-gather is queued behind it
+        on the same stream), made even when the device is the CPU, so that path always runs."""
+        shard = g.shard.detach()
+        if self.offload is None:
+            return shard.to(g.full.dtype)
+        send = torch.empty(shard.numel(), dtype=g.full.dtype, device=self.device)
+        send.copy_(shard, non_blocking=shard.is_pinned())
+        return send
 
     def _wait_gather(self, u: FlatUnit) -> None:
         if u.state is UnitState.GATHERING:
@@ -536,7 +561,7 @@ class FSDPEngine(Engine):
         reduce_dtype = self.reduce_dtype or g.shard.dtype
         full_grad = full_grad.to(reduce_dtype)
         out = torch.empty(g.shard.numel(), dtype=reduce_dtype, device=self.device)
-        handle = collectives.reduce_scatter_into(out, full_grad, self.group, average=True, async_op=True,
+        handle = collectives.reduce_scatter_into(out, full_grad, self.shard_group, average=True, async_op=True,
                                                  counter=self.counter)
         self.pending_reduces.append((g, out, full_grad, handle))
         while len({id(p[0].unit) for p in self.pending_reduces}) > MAX_UNITS_REDUCING:
@@ -555,11 +580,29 @@ class FSDPEngine(Engine):
 
     @torch.no_grad()
     def _complete_oldest_reduce(self) -> None:
-        """Wait for the oldest reduce-scatter in flight, add its averaged shard into
-        `shard.grad`, and free its input."""
+        """Wait for the oldest reduce-scatter in flight and free its input; then (HSDP) start the
+        all-reduce of its averaged shard over the replica group, or add it into `shard.grad`."""
         g, out, _full_grad, handle = self.pending_reduces.pop(0)
         if handle is not None:
             handle.wait()
+        if self.replica_group is not None:
+            # averaged over the S ranks of the shard group, now over the R replicas: the mean over N
+            ar = collectives.all_reduce(out, self.replica_group, average=True, async_op=True,
+                                        counter=self.replica_counter)
+            self.pending_all_reduces.append((g, out, ar))
+            return
+        self._accumulate_grad(g, out)
+
+    @torch.no_grad()
+    def _accumulate_grad(self, g: FlatGroup, out: torch.Tensor) -> None:
+        """Add a fully reduced shard gradient into `shard.grad` (on the host with offload)."""
+        if self.offload is not None:
+            # device-to-host, asynchronous into pinned memory; added at the end of backward,
+            # once the stream is synchronized (see _finish_backward)
+            host = self.offload.host_tensor(out)
+            host.copy_(out, non_blocking=host.is_pinned())
+            self.host_grads.append((g, host))
+            return
         if g.shard.grad is None:
             g.shard.grad = out.to(g.shard.dtype)  # no copy when already in the shard's dtype
         else:
@@ -569,6 +612,20 @@ class FSDPEngine(Engine):
     def _finish_backward(self) -> None:
         while self.pending_reduces:
             self._complete_oldest_reduce()
+        for g, out, handle in self.pending_all_reduces:  # in launch order, the same on every rank
+            if handle is not None:
+                handle.wait()
+            self._accumulate_grad(g, out)
+        self.pending_all_reduces.clear()
+        if self.host_grads:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # the D2H copies have landed
+            for g, host in self.host_grads:
+                if g.shard.grad is None:
+                    g.shard.grad = host.to(g.shard.dtype)
+                else:
+                    g.shard.grad.add_(host)
+            self.host_grads.clear()
         for u in self.flat_units:  # units whose backward never came, or gave no signal (frozen)
             self._finish_unit(u)
         for g in self.groups:
@@ -579,8 +636,9 @@ class FSDPEngine(Engine):
     @torch.no_grad()
     def _gather_shards(self, g: FlatGroup) -> torch.Tensor:
         """The whole flat buffer in the shard's own dtype (not the compute dtype)."""
-        full = torch.empty(g.shard.numel() * self.world_size, dtype=g.shard.dtype, device=self.device)
-        collectives.all_gather_into(full, g.shard.detach(), self.group, counter=self.counter)
+        full = torch.empty(g.shard.numel() * self.shard_size, dtype=g.shard.dtype, device=self.device)
+        shard = g.shard.detach().to(self.device)  # offloaded: the collective wants it on the device
+        collectives.all_gather_into(full, shard, self.shard_group, counter=self.counter)
         return full
 
     @torch.no_grad()
@@ -595,7 +653,7 @@ class FSDPEngine(Engine):
     @torch.no_grad()
     def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         for g in self.groups:
-            lo = self.rank * g.shard.numel()
+            lo = self.shard_rank * g.shard.numel()
             g.shard.zero_()
             for e in g.entries:
                 flat = state[e.name].reshape(-1)
@@ -605,11 +663,12 @@ class FSDPEngine(Engine):
         self.state_keys.load_buffers(state)
 
     def shard_layout(self) -> list[tuple[nn.Parameter, list[ShardPiece]]]:
-        """Every group's shard, frozen ones included (a checkpoint must hold every parameter)."""
+        """Every group's shard, frozen ones included (a checkpoint must hold every parameter).
+        Under HSDP the R replicas of a shard describe the same pieces: DCP writes one of them."""
         layout = []
         for g in self.groups:
             n = g.shard.numel()
-            lo = self.rank * n
+            lo = self.shard_rank * n
             pieces = []
             for e in g.entries:
                 a, b = max(lo, e.offset), min(lo + n, e.offset + e.numel)
@@ -619,7 +678,14 @@ class FSDPEngine(Engine):
         return layout
 
     def comm_stats(self) -> dict[str, dict[str, int]]:
-        return self.counter.snapshot()
+        """Bytes per collective kind: all-gathers and reduce-scatters over the shard group (and
+        the wrap-time broadcasts over the whole group), all-reduces over the replica group."""
+        return {**self.counter.snapshot(), **self.replica_counter.snapshot()}
+
+    def comm_stats_by_group(self) -> dict[str, dict[str, dict[str, int]]]:
+        """The same, split by the group each collective ran over: "shard" (also the wrap-time
+        broadcast of buffers, over the whole group) and "replicate" (HSDP only)."""
+        return {"shard": self.counter.snapshot(), "replicate": self.replica_counter.snapshot()}
 
     def gathered_bytes(self) -> int:
         """Bytes of gathered (full) parameter storage held right now, over all groups."""
