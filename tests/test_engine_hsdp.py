@@ -26,7 +26,15 @@ from shardlab.config import ConfigError, load_config, validate_for_world
 from shardlab.engines import engine_of, optimizer_state_bytes
 from shardlab.testing import run_workers
 from tests.checkpoint_helpers import assert_same_tensors, make_cfg, runtime
-from tests.parity import GLOBAL_BATCH, assert_parity, batch, build, make_optimizer, train_engine, train_reference
+from tests.parity import (
+    GLOBAL_BATCH,
+    assert_parity,
+    batch,
+    build,
+    make_optimizer,
+    train_engine,
+    train_reference,
+)
 
 CLIP = 0.05
 

@@ -82,6 +82,33 @@ zeros, so after averaging its gradient is exactly zero, the optimizer (even with
 decay) keeps it zero, and `clip_grad_norm_` is unaffected. Shards of equal size make
 all-gather and reduce-scatter single calls; a rank may hold no piece of some parameters.
 
+[Note: hybrid sharding]
+With shard_size=S < N (HSDP) the N ranks form R = N/S shard groups of S consecutive ranks
+({0..S-1}, {S..2S-1}, ...; on a cluster, one node each when S is the ranks per node) and S
+replica groups of the ranks holding the same slice ({0, S, 2S, ...}, ...), made once by
+`collectives.hybrid_groups`. Everything above happens within the shard group: buffers are
+padded to a multiple of S, rank r keeps slice (r mod S), gathers and reduce-scatters run
+over S ranks. The reduce-scatter averages over the S ranks; once it completes, the slice
+is all-reduced (averaged) over the R replicas, asynchronously, so the result is the mean
+over all N ([Note: why average]); those all-reduces are waited for at the end of backward,
+in launch order. Model state per rank is 16Psi/S, the price of keeping the heavy gather
+and reduce-scatter traffic inside a node: only 2(R-1)/R x 4Psi/S bytes per rank cross
+nodes. Replicas hold equal shards, so the gradient norm is summed over the shard group only
+(`grad_norm_group`), and a checkpoint's pieces are described once per replica: DCP keeps
+one writer per identical chunk. S = N is plain FSDP (no replica group, no all-reduce).
+
+[Note: CPU offload]
+With offload=CPUOffload() each shard lives in host memory (pinned where CUDA exists), so
+its gradient and the optimizer state built on it do too, and the optimizer step runs on
+the CPU. A gather first copies the shard to the device (`_shard_on_device`: explicit even
+when the device is the CPU, so the path runs in the CPU tests; asynchronous from pinned
+memory, ordered before the all-gather on the same stream). A reduced slice is copied back
+into a fresh host tensor, asynchronously into pinned memory, and added into `shard.grad`
+only at the end of backward, after synchronizing the stream (the host must not read a
+copy still in flight). The unsharded no_sync accumulator stays on the device. Device memory
+then holds no model state between steps: only the units in flight, their gradients and the
+activations.
+
 [Note: prefetch order]
 Forward prefetch follows the unit order (`units` is forward order); backward prefetch
 follows the reverse of the order in which units actually ran forward in this step. A
