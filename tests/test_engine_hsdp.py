@@ -282,6 +282,13 @@ def test_default_shard_size_is_the_ranks_per_node(monkeypatch):
     assert resolve_shard_size(None, 8) == 4          # 2 nodes of 4: shard within a node
     assert resolve_shard_size(None, 4) == 4
     assert resolve_shard_size(2, 8) == 2             # explicit wins
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2")
+    assert resolve_shard_size(None, 8) == 4          # torchrun's LOCAL_WORLD_SIZE first
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert resolve_shard_size(None, 8) == 2          # srun-started workers: Slurm's tasks per node
+    monkeypatch.delenv("SLURM_PROCID")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     cfg = load_config(None, ["train.global_batch_size=8", "train.micro_batch_size=1"])
     with pytest.raises(ConfigError, match="defaults to the ranks per node \\(3\\).*set parallel.shard_size"):

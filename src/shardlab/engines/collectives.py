@@ -133,11 +133,15 @@ def reduce_scatter_into(shard: torch.Tensor, full: torch.Tensor, group=None, *, 
 # ---------------------------------------------------------------------------- hybrid sharding groups
 def ranks_per_node() -> int | None:
     """The ranks on this node, from the launcher's environment: torchrun's LOCAL_WORLD_SIZE, or
-    Slurm's SLURM_NTASKS_PER_NODE when srun starts the workers itself; None when neither says."""
+    Slurm's SLURM_NTASKS_PER_NODE when srun starts the workers itself (no torchrun: RANK unset,
+    as runtime.env_world reads it); None when neither says."""
     import os
 
-    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        value = os.environ.get(var, "")
+    env = os.environ
+    candidates = [env.get("LOCAL_WORLD_SIZE", "")]
+    if "RANK" not in env and "SLURM_PROCID" in env:
+        candidates.append(env.get("SLURM_NTASKS_PER_NODE", ""))
+    for value in candidates:
         if value.isdigit() and int(value) >= 1:
             return int(value)
     return None
