@@ -87,6 +87,8 @@ class ParallelConfig:
     mixed_precision: str = "fp32"          # fp32 | bf16 | fp16: engine compute/communication dtype
     bucket_size_mb: float = 25.0           # ddp, torch-ddp
     prefetch: bool = True                  # fsdp
+    shard_size: Optional[int] = None       # fsdp, torch-fsdp: hybrid sharding over S ranks (null = ranks per node)
+    offload: str = "none"                  # none | cpu: fsdp, zero3, torch-fsdp keep shards, grads, optimizer on CPU
     backend: str = "auto"                  # auto (nccl on CUDA, else gloo) | gloo | nccl
     timeout_s: float = 300.0               # every collective; a dead rank fails the others within it
     wrap_classes: Optional[list[str]] = None  # wrap units by class name (null: the model's default units)
@@ -149,6 +151,10 @@ _ALIASES_BACK = {(sec, fld): key for (sec, key), fld in _ALIASES.items()}
 
 # The choices come from the registries, so a new engine, model or data source needs no edit here.
 STRATEGY_CHOICES = tuple(STRATEGIES)
+# engines that take the options (their classes declare them; kept here as names so that
+# validating a config imports no engine)
+HYBRID_STRATEGIES = ("fsdp", "torch-fsdp")
+OFFLOAD_STRATEGIES = ("fsdp", "zero3", "torch-fsdp")
 MODEL_CHOICES = tuple(MODELS)
 DATA_CHOICES = tuple(DATA_SOURCES)
 
@@ -405,6 +411,16 @@ def validate(cfg: Config) -> None:
     _choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
     _check(p.bucket_size_mb > 0, f"parallel.bucket_size_mb must be > 0, got {p.bucket_size_mb}")
     _check(p.timeout_s > 0, f"parallel.timeout_s must be > 0, got {p.timeout_s}")
+    _choice("parallel.offload", p.offload, ("none", "cpu"))
+    _check(p.offload == "none" or p.strategy in OFFLOAD_STRATEGIES,
+           f"parallel.offload={p.offload} needs a sharded engine; parallel.strategy={p.strategy} keeps the whole "
+           f"model on every device: use parallel.strategy={' or '.join(OFFLOAD_STRATEGIES)}, or parallel.offload=none")
+    if p.shard_size is not None:
+        _check(p.shard_size >= 1, f"parallel.shard_size must be >= 1 (or null for the ranks per node), "
+               f"got {p.shard_size}")
+        _check(p.strategy in HYBRID_STRATEGIES,
+               f"parallel.shard_size (hybrid sharding) applies to parallel.strategy={' or '.join(HYBRID_STRATEGIES)}, "
+               f"not {p.strategy}; remove parallel.shard_size or change the strategy")
 
     if p.wrap_classes is not None:
         _check(all(isinstance(n, str) and n for n in p.wrap_classes),
@@ -433,6 +449,13 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
     if cfg.parallel.strategy == "single":
         _check(world_size == 1, f"parallel.strategy=single runs one process, but {world_size} workers were asked for; "
                "use --nproc 1 or a distributed strategy (ddp, zero3, fsdp, torch-ddp, torch-fsdp)")
+    if cfg.parallel.strategy in HYBRID_STRATEGIES:
+        from shardlab.engines.collectives import resolve_shard_size
+
+        try:
+            resolve_shard_size(cfg.parallel.shard_size, world_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     per_step = world_size * t.micro_batch_size
     _check(t.global_batch_size % per_step == 0,
            f"train.global_batch_size ({t.global_batch_size}) must be divisible by world size x "

@@ -31,7 +31,7 @@ from shardlab.amp import autocast, make_loss_scaler
 from shardlab.config import Config, dump_config, validate_for_world
 from shardlab.data import GlobalBatchSampler, build_datasets, collate
 from shardlab.engines import Engine, engine_class, engine_of, is_sharded, optimizer_state_bytes
-from shardlab.engines.api import MixedPrecision
+from shardlab.engines.api import CPUOffload, MixedPrecision
 from shardlab.evaluate import evaluate
 from shardlab.models import build_model, count_parameters
 from shardlab.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionGuard
@@ -78,6 +78,8 @@ def engine_options(cfg: Config) -> dict[str, Any]:
         "mixed_precision": MixedPrecision.parse(p.mixed_precision),
         "bucket_size_bytes": int(p.bucket_size_mb * 2**20),
         "prefetch": p.prefetch,
+        "shard_size": p.shard_size,
+        "offload": CPUOffload.parse(p.offload),
     }
     accepted = engine_class(p.strategy).options
     return {k: v for k, v in offered.items() if k in accepted}

@@ -93,6 +93,41 @@ class MixedPrecision:
         raise TypeError(f"mixed_precision must be None, a dtype name or a dict, not {value!r}")
 
 
+@dataclass(frozen=True)
+class CPUOffload:
+    """Keep the sharded state in host memory: the shards (the optimizer's parameters), their
+    gradients and so the optimizer state live on the CPU, pinned when CUDA exists (fast,
+    asynchronous copies), and the optimizer step runs there. A unit's shards are copied to the
+    device inside its gather; a reduced gradient is copied back to the host after the reduce.
+    pin_memory: None = pin when CUDA is available (pinning needs a CUDA driver)."""
+
+    pin_memory: bool | None = None
+
+    @property
+    def pinned(self) -> bool:
+        return torch.cuda.is_available() if self.pin_memory is None else bool(self.pin_memory)
+
+    @classmethod
+    def parse(cls, value: Any) -> CPUOffload | None:
+        """Accept None, "none", "cpu", a CPUOffload or a dict of its fields."""
+        if value is None or isinstance(value, CPUOffload):
+            return value
+        if isinstance(value, str):
+            if value in ("none", ""):
+                return None
+            if value == "cpu":
+                return cls()
+            raise ValueError(f"offload must be 'none' or 'cpu', not {value!r}")
+        if isinstance(value, Mapping):
+            return cls(**value)
+        raise TypeError(f"offload must be None, 'none', 'cpu' or a CPUOffload, not {value!r}")
+
+    def host_tensor(self, like: torch.Tensor, numel: int | None = None) -> torch.Tensor:
+        """An uninitialized 1-D (numel) or like-shaped host tensor of `like`'s dtype, pinned per the policy."""
+        shape = (numel,) if numel is not None else like.shape
+        return torch.empty(shape, dtype=like.dtype, device="cpu", pin_memory=self.pinned)
+
+
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32, "float32": torch.float32,
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -177,6 +212,10 @@ class Engine:
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.module = module  # the module returned to the user; subclasses may replace it
+        #: the group over which the ranks' gradients are disjoint parts of the whole: the group,
+        #: except for hybrid sharding (HSDP), where replicas hold equal gradients and the norm
+        #: must count each shard once (the shard group).
+        self.grad_norm_group = group
 
     # -- the contract ---------------------------------------------------------------------------
     #: False inside `no_sync()`. Engines that do their own communication read it in backward:
@@ -210,10 +249,10 @@ class Engine:
         """Scale gradients so the global norm is at most max_norm; returns the global norm
         (before clipping), the same value on every rank."""
         grads = [p.grad for p in self.local_parameters() if p.grad is not None]
-        total = global_grad_norm(grads, norm_type, self.group, self.device, sharded=self.grads_sharded)
+        total = global_grad_norm(grads, norm_type, self.grad_norm_group, self.device, sharded=self.grads_sharded)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
+        for g in grads:  # an offloaded engine's gradients are on the host, the norm on the device
+            g.mul_(coef.to(g.device, g.dtype))
         return total
 
     def model_state_bytes(self) -> dict[str, int]:
@@ -267,7 +306,7 @@ def global_grad_norm(grads: Iterable[torch.Tensor], norm_type: float, group: dis
     grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
     dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     if norm_type == float("inf"):
-        local = max((g.detach().abs().max().to(dtype) for g in grads if g.numel()), default=torch.tensor(0.0))
+        local = max((g.detach().abs().max().to(device, dtype) for g in grads if g.numel()), default=torch.tensor(0.0))
         local = torch.as_tensor(local, dtype=dtype, device=device)
         if sharded and dist.is_initialized():
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
@@ -275,7 +314,7 @@ def global_grad_norm(grads: Iterable[torch.Tensor], norm_type: float, group: dis
     local = torch.zeros((), dtype=dtype, device=device)
     for g in grads:
         if g.numel():
-            local += g.detach().to(dtype).norm(norm_type) ** norm_type
+            local += (g.detach().to(dtype).norm(norm_type) ** norm_type).to(device)
     if sharded and dist.is_initialized():
         dist.all_reduce(local, group=group)
     return local ** (1.0 / norm_type)

@@ -128,3 +128,103 @@ def reduce_scatter_into(shard: torch.Tensor, full: torch.Tensor, group=None, *, 
         shard.copy_(full.view_as(shard))
         return None
     return _reduce_scatter_flat(shard, full, op=ReduceOp.SUM, group=group, async_op=async_op)
+
+
+# ---------------------------------------------------------------------------- hybrid sharding groups
+def ranks_per_node() -> int | None:
+    """The ranks on this node, from the launcher's environment: torchrun's LOCAL_WORLD_SIZE, or
+    Slurm's SLURM_NTASKS_PER_NODE when srun starts the workers itself (no torchrun: RANK unset,
+    as runtime.env_world reads it); None when neither says."""
+    import os
+
+    env = os.environ
+    candidates = [env.get("LOCAL_WORLD_SIZE", "")]
+    if "RANK" not in env and "SLURM_PROCID" in env:
+        candidates.append(env.get("SLURM_NTASKS_PER_NODE", ""))
+    for value in candidates:
+        if value.isdigit() and int(value) >= 1:
+            return int(value)
+    return None
+
+
+def resolve_shard_size(shard_size: int | None, world: int) -> int:
+    """The shard group size S for `world` ranks: `shard_size`, or by default the ranks per node
+    (so sharding traffic stays on a node's fast links), or the whole world when that is unknown.
+    Raises ValueError naming `parallel.shard_size` and the fix when S cannot divide the world."""
+    where = "parallel.shard_size"
+    if shard_size is None:
+        per_node = ranks_per_node()
+        if per_node is None or per_node >= world:
+            return world
+        if world % per_node:
+            raise ValueError(f"{where} defaults to the ranks per node ({per_node}), which does not divide the "
+                             f"world size {world}; set {where} to a divisor of {world}")
+        return per_node
+    if not isinstance(shard_size, int) or isinstance(shard_size, bool) or shard_size < 1:
+        raise ValueError(f"{where} must be an integer >= 1, got {shard_size!r}")
+    if shard_size > world or world % shard_size:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        raise ValueError(f"{where}={shard_size} must divide the world size {world} (shard groups of S ranks, "
+                         f"replicated {world}/S times); use one of {divisors}")
+    return shard_size
+
+
+@dataclass(frozen=True)
+class HybridGroups:
+    """The groups of hybrid sharding over a parent group of N = R x S ranks.
+
+    shard group:   S consecutive parent ranks, {0..S-1}, {S..2S-1}, ...: parameters are
+                   sharded over it (all-gather, reduce-scatter);
+    replica group: the ranks holding the same shard, {0, S, 2S, ...}, {1, S+1, ...}: gradients
+                   are all-reduced over it.
+    With S = N the shard group is the parent group itself and the replica group is one rank
+    (plain FSDP: nothing is all-reduced)."""
+
+    shard: dist.ProcessGroup | None
+    replicate: dist.ProcessGroup | None
+    shard_size: int          # S
+    replicas: int            # R = N / S
+    shard_rank: int          # rank within the shard group: which shard this rank holds
+    replica_rank: int        # rank within the replica group: which replica it belongs to
+    shard_ranks: tuple[int, ...] = ()      # global ranks of this rank's shard group
+    replica_ranks: tuple[int, ...] = ()    # global ranks of this rank's replica group
+
+
+_HYBRID_CACHE: dict[tuple, tuple[object, HybridGroups]] = {}
+
+
+def hybrid_groups(group: dist.ProcessGroup | None, shard_size: int) -> HybridGroups:
+    """Create (once per parent group and S, then reuse) the shard and replica groups.
+
+    Every rank of the default group calls `dist.new_group` for every subgroup, in the same
+    order (R shard groups, then S replica groups), as torch.distributed requires, even for
+    groups it is not a member of. Engines built again on the same group (tests build many)
+    reuse the groups instead of opening new connections each time."""
+    world = _world(group)
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    shard_size = resolve_shard_size(shard_size, world)
+    replicas = world // shard_size
+    shard_rank, replica_rank = rank % shard_size, rank // shard_size
+    if replicas == 1:  # plain FSDP: the parent group is the shard group, no replica group
+        return HybridGroups(group, None, shard_size, 1, shard_rank, 0)
+    default = dist.distributed_c10d._get_default_group()
+    if group is not None and group != dist.group.WORLD and dist.get_world_size(group) != dist.get_world_size():
+        # new_group must be called by every rank of the default group: ranks outside `group`
+        # never get here, so the subgroups cannot be created consistently.
+        raise NotImplementedError("hybrid sharding (shard_size < group size) needs the engine's group to be the "
+                                  "whole world; pass group=None or shard_size equal to the group size")
+    parent = list(range(world)) if group is None else dist.get_process_group_ranks(group)
+    key = (id(default), tuple(parent), shard_size)
+    cached = _HYBRID_CACHE.get(key)
+    if cached is not None and cached[0] is default:
+        return cached[1]
+    shard_sets = [tuple(parent[i * shard_size:(i + 1) * shard_size]) for i in range(replicas)]
+    replica_sets = [tuple(parent[j::shard_size]) for j in range(shard_size)]
+    made = {}
+    for ranks in shard_sets + replica_sets:  # same order on every rank
+        made[ranks] = dist.new_group(list(ranks))
+    mine_shard, mine_replica = shard_sets[replica_rank], replica_sets[shard_rank]
+    result = HybridGroups(made[mine_shard], made[mine_replica], shard_size, replicas, shard_rank, replica_rank,
+                          mine_shard, mine_replica)
+    _HYBRID_CACHE[key] = (default, result)
+    return result

@@ -82,6 +82,33 @@ zeros, so after averaging its gradient is exactly zero, the optimizer (even with
 decay) keeps it zero, and `clip_grad_norm_` is unaffected. Shards of equal size make
 all-gather and reduce-scatter single calls; a rank may hold no piece of some parameters.
 
+[Note: hybrid sharding]
+With shard_size=S < N (HSDP) the N ranks form R = N/S shard groups of S consecutive ranks
+({0..S-1}, {S..2S-1}, ...; on a cluster, one node each when S is the ranks per node) and S
+replica groups of the ranks holding the same slice ({0, S, 2S, ...}, ...), made once by
+`collectives.hybrid_groups`. Everything above happens within the shard group: buffers are
+padded to a multiple of S, rank r keeps slice (r mod S), gathers and reduce-scatters run
+over S ranks. The reduce-scatter averages over the S ranks; once it completes, the slice
+is all-reduced (averaged) over the R replicas, asynchronously, so the result is the mean
+over all N ([Note: why average]); those all-reduces are waited for at the end of backward,
+in launch order. Model state per rank is 16Psi/S, the price of keeping the heavy gather
+and reduce-scatter traffic inside a node: only 2(R-1)/R x 4Psi/S bytes per rank cross
+nodes. Replicas hold equal shards, so the gradient norm is summed over the shard group only
+(`grad_norm_group`), and a checkpoint's pieces are described once per replica: DCP keeps
+one writer per identical chunk. S = N is plain FSDP (no replica group, no all-reduce).
+
+[Note: CPU offload]
+With offload=CPUOffload() each shard lives in host memory (pinned where CUDA exists), so
+its gradient and the optimizer state built on it do too, and the optimizer step runs on
+the CPU. A gather first copies the shard to the device (`_shard_on_device`: explicit even
+when the device is the CPU, so the path runs in the CPU tests; asynchronous from pinned
+memory, ordered before the all-gather on the same stream). A reduced slice is copied back
+into a fresh host tensor, asynchronously into pinned memory, and added into `shard.grad`
+only at the end of backward, after synchronizing the stream (the host must not read a
+copy still in flight). The unsharded no_sync accumulator stays on the device. Device memory
+then holds no model state between steps: only the units in flight, their gradients and the
+activations.
+
 [Note: prefetch order]
 Forward prefetch follows the unit order (`units` is forward order); backward prefetch
 follows the reverse of the order in which units actually ran forward in this step. A
@@ -100,7 +127,7 @@ import torch
 from torch import nn
 
 from shardlab.engines import _hooks, collectives
-from shardlab.engines.api import Engine, MixedPrecision, ShardPiece, is_meta
+from shardlab.engines.api import CPUOffload, Engine, MixedPrecision, ShardPiece, is_meta
 from shardlab.models.init import canonical_names, init_parameters_
 
 
@@ -170,13 +197,23 @@ class FlatUnit:
 class FSDPEngine(Engine):
     strategy = "fsdp"
     grads_sharded = True
-    options = ("reshard_after_forward", "mixed_precision", "prefetch")
+    options = ("reshard_after_forward", "mixed_precision", "prefetch", "shard_size", "offload")
 
     def __init__(self, module: nn.Module, *, reshard_after_forward: bool = True, mixed_precision: Any = None,
-                 prefetch: bool = True, **kw: Any):
+                 prefetch: bool = True, shard_size: int | None = None, offload: Any = None, **kw: Any):
         super().__init__(module, **kw)
         self.reshard_after_forward = bool(reshard_after_forward)
         self.prefetch = bool(prefetch)
+        # [Note: hybrid sharding] shard over S ranks, replicate over N/S
+        self.hybrid = collectives.hybrid_groups(self.group, shard_size)
+        self.shard_group, self.replica_group = self.hybrid.shard, self.hybrid.replicate
+        self.shard_size, self.shard_rank = self.hybrid.shard_size, self.hybrid.shard_rank
+        self.grad_norm_group = self.shard_group  # replicas hold equal gradients: count each shard once
+        # [Note: CPU offload] shards, their gradients and the optimizer state on the host
+        self.offload = CPUOffload.parse(offload)
+        self.replica_counter = collectives.CommCounter()  # all-reduces over the replica group
+        self.host_grads: list[tuple[FlatGroup, torch.Tensor]] = []  # offload: reduced gradients copied to the host
+        self.pending_all_reduces: list[tuple[FlatGroup, torch.Tensor, Any]] = []  # HSDP: (group, shard grad, handle)
         mp = MixedPrecision.parse(mixed_precision) or MixedPrecision()
         # None: each group computes and communicates in its parameters' own dtype.
         self.param_dtype = mp.param_dtype
@@ -307,10 +344,13 @@ class FSDPEngine(Engine):
         for name, p, binds in params:
             entries.append(FlatEntry(name, p.shape, offset, p.numel(), binds))
             offset += p.numel()
-        padded = -(-offset // self.world_size) * self.world_size
-        shard_numel = padded // self.world_size
-        lo = self.rank * shard_numel
-        shard = torch.zeros(shard_numel, dtype=dtype, device=self.device)
+        padded = -(-offset // self.shard_size) * self.shard_size
+        shard_numel = padded // self.shard_size
+        lo = self.shard_rank * shard_numel
+        if self.offload is not None:
+            shard = self.offload.host_tensor(params[0][1], shard_numel).zero_()
+        else:
+            shard = torch.zeros(shard_numel, dtype=dtype, device=self.device)
         for e, (_, p, _) in zip(entries, params):
             a, b = max(lo, e.offset), min(lo + shard_numel, e.offset + e.numel)
             if a < b:
@@ -349,11 +389,23 @@ class FSDPEngine(Engine):
         in_flight = False
         for g in u.groups:
             g.full_data.untyped_storage().resize_(g.full_data.numel() * g.full_data.element_size())
-            g.send = g.shard.detach().to(g.full.dtype)  # no copy without mixed precision: the shard itself is sent
-            g.handle = collectives.all_gather_into(g.full_data, g.send, self.group, async_op=async_op,
+            g.send = self._shard_on_device(g)
+            g.handle = collectives.all_gather_into(g.full_data, g.send, self.shard_group, async_op=async_op,
                                                    counter=self.counter)
             in_flight |= g.handle is not None and async_op
         u.state = UnitState.GATHERING if in_flight else UnitState.GATHERED
+
+    def _shard_on_device(self, g: FlatGroup) -> torch.Tensor:
+        """What this rank sends in a gather: its shard in the compute dtype, on the device. Without
+        offload and mixed precision that is the shard itself (no copy); with offload an explicit
+        host-to-device copy, asynchronous from pinned memory (the all-gather is queued behind it
+        on the same stream), made even when the device is the CPU, so that path always runs."""
+        shard = g.shard.detach()
+        if self.offload is None:
+            return shard.to(g.full.dtype)
+        send = torch.empty(shard.numel(), dtype=g.full.dtype, device=self.device)
+        send.copy_(shard, non_blocking=shard.is_pinned())
+        return send
 
     def _wait_gather(self, u: FlatUnit) -> None:
         if u.state is UnitState.GATHERING:
@@ -562,7 +614,7 @@ class FSDPEngine(Engine):
         reduce_dtype = self.reduce_dtype or g.shard.dtype
         full_grad = full_grad.to(reduce_dtype)
         out = torch.empty(g.shard.numel(), dtype=reduce_dtype, device=self.device)
-        handle = collectives.reduce_scatter_into(out, full_grad, self.group, average=True, async_op=True,
+        handle = collectives.reduce_scatter_into(out, full_grad, self.shard_group, average=True, async_op=True,
                                                  counter=self.counter)
         self.pending_reduces.append((g, out, full_grad, handle))
         while len({id(p[0].unit) for p in self.pending_reduces}) > MAX_UNITS_REDUCING:
@@ -575,17 +627,38 @@ class FSDPEngine(Engine):
     # once, at every N: the peak would not fall with N (measured: 1.3 GiB against FSDP2's
     # 0.74 GiB per rank for gpt2-small at N=2). So the gradients of at most MAX_UNITS_REDUCING
     # units are in flight: when another unit's would make one more, the oldest reduce-scatter
-    # is waited for and its input freed. Two keep one reduce overlapping the next unit's
-    # backward, as FSDP2 does with its reduce-scatter stream. Units are counted, not bytes: a
-    # byte cap set by the largest unit (the embedding) would let many small blocks pile up.
+    # is waited for and its input freed. One is enough to overlap: a unit's reduce-scatter
+    # runs while the next unit's backward computes, and is waited for when that unit's
+    # gradient arrives (FSDP2 likewise waits for the previous reduce-scatter at each
+    # post-backward). Two held three units' gradients at the peak (797 against 770 MiB on
+    # gpt2-small at N=2). Units are counted, not bytes: a byte cap set by the largest unit
+    # (the embedding) would let many small blocks pile up.
 
     @torch.no_grad()
     def _complete_oldest_reduce(self) -> None:
-        """Wait for the oldest reduce-scatter in flight, add its averaged shard into
-        `shard.grad`, and free its input."""
+        """Wait for the oldest reduce-scatter in flight and free its input; then (HSDP) start the
+        all-reduce of its averaged shard over the replica group, or add it into `shard.grad`."""
         g, out, _full_grad, handle = self.pending_reduces.pop(0)
         if handle is not None:
             handle.wait()
+        if self.replica_group is not None:
+            # averaged over the S ranks of the shard group, now over the R replicas: the mean over N
+            ar = collectives.all_reduce(out, self.replica_group, average=True, async_op=True,
+                                        counter=self.replica_counter)
+            self.pending_all_reduces.append((g, out, ar))
+            return
+        self._accumulate_grad(g, out)
+
+    @torch.no_grad()
+    def _accumulate_grad(self, g: FlatGroup, out: torch.Tensor) -> None:
+        """Add a fully reduced shard gradient into `shard.grad` (on the host with offload)."""
+        if self.offload is not None:
+            # device-to-host, asynchronous into pinned memory; added at the end of backward,
+            # once the stream is synchronized (see _finish_backward)
+            host = self.offload.host_tensor(out)
+            host.copy_(out, non_blocking=host.is_pinned())
+            self.host_grads.append((g, host))
+            return
         if g.shard.grad is None:
             g.shard.grad = out.to(g.shard.dtype)  # no copy when already in the shard's dtype
         else:
@@ -595,6 +668,20 @@ class FSDPEngine(Engine):
     def _finish_backward(self) -> None:
         while self.pending_reduces:
             self._complete_oldest_reduce()
+        for g, out, handle in self.pending_all_reduces:  # in launch order, the same on every rank
+            if handle is not None:
+                handle.wait()
+            self._accumulate_grad(g, out)
+        self.pending_all_reduces.clear()
+        if self.host_grads:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # the D2H copies have landed
+            for g, host in self.host_grads:
+                if g.shard.grad is None:
+                    g.shard.grad = host.to(g.shard.dtype)
+                else:
+                    g.shard.grad.add_(host)
+            self.host_grads.clear()
         for u in self.flat_units:  # units whose backward never came, or gave no signal (frozen)
             self._finish_unit(u)
         for g in self.groups:
@@ -605,8 +692,9 @@ class FSDPEngine(Engine):
     @torch.no_grad()
     def _gather_shards(self, g: FlatGroup) -> torch.Tensor:
         """The whole flat buffer in the shard's own dtype (not the compute dtype)."""
-        full = torch.empty(g.shard.numel() * self.world_size, dtype=g.shard.dtype, device=self.device)
-        collectives.all_gather_into(full, g.shard.detach(), self.group, counter=self.counter)
+        full = torch.empty(g.shard.numel() * self.shard_size, dtype=g.shard.dtype, device=self.device)
+        shard = g.shard.detach().to(self.device)  # offloaded: the collective wants it on the device
+        collectives.all_gather_into(full, shard, self.shard_group, counter=self.counter)
         return full
 
     @torch.no_grad()
@@ -621,7 +709,7 @@ class FSDPEngine(Engine):
     @torch.no_grad()
     def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         for g in self.groups:
-            lo = self.rank * g.shard.numel()
+            lo = self.shard_rank * g.shard.numel()
             g.shard.zero_()
             for e in g.entries:
                 flat = state[e.name].reshape(-1)
@@ -631,11 +719,12 @@ class FSDPEngine(Engine):
         self.state_keys.load_buffers(state)
 
     def shard_layout(self) -> list[tuple[nn.Parameter, list[ShardPiece]]]:
-        """Every group's shard, frozen ones included (a checkpoint must hold every parameter)."""
+        """Every group's shard, frozen ones included (a checkpoint must hold every parameter).
+        Under HSDP the R replicas of a shard describe the same pieces: DCP writes one of them."""
         layout = []
         for g in self.groups:
             n = g.shard.numel()
-            lo = self.rank * n
+            lo = self.shard_rank * n
             pieces = []
             for e in g.entries:
                 a, b = max(lo, e.offset), min(lo + n, e.offset + e.numel)
@@ -645,7 +734,14 @@ class FSDPEngine(Engine):
         return layout
 
     def comm_stats(self) -> dict[str, dict[str, int]]:
-        return self.counter.snapshot()
+        """Bytes per collective kind: all-gathers and reduce-scatters over the shard group (and
+        the wrap-time broadcasts over the whole group), all-reduces over the replica group."""
+        return {**self.counter.snapshot(), **self.replica_counter.snapshot()}
+
+    def comm_stats_by_group(self) -> dict[str, dict[str, dict[str, int]]]:
+        """The same, split by the group each collective ran over: "shard" (also the wrap-time
+        broadcast of buffers, over the whole group) and "replicate" (HSDP only)."""
+        return {"shard": self.counter.snapshot(), "replicate": self.replica_counter.snapshot()}
 
     def gathered_bytes(self) -> int:
         """Bytes of gathered (full) parameter storage held right now, over all groups."""

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardlab.engines.api import Engine, MixedPrecision, ShardPiece, materialize_whole_
+from shardlab.engines.api import CPUOffload, Engine, MixedPrecision, ShardPiece, materialize_whole_
 
 
 class TorchDDPEngine(Engine):
@@ -42,29 +42,47 @@ class TorchDDPEngine(Engine):
 
 
 class TorchFSDPEngine(Engine):
+    """FSDP2. shard_size=S < N: hybrid sharding (HSDP) on a 2-D mesh ("replicate", "shard") of
+    shape (N/S, S): parameters are DTensors placed (Replicate(), Shard(0)), sharded over the S
+    consecutive ranks of a row, replicated down its columns; FSDP2 reduce-scatters gradients
+    over the row and all-reduces them over the column. The rows and columns are the same
+    process groups the from-scratch fsdp uses (`collectives.hybrid_groups`).
+    offload=CPUOffload: FSDP2's CPUOffloadPolicy (sharded parameters, gradients and optimizer
+    state on the host, pinned where CUDA exists)."""
+
     strategy = "torch-fsdp"
     grads_sharded = True
-    options = ("reshard_after_forward", "mixed_precision")
+    options = ("reshard_after_forward", "mixed_precision", "shard_size", "offload")
 
     def __init__(self, module: nn.Module, *, reshard_after_forward: bool | int = True,
-                 mixed_precision: Any = None, **kw: Any):
+                 mixed_precision: Any = None, shard_size: int | None = None, offload: Any = None, **kw: Any):
         super().__init__(module, **kw)
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        from shardlab.engines.collectives import hybrid_groups
 
         materialize_whole_(module, self.device)
-        if self.group is None or self.group == dist.group.WORLD:
+        self.hybrid = hybrid_groups(self.group, shard_size)
+        if self.hybrid.replicas > 1:
+            ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+            layout = torch.tensor(ranks).view(self.hybrid.replicas, self.hybrid.shard_size)
+            mesh = DeviceMesh.from_group([self.hybrid.replicate, self.hybrid.shard], self.device.type, mesh=layout,
+                                         mesh_dim_names=("replicate", "shard"))
+            self.grad_norm_group = self.hybrid.shard
+        elif self.group is None or self.group == dist.group.WORLD:
             mesh = init_device_mesh(self.device.type, (self.world_size,))
         else:
-            from torch.distributed.device_mesh import DeviceMesh
-
             mesh = DeviceMesh.from_group(self.group, self.device.type)
         mp = MixedPrecision.parse(mixed_precision)
         mp_policy = MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype) if mp else MixedPrecisionPolicy()
+        self.offload = CPUOffload.parse(offload)
+        offload_policy = CPUOffloadPolicy(pin_memory=self.offload.pinned) if self.offload else OffloadPolicy()
         for unit in self.units:
-            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                        offload_policy=offload_policy)
         # The root's own parameters are needed again at once by backward: keep them gathered.
-        fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy)
+        fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload_policy)
         self.module = module
 
     @contextlib.contextmanager
@@ -78,6 +96,8 @@ class TorchFSDPEngine(Engine):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         out = {}
         for k, v in self.module.state_dict().items():
+            if self.offload is not None and hasattr(v, "full_tensor"):
+                v = v.to(self.device)  # host shards: the all-gather runs on the mesh's device
             full = v.full_tensor() if hasattr(v, "full_tensor") else v
             out[k] = full.detach().to("cpu", copy=True)
         return out

@@ -50,6 +50,9 @@ Options
 -------
 reshard_after_forward (default True): free each unit's full parameters after its forward.
     False keeps them until its backward (one broadcast less, memory of the whole model).
+offload (default None): CPUOffload keeps owned parameters, their gradients and so the
+    optimizer state in host memory (pinned where CUDA exists); the owner copies them to the
+    device when it broadcasts, and a reduced gradient goes back to the host after the reduce.
 mixed_precision: gathered parameters and compute in `param_dtype`, gradients reduced in
     `reduce_dtype`; owned parameters, gradients and optimizer state stay in the parameters'
     own dtype (fp32, or fp64 in the parity tests). Floating point inputs of each unit are
@@ -70,7 +73,7 @@ from torch import nn
 
 from shardlab.engines import _hooks
 from shardlab.engines import collectives as C
-from shardlab.engines.api import Engine, MixedPrecision, ShardPiece, is_meta
+from shardlab.engines.api import CPUOffload, Engine, MixedPrecision, ShardPiece, is_meta
 from shardlab.models.init import canonical_names, init_parameters_
 
 
@@ -147,11 +150,14 @@ class _Gather:
 class Zero3Engine(Engine):
     strategy = "zero3"
     grads_sharded = True
-    options = ("reshard_after_forward", "mixed_precision")
+    options = ("reshard_after_forward", "mixed_precision", "offload")
 
     def __init__(self, module: nn.Module, *, reshard_after_forward: bool = True, mixed_precision: Any = None,
-                 **kw: Any):
+                 offload: Any = None, **kw: Any):
         super().__init__(module, **kw)
+        # offload: owned parameters, their gradients and the optimizer state on the host (see Options)
+        self.offload = CPUOffload.parse(offload)
+        self._host_grads: list[tuple[_Slot, torch.Tensor]] = []
         self.counter = C.CommCounter()
         self.reshard_after_forward = bool(reshard_after_forward)
         mp = MixedPrecision.parse(mixed_precision)
@@ -177,6 +183,8 @@ class Zero3Engine(Engine):
         self._keep_owned_only(module, slot_of, meta)
         if meta:
             self._materialize_owned(module)
+        if self.offload is not None:
+            self._offload_owned(module)
         for unit in self.unit_list:
             unit.module.register_forward_pre_hook(partial(self._pre_forward, unit), with_kwargs=True)
             unit.module.register_forward_hook(partial(self._post_forward, unit))
@@ -285,6 +293,21 @@ class Zero3Engine(Engine):
         init_parameters_(root, getattr(root, "init_seed", 0), names=owned)
         _hooks.broadcast_from_rank0(root.buffers(), self.group, self.counter)
 
+    @torch.no_grad()
+    def _offload_owned(self, root: nn.Module) -> None:
+        """Move every owned Parameter to host memory (pinned per the policy); buffers stay on the device."""
+        for slot in self.slots:
+            if slot.param is None:
+                continue
+            host = self.offload.host_tensor(slot.param)
+            host.copy_(slot.param)
+            new = nn.Parameter(host, requires_grad=slot.param.requires_grad)
+            for m in root.modules():
+                for attr, p in m._parameters.items():
+                    if p is slot.param:
+                        m._parameters[attr] = new
+            slot.param = new
+
     # -- gathering ------------------------------------------------------------------------------
     def _gather(self, unit: _Unit) -> _Gather:
         buffers = [torch.empty(g.numel, dtype=g.dtype, device=self.device) for g in unit.groups]
@@ -321,7 +344,8 @@ class Zero3Engine(Engine):
             if group.owner == self.rank:
                 for pos, off in zip(group.positions, group.offsets):
                     slot = gather.unit.slots[pos]
-                    buffer.data[off:off + slot.numel].copy_(slot.param.reshape(-1))
+                    # offloaded: a host-to-device copy, asynchronous from pinned memory
+                    buffer.data[off:off + slot.numel].copy_(slot.param.reshape(-1), non_blocking=slot.param.is_pinned())
             handles.append(C.broadcast(buffer.data, group.owner, self.group, async_op=True, counter=self.counter))
         for h in handles:
             if h is not None:
@@ -529,7 +553,14 @@ class Zero3Engine(Engine):
             return
         for pos, off in zip(group.grad_positions, group.grad_offsets):
             slot = unit.slots[pos]
-            g = buffer[off:off + slot.numel].view(slot.shape).to(slot.param.dtype)
+            g = buffer[off:off + slot.numel].view(slot.shape)
+            if self.offload is not None:
+                # device-to-host, asynchronous into pinned memory; added once the stream is synchronized
+                host = self.offload.host_tensor(g)
+                host.copy_(g, non_blocking=host.is_pinned())
+                self._host_grads.append((slot, host))
+                continue
+            g = g.to(slot.param.dtype)
             if slot.param.grad is None:
                 slot.param.grad = g
             else:
@@ -554,13 +585,23 @@ class Zero3Engine(Engine):
         while self._inflight:
             self._complete_oldest_reduce()
         self._in_backward_of.clear()
+        if self._host_grads:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # the D2H copies have landed
+            for slot, host in self._host_grads:
+                host = host.to(slot.param.dtype)
+                if slot.param.grad is None:
+                    slot.param.grad = host
+                else:
+                    slot.param.grad.add_(host)
+            self._host_grads.clear()
 
     # -- the rest of the contract ---------------------------------------------------------------
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         full: dict[_Slot, torch.Tensor] = {}
         for slot in self.slots:
-            t = slot.param.detach().clone() if slot.param is not None else torch.empty(
+            t = slot.param.detach().to(self.device, copy=True) if slot.param is not None else torch.empty(
                 slot.shape, dtype=slot.dtype, device=self.device)
             C.broadcast(t, slot.owner, self.group, counter=self.counter)
             full[slot] = t.to("cpu")
