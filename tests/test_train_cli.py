@@ -81,16 +81,15 @@ def test_activation_checkpointing_does_not_change_the_math(tmp_path):
     assert ckpt["losses"] == pytest.approx(plain["losses"], rel=1e-6)
 
 
-REDUCE_KIND = {"ddp": "all_reduce", "zero3": "reduce", "fsdp": "reduce_scatter"}
+REDUCE_KIND = {"ddp": "all_reduce", "zero3": "reduce", "fsdp": "reduce_scatter",
+               "torch-ddp": "all_reduce", "torch-fsdp": "reduce_scatter"}
 
 
 @pytest.mark.slow
 def test_accumulation_communicates_once_per_step(tmp_path):
     """With 4 micro batches per rank, the gradient reductions are those of 1 micro batch: the
-    first three backward passes run inside no_sync and send nothing. torch-ddp and torch-fsdp
-    are not in this list because their traffic is not counted yet (comm_bytes is null for
-    them; the memory issue adds counting hooks); their accumulation goes through the same
-    train_step, and DDP's no_sync / FSDP2's set_requires_gradient_sync read the same flag."""
+    first three backward passes run inside no_sync and send nothing. PyTorch's engines are
+    counted through DDP's communication hook and FSDP2's custom collectives (engines/native.py)."""
     common = ["model.preset=gpt-nano", "data.seq_len=32", "train.steps=3", "train.global_batch_size=16",
               "output.tensorboard=false", "train.optimizer=sgd", "train.lr=0.1"]
     single, _, _ = _train(tmp_path, "single", "parallel.strategy=single", "train.micro_batch_size=16", *common,

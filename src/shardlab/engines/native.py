@@ -4,6 +4,16 @@
 - torch-fsdp: FSDP2 `fully_shard` on each unit (transformer block, ResNet stage), then on
   the root, so parameters outside every unit (embeddings, tied head, final norm) are
   sharded with the root group. Tied parameters live in the root group, as FSDP2 requires.
+
+Both count what they send in the same `CommCounter` form as the from-scratch engines, through
+the extension points PyTorch offers, so `metrics.json` and `shardlab bench` compare like with
+like: DDP through a communication hook that counts each bucket and then runs DDP's default
+all-reduce hook (divide by N, sum: what DDP does without a hook), FSDP2 through custom
+all-gather / reduce-scatter objects (`set_custom_all_gather`, `set_custom_reduce_scatter`)
+that count and then call the same `dist` functions as FSDP2's defaults. Not counted: DDP's
+initial broadcast of the module state (before training, as the from-scratch engines' is
+excluded from step traffic too) and, with HSDP, FSDP2's all-reduce over the replica group,
+which FSDP2 issues with no hook to count it.
 """
 
 from __future__ import annotations
@@ -17,7 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardlab.engines.api import CPUOffload, Engine, MixedPrecision, ShardPiece, materialize_whole_
+from shardlab.engines import collectives
+from shardlab.engines.api import CPUOffload, Engine, MixedPrecision, ShardPiece, is_meta, materialize_whole_
+from shardlab.models.init import INITIALIZER_ATTR, materialize_
 
 
 class TorchDDPEngine(Engine):
@@ -36,6 +48,11 @@ class TorchDDPEngine(Engine):
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
         )
+        self.counter = collectives.CommCounter()
+        self.module.register_comm_hook(None, _counting_allreduce_hook(self.counter, self.group, self.world_size))
+
+    def comm_stats(self) -> dict[str, dict[str, int]]:
+        return self.counter.snapshot()
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.module.no_sync()
@@ -62,7 +79,13 @@ class TorchFSDPEngine(Engine):
 
         from shardlab.engines.collectives import hybrid_groups
 
-        materialize_whole_(module, self.device)
+        # [Note: torch-fsdp from the meta device] A meta model is sharded first and then given
+        # storage: each rank allocates and initializes only its shards (as FSDP2 recommends),
+        # never the whole model. A model that fills its own tensors (pretrained weights:
+        # models/hf.py) is built whole first, as before.
+        meta = is_meta(module) and not hasattr(module, INITIALIZER_ATTR)
+        if not meta:
+            materialize_whole_(module, self.device)
         self.hybrid = hybrid_groups(self.group, shard_size)
         if self.hybrid.replicas > 1:
             ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
@@ -84,6 +107,17 @@ class TorchFSDPEngine(Engine):
         # The root's own parameters are needed again at once by backward: keep them gathered.
         fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload_policy)
         self.module = module
+        self.counter = collectives.CommCounter()
+        all_gather, reduce_scatter = _counting_fsdp2_comms(self.counter)
+        for m in [*self.units, module]:
+            m.set_custom_all_gather(all_gather)
+            m.set_custom_reduce_scatter(reduce_scatter)
+        if meta:
+            # shards live on the host with offload; to_empty unties shared parameters: retie them
+            materialize_(module, "cpu" if self.offload else self.device, getattr(module, "init_seed", 0))
+
+    def comm_stats(self) -> dict[str, dict[str, int]]:
+        return self.counter.snapshot()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -149,3 +183,37 @@ class TorchFSDPEngine(Engine):
             offset = global_offset[0] * row if p.dim() else 0
             out.append((p, [ShardPiece(names[id(p)], p.shape, offset, 0, numel)] if numel else []))
         return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _counting_allreduce_hook(counter: collectives.CommCounter, group: dist.ProcessGroup | None, world: int):
+    """A DDP communication hook: count the bucket, then DDP's default all-reduce hook. It
+    closes over the counter, not the engine: DDP's reducer holds it from C++."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    def hook(_state, bucket):  # unannotated: DDP rejects the string annotations of this module
+        counter.add("all_reduce", _nbytes(bucket.buffer()), world)
+        return default_hooks.allreduce_hook(group, bucket)
+
+    return hook
+
+
+def _counting_fsdp2_comms(counter: collectives.CommCounter) -> tuple[Any, Any]:
+    """FSDP2's default all-gather and reduce-scatter, counting each call's payload first
+    (the gathered output; the reduce-scattered input), as `collectives` does."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    class CountingAllGather(DefaultAllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            counter.add("all_gather", _nbytes(output_tensor), group.size())
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+
+    class CountingReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            counter.add("reduce_scatter", _nbytes(input_tensor), group.size())
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+    return CountingAllGather(), CountingReduceScatter()

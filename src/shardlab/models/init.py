@@ -77,11 +77,29 @@ def init_parameters_(root: nn.Module, seed: int, modules: Iterable[nn.Module] | 
         for local_name, p in module.named_parameters(recurse=False):
             full = names[id(p)]
             value = _init_value(module, local_name, p.shape, _generator(seed, full))
-            p.copy_(value.to(dtype=p.dtype))
+            _copy_full_value_(p, value)
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
             module.running_mean.zero_()
             module.running_var.fill_(1.0)
             module.num_batches_tracked.zero_()
+
+
+def _copy_full_value_(p: torch.Tensor, value: torch.Tensor) -> None:
+    """Write a parameter's full initial value into it; a DTensor (FSDP2's sharded parameters)
+    takes only the rows its local shard holds, so a model sharded on the meta device and
+    materialized there equals one built whole."""
+    if not hasattr(p, "device_mesh"):
+        p.copy_(value.to(dtype=p.dtype))
+        return
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not all(isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0) for pl in p.placements):
+        raise ValueError(f"cannot initialize a DTensor placed {p.placements}: only Shard(0) and Replicate")
+    local = p.to_local()
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    if local.numel():
+        local.copy_(value[offset[0]:offset[0] + shape[0]].to(dtype=local.dtype))
 
 
 def tied_parameters(root: nn.Module) -> list[list[tuple[nn.Module, str]]]:
