@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"shardlab.torchrun: workers saved a preemption checkpoint of step {record['step']} "
                   f"({record['signal']}, {record['save_seconds']:.2f} s): exit code {code}", file=sys.stderr,
                   flush=True)
+            _exit_now(code, marker if own_marker else None)
             return code
         if code == 1 and not isinstance(e, Exception):
             raise
@@ -48,6 +49,25 @@ def main(argv: list[str] | None = None) -> int:
         if own_marker and os.path.exists(marker):
             os.remove(marker)
     return 0
+
+
+def _exit_now(code: int, marker: str | None) -> None:
+    """Leave at once, without interpreter finalization.
+
+    [Note: why a preempted agent skips finalization]
+    On a signal torchrun deliberately keeps its rendezvous open (so that, normally, the other
+    agents see a failure and restart), and the rendezvous heartbeat thread keeps talking to
+    the store, which the first agent hosts. After a preemption every agent exits; when the
+    store's host goes first, another agent's heartbeat thread is left blocked in a store call,
+    and finalizing the interpreter under it aborts the process ("terminate called without an
+    active exception", SIGABRT): srun then marks the step failed although the checkpoint was
+    saved. Nothing is left to do here (the workers saved; the marker was read), so the agent
+    flushes its output and exits directly."""
+    if marker and os.path.exists(marker):
+        os.remove(marker)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
