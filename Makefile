@@ -39,11 +39,14 @@ $(DEV_STAMP): $(STAMP)
 demo: setup
 	$(VENV)/bin/shardlab train configs/gpt-tiny.yaml --nproc $(NPROC)
 
+# Two pytest workers, one test file each at a time (module fixtures stay in one process):
+# the multi-process tests spend much of their time starting processes and waiting on each
+# other, so two files share the 2 cores well (measured: 9.9 min against 14.9 in one process).
 test: setup-dev
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n 2 --dist loadfile
 
 test-fast: setup-dev
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -m "not slow"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n 2 --dist loadfile -m "not slow"
 
 lint: setup-dev
 	$(VENV)/bin/ruff check src tests

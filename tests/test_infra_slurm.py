@@ -138,7 +138,10 @@ def test_preempted_job_saves_requeues_resumes(slurm, tmp_path):
         # does not wait for that: once the job is pending again, it may start now
         state = _wait_state(slurm, job_id, lambda s: s in ("PENDING", "COMPLETED", "FAILED", "CANCELLED"), 120)
         if state == "PENDING":
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=slurm, timeout=30,
+            # not "now": a start in the same second as the requeue meets the old credential's
+            # revocation and is killed ("Killing non-startable batch job: Job credential
+            # revoked", seen in slurmctld.log); Slurm's own 120 s delay never hits it
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+2"], env=slurm, timeout=30,
                            check=True)
         state = _wait_state(slurm, job_id, lambda s: s in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 180)
     finally:
