@@ -83,11 +83,13 @@ def assert_same_tensors(path_a: str, path_b: str, prefixes=("model/", "optim/"))
     return n
 
 
-def load_and_resave(rank: int, world: int, strategy: str, source: str, dest_root: str, out: str) -> str:
-    """Build `strategy` at this world size, load checkpoint `source` into it, save it again."""
+def load_and_resave(rank: int, world: int, strategy: str, source: str, dest_root: str, out: str,
+                    extra: tuple[str, ...] = ()) -> str:
+    """Build `strategy` at this world size (with config overrides `extra`, through the training
+    loop's own option flow), load checkpoint `source` into it, save it again."""
     import shardlab
 
-    cfg = make_cfg(strategy, out, "unused")
+    cfg = make_cfg(strategy, out, "unused", *extra)
     rt = runtime(rank, world, strategy)
     model = shardlab.parallelize(T.build_model_for(cfg, 256, "meta"), strategy, device="cpu", **T.engine_options(cfg))
     opt = T.make_optimizer(cfg, model.parameters())

@@ -21,11 +21,10 @@ import torch
 import shardlab
 from shardlab import cli
 from shardlab import train as T
-from shardlab.checkpoint import CheckpointManager
 from shardlab.config import ConfigError, load_config, validate_for_world
 from shardlab.engines import engine_of, optimizer_state_bytes
 from shardlab.testing import run_workers
-from tests.checkpoint_helpers import assert_same_tensors, make_cfg, runtime
+from tests.checkpoint_helpers import assert_same_tensors, load_and_resave, make_cfg, runtime
 from tests.parity import (
     GLOBAL_BATCH,
     assert_parity,
@@ -91,21 +90,6 @@ def _traffic_and_state(rank: int, world: int, shard_size: int) -> dict:
     }
 
 
-def _resave(rank: int, world: int, strategy: str, extra: tuple[str, ...], source: str, dest_root: str,
-            out: str) -> str:
-    """Build `strategy` (with config overrides `extra`) through the training loop's own option
-    flow, load checkpoint `source` into it, save it again; return the new checkpoint."""
-    cfg = make_cfg(strategy, out, "unused", *extra)
-    rt = runtime(rank, world, strategy)
-    model = shardlab.parallelize(T.build_model_for(cfg, 256, "meta"), strategy, device="cpu", **T.engine_options(cfg))
-    opt = T.make_optimizer(cfg, model.parameters())
-    sched = T.make_schedule(cfg, opt)
-    state = T.TrainState()
-    manager = CheckpointManager(dest_root, rt, config=cfg)
-    manager.load(source, model, opt, sched, state)
-    return manager.save(model, opt, sched, state)
-
-
 HSDP2 = ("parallel.shard_size=2",)
 CKPT_ARGS = ("model.dropout=0.0", "train.micro_batch_size=1")
 
@@ -120,10 +104,11 @@ def _four(rank: int, world: int, out: str) -> dict:
     source = os.path.join(out, "hsdp", "checkpoints", "step_00000002")
     targets = {"fsdp-S4": ("fsdp", ("parallel.shard_size=4",)), "ddp": ("ddp", ()),
                "torch-fsdp-S2": ("torch-fsdp", HSDP2), "zero3": ("zero3", ())}
-    res["resaved"] = {k: _resave(rank, world, s, extra, source, os.path.join(out, k), out)
+    res["resaved"] = {k: load_and_resave(rank, world, s, source, os.path.join(out, k), out, extra)
                       for k, (s, extra) in targets.items()}
-    res["resaved"]["ddp->hsdp-offload"] = _resave(rank, world, "fsdp", (*HSDP2, "parallel.offload=cpu"),
-                                                  res["resaved"]["ddp"], os.path.join(out, "ddp-hsdp"), out)
+    res["resaved"]["ddp->hsdp-offload"] = load_and_resave(rank, world, "fsdp", res["resaved"]["ddp"],
+                                                          os.path.join(out, "ddp-hsdp"), out,
+                                                          (*HSDP2, "parallel.offload=cpu"))
     res["source"] = source
     return res
 
@@ -148,7 +133,7 @@ def _two(rank: int, world: int, four_source: str, out: str) -> dict:
             "pinned": any(t.is_pinned() for t in local),
         }
     res["placement"] = placement
-    res["resaved"] = {k: _resave(rank, world, s, extra, four_source, os.path.join(out, k), out)
+    res["resaved"] = {k: load_and_resave(rank, world, s, four_source, os.path.join(out, k), out, extra)
                       for k, (s, extra) in {"fsdp-S1": ("fsdp", ("parallel.shard_size=1",)),
                                             "fsdp-S2": ("fsdp", ("parallel.shard_size=2", "parallel.offload=cpu")),
                                             "torch-fsdp-S1": ("torch-fsdp", ("parallel.shard_size=1",))}.items()}
