@@ -99,26 +99,27 @@ def init_runtime(backend: str = "auto", timeout_s: float = 300.0, force_group: b
 
 # [Note: peak RSS on CPU and glibc's allocator]
 # The sharded engines allocate and free unit-sized buffers (gathered parameters, unsharded
-# gradients, gloo's copies of reduce-scatter inputs made on its own threads) many times per
-# step. glibc serves allocations above its mmap threshold with mmap and returns them to the
-# OS on free, but the threshold is dynamic: after the first such free it rises to the freed
-# size, up to 32 MiB, and from then on buffers of a unit's size come from the heap arenas
-# (one per thread that allocates: the training thread and each of gloo's), where freed
-# memory stays cached. Peak RSS then approaches the sum of every arena's high-water mark,
-# not the live bytes: measured on gpt2-small at N=4, fsdp's peak RSS was 1.52 GiB per rank
-# for 0.45 GiB of live tensors; with a fixed 4 MiB threshold 0.84 GiB. A fixed threshold
-# (mallopt M_MMAP_THRESHOLD) keeps large buffers mmapped, so freeing one gives it back at
-# once; small allocations are unaffected. Set MALLOC_MMAP_THRESHOLD_ yourself to choose
-# another value (or SHARDLAB_MMAP_THRESHOLD=0 to keep glibc's dynamic default).
-MMAP_THRESHOLD_BYTES = 4 * 2**20
+# gradients, gloo's copies of reduce-scatter inputs) many times per step. glibc serves
+# allocations above its mmap threshold with mmap and returns them to the OS on free, but the
+# threshold is dynamic: after the first such free it rises to the freed size, up to 32 MiB,
+# and from then on such buffers come from the heap, where freed memory stays cached and
+# fragments. Peak RSS then runs well above the live bytes: on gpt2-small at N=4 (micro batch
+# 1 x 64), fsdp held 0.42 GiB of live tensors per rank at its peak and 1.45 GiB of RSS (ddp:
+# 1.96). A fixed threshold (mallopt M_MMAP_THRESHOLD) keeps large buffers mmapped, so each
+# free gives its pages back at once: 0.83 GiB there. The price is a page fault for every page
+# of every large allocation, every time: fsdp on gpt-mini at N=2 (micro batch 8 x 128) took
+# 1513-1609 ms per step with a 4 MiB threshold against 1274-1459 ms without (3 rounds each,
+# one run). So it is a choice, not a default: SHARDLAB_MMAP_THRESHOLD=<bytes> (e.g. 4194304)
+# sets it in every worker, for runs where the host's memory, not speed, is what binds.
+# (glibc's own MALLOC_MMAP_THRESHOLD_ works too, for every process.)
 _M_MMAP_THRESHOLD = -3  # mallopt parameter number in glibc's malloc.h
 
 
 def return_large_frees_to_os() -> bool:
-    """Fix glibc's mmap threshold (see the Note above); True if it was set. A no-op where
-    the C library is not glibc or the user chose a threshold."""
-    threshold = int(os.environ.get("SHARDLAB_MMAP_THRESHOLD", MMAP_THRESHOLD_BYTES))
-    if threshold <= 0 or "MALLOC_MMAP_THRESHOLD_" in os.environ or not sys.platform.startswith("linux"):
+    """Fix glibc's mmap threshold when SHARDLAB_MMAP_THRESHOLD asks for it (see the Note
+    above); True if it was set. A no-op where the C library has no mallopt."""
+    threshold = int(os.environ.get("SHARDLAB_MMAP_THRESHOLD", "0"))
+    if threshold <= 0 or not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
