@@ -416,7 +416,8 @@ def predict_all(cfg, nproc: int, engines: list[str] | None = None) -> dict[str, 
         notes = []
         if e in PROBED_AS:
             notes.append(f"probed as {PROBED_AS[e]}: PyTorch's DDP reducer does not run on a fake process group; "
-                         "their peaks measured equal (docs/memory.md)")
+                         "equal with accumulation or activation-bound peaks, up to ~20% high when model state sets "
+                         "the peak (its gradients are bucket views; docs/memory.md)")
         if act_scale != 1:
             notes.append(f"activations scaled x{act_scale:g} from a probe micro batch of {micro} x {seq} tokens")
         if L is not None and L > max(x or 0 for x in layers):
