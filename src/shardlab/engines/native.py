@@ -29,7 +29,7 @@ from torch import nn
 
 from shardlab.engines import collectives
 from shardlab.engines.api import CPUOffload, Engine, MixedPrecision, ShardPiece, is_meta, materialize_whole_
-from shardlab.models.init import INITIALIZER_ATTR, materialize_
+from shardlab.models.init import INITIALIZER_ATTR, dtensor_local_rows, materialize_
 
 
 class TorchDDPEngine(Engine):
@@ -165,28 +165,20 @@ class TorchFSDPEngine(Engine):
     def shard_layout(self) -> list[tuple[nn.Parameter, list[ShardPiece]]]:
         """FSDP2 parameters are DTensors: Shard(0) rows [r0, r1) of a tensor are the contiguous
         flat range [r0*row, r1*row) of the flattened tensor; Replicate is the whole tensor."""
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         names = {id(p): n for n, p in self.unwrapped().named_parameters()}
         out = []
         for p in self.local_parameters():
             if not hasattr(p, "device_mesh"):
                 out.append((p, [ShardPiece(names[id(p)], p.shape, 0, 0, p.numel())]))
                 continue
-            if not all(isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0) for pl in p.placements):
-                raise ValueError(f"parameter {names[id(p)]!r} has placements {p.placements}: only Shard(0) and "
-                                 "Replicate map onto contiguous ranges of the flattened tensor")
-            local_shape, global_offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            try:
+                first_row, local_shape = dtensor_local_rows(p)
+            except ValueError as e:
+                raise ValueError(f"parameter {names[id(p)]!r}: {e}") from None
             numel = math.prod(local_shape)
-            row = math.prod(p.shape[1:]) if p.dim() else 1
-            offset = global_offset[0] * row if p.dim() else 0
+            offset = first_row * math.prod(p.shape[1:])
             out.append((p, [ShardPiece(names[id(p)], p.shape, offset, 0, numel)] if numel else []))
         return out
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _counting_allreduce_hook(counter: collectives.CommCounter, group: dist.ProcessGroup | None, world: int):
@@ -195,7 +187,7 @@ def _counting_allreduce_hook(counter: collectives.CommCounter, group: dist.Proce
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     def hook(_state, bucket):  # unannotated: DDP rejects the string annotations of this module
-        counter.add("all_reduce", _nbytes(bucket.buffer()), world)
+        counter.add("all_reduce", collectives._nbytes(bucket.buffer()), world)
         return default_hooks.allreduce_hook(group, bucket)
 
     return hook
@@ -208,12 +200,12 @@ def _counting_fsdp2_comms(counter: collectives.CommCounter) -> tuple[Any, Any]:
 
     class CountingAllGather(DefaultAllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            counter.add("all_gather", _nbytes(output_tensor), group.size())
+            counter.add("all_gather", collectives._nbytes(output_tensor), group.size())
             return super().__call__(output_tensor, input_tensor, group, async_op)
 
     class CountingReduceScatter(DefaultReduceScatter):
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            counter.add("reduce_scatter", _nbytes(input_tensor), group.size())
+            counter.add("reduce_scatter", collectives._nbytes(input_tensor), group.size())
             return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
     return CountingAllGather(), CountingReduceScatter()

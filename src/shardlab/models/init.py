@@ -84,6 +84,20 @@ def init_parameters_(root: nn.Module, seed: int, modules: Iterable[nn.Module] | 
             module.num_batches_tracked.zero_()
 
 
+def dtensor_local_rows(p: torch.Tensor) -> tuple[int, torch.Size]:
+    """(first row, local shape) of a DTensor placed Shard(0) and/or Replicate (FSDP2's, HSDP's):
+    its local shard is rows [first, first + shape[0]) of the whole tensor, i.e. one contiguous
+    range of the flattened tensor. Any other placement raises ValueError."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not all(isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0) for pl in p.placements):
+        raise ValueError(f"placements {p.placements}: only Shard(0) and Replicate map onto contiguous ranges of "
+                         "the flattened tensor")
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return (offset[0] if p.dim() else 0), torch.Size(shape)
+
+
 def _copy_full_value_(p: torch.Tensor, value: torch.Tensor) -> None:
     """Write a parameter's full initial value into it; a DTensor (FSDP2's sharded parameters)
     takes only the rows its local shard holds, so a model sharded on the meta device and
@@ -91,15 +105,10 @@ def _copy_full_value_(p: torch.Tensor, value: torch.Tensor) -> None:
     if not hasattr(p, "device_mesh"):
         p.copy_(value.to(dtype=p.dtype))
         return
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if not all(isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0) for pl in p.placements):
-        raise ValueError(f"cannot initialize a DTensor placed {p.placements}: only Shard(0) and Replicate")
+    first, shape = dtensor_local_rows(p)
     local = p.to_local()
-    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     if local.numel():
-        local.copy_(value[offset[0]:offset[0] + shape[0]].to(dtype=local.dtype))
+        local.copy_((value[first:first + shape[0]] if p.dim() else value).to(dtype=local.dtype))
 
 
 def tied_parameters(root: nn.Module) -> list[list[tuple[nn.Module, str]]]:
