@@ -35,8 +35,33 @@ def _check_agreement(config: str, overrides: list[str], world: int) -> None:
 
 @pytest.mark.slow
 def test_plan_within_10_percent_at_2_ranks():
+    # 8 blocks: the probes run 3 and 4 of them, so the scaling to depth is what is tested
     _check_agreement("configs/gpt-tiny.yaml", ["data.source=synthetic", "train.steps=2", "train.micro_batch_size=1",
-                                               "train.global_batch_size=2", "data.seq_len=64"], 2)
+                                               "train.global_batch_size=2", "data.seq_len=64", "model.n_layer=8"], 2)
+
+
+def test_hybrid_and_offload_move_state_where_they_say():
+    """plan with parallel.shard_size=S keeps the state of S ranks (not N); with parallel.offload=cpu
+    that state is host memory, out of the device peak; options an engine does not take are dropped."""
+    from shardlab.plan import engine_config, model_state
+
+    cfg = load_config("configs/gpt-tiny.yaml", ["data.source=synthetic", "train.micro_batch_size=1",
+                                                "train.global_batch_size=4", "data.seq_len=64",
+                                                "parallel.shard_size=2", "parallel.offload=cpu"])
+    hsdp = engine_config(cfg, "fsdp", 4)
+    assert (hsdp.parallel.shard_size, hsdp.parallel.offload) == (2, "cpu")
+    ddp = engine_config(cfg, "ddp", 4)
+    assert (ddp.parallel.shard_size, ddp.parallel.offload) == (None, "none")
+    plain = engine_config(cfg, "fsdp", 2)
+    plain.parallel.shard_size, plain.parallel.offload = None, "none"
+    assert model_state(hsdp, "fsdp", 4) == model_state(plain, "fsdp", 2)   # 16 Psi / S, S = 2 of N = 4
+    offloaded = predict_all(cfg, 4, ["fsdp"])["fsdp"]
+    state = offloaded.model_state
+    assert offloaded.host_bytes == sum(state.values())
+    assert offloaded.parts["params"] == offloaded.parts["optimizer"] == offloaded.parts["grads"] == 0
+    assert offloaded.peak_bytes == sum(offloaded.parts.values()) > 0
+    # the default shard group across nodes is the ranks per node
+    assert engine_config(load_config("configs/gpt-tiny.yaml", []), "fsdp", 8, per_node=4).parallel.shard_size == 4
 
 
 @pytest.mark.slow

@@ -22,13 +22,16 @@ How the peak is predicted (per engine, per rank):
    (shardlab.memory). The engine's real code runs, so its bounds (how many units are gathered,
    how many gradients are in flight) are measured, not assumed. Two figures per probe: the
    step's peak and the forward peak, each with its breakdown by part.
-3. Scaled to the real model: each part is extrapolated linearly in the number of blocks (from
-   the probes at 1 and 2 blocks), the activation part is scaled linearly in tokens per micro
-   batch (the CPU attention kernel, as FlashAttention on a GPU, keeps no T x T score matrix;
-   where a model materializes scores the quadratic term is NOT modelled: see
-   docs/memory.md), and params/optimizer are replaced by their exact values. The predicted peak
-   is the larger of the scaled step peak and the scaled forward peak (a larger batch moves the
-   peak to where activations are largest).
+3. Scaled to the real model (`_scale_probe`): the sharded engines' step peak is the deeper
+   probe's peak plus what each added block keeps between steps (their transients are bounded
+   per unit, so they do not grow with depth); the replicated engines' parts and the forward
+   peak are linear in depth; activations scale linearly in tokens per micro batch (the CPU
+   attention kernel, as FlashAttention on a GPU, keeps no T x T score matrix; where a model
+   materializes scores the quadratic term is NOT modelled: see docs/memory.md), and
+   params/optimizer are replaced by their exact values. The predicted peak is the larger of
+   the step candidate and the forward candidate (a larger batch moves the peak to where
+   activations are largest). torch-ddp is probed on a real one-rank gloo group
+   (REAL_GROUP_ENGINES). Hybrid sharding and offload: `engine_config`, docs/memory.md.
 
 Time: compute from the probe's measured step time on this CPU (scaled by FLOPs) or, for a GPU,
 6 * params * tokens FLOPs at `GPUS[...].peak_flops * MFU`; communication from an alpha-beta
@@ -42,22 +45,26 @@ import dataclasses
 import json
 import math
 import multiprocessing as mp
+import os
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 #: Blocks of the model the probes run with (model keys n_layer; other models run whole).
-PROBE_LAYERS = (2, 3)
+PROBE_LAYERS = (3, 4)
 #: Tokens (micro batch x sequence) a probe micro batch holds at most; activations scale from there.
 PROBE_TOKENS = 256
-#: A probe whose model state would exceed this is not run (the engine is then reported by its model state only).
-PROBE_MAX_BYTES = 6 * 2**30
+#: A probe whose model state would exceed this is not run (the engine is then reported by its model state
+#: only); SHARDLAB_PLAN_PROBE_MAX_GIB raises it on a machine with more memory to spare.
+PROBE_MAX_BYTES = int(float(os.environ.get("SHARDLAB_PLAN_PROBE_MAX_GIB", "6")) * 2**30)
 
-#: Engines whose probe runs another engine (see the note it prints). torch-ddp as ddp is exact with
-#: accumulation or an activation-bound peak, ~21 % high on gpt2-small without accumulation (docs/memory.md).
-PROBED_AS = {"torch-ddp": "ddp"}
+#: Engines probed on a real one-rank gloo group instead of the fake N-rank one: PyTorch's DDP
+#: reducer does not run on a fake group, and a replicated engine's memory per rank does not
+#: depend on N (every rank holds the same model, gradients, buckets and optimizer state).
+REAL_GROUP_ENGINES = ("torch-ddp",)
 ENGINES = ("single", "ddp", "zero3", "fsdp", "torch-ddp", "torch-fsdp")
+SHARDED_ENGINES = ("zero3", "fsdp", "torch-fsdp")
 PARTS = ("params", "gathered_params", "grads", "unsharded_grads", "optimizer", "activations", "comm", "other")
 
 
@@ -127,6 +134,7 @@ class Prediction:
     model_state: dict[str, int]          # params (+buffers), grads, optimizer: exact
     probed: bool = True
     notes: list[str] = field(default_factory=list)
+    host_bytes: int = 0                  # parallel.offload=cpu: state kept in host memory (not in peak_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -178,6 +186,23 @@ def _optimizer_bytes(cfg, tensors: list[tuple[int, int]]) -> int:
     return sum(n * e for n, e in tensors) if t.momentum > 0 else 0
 
 
+def engine_config(cfg, engine: str, world: int, per_node: int | None = None):
+    """The config as `engine` would run it: options it does not take are dropped (shard_size
+    outside fsdp/torch-fsdp, offload outside the sharded engines), and hybrid sharding's
+    default S, the ranks per node, is made explicit (`per_node`, from --nproc)."""
+    from shardlab.config import HYBRID_STRATEGIES, OFFLOAD_STRATEGIES
+
+    c = copy.deepcopy(cfg)
+    c.parallel.strategy = engine
+    if engine not in HYBRID_STRATEGIES:
+        c.parallel.shard_size = None
+    elif c.parallel.shard_size is None:
+        c.parallel.shard_size = per_node if per_node and per_node < world else world
+    if engine not in OFFLOAD_STRATEGIES:
+        c.parallel.offload = "none"
+    return c
+
+
 def model_state(cfg, engine: str, nproc: int) -> dict[str, int]:
     """Exact bytes per rank (the maximum over ranks) of parameters + buffers, gradients and
     optimizer state the engine keeps between steps. Runs in a child process when an engine
@@ -190,11 +215,13 @@ def model_state(cfg, engine: str, nproc: int) -> dict[str, int]:
         return {"params": sum(p.numel() * p.element_size() for p in params) + buffers,
                 "grads": sum(n * e for n, e in trainable), "optimizer": _optimizer_bytes(cfg, trainable)}
     if engine == "torch-fsdp":
-        # FSDP2: Shard(0) per parameter; every rank's storage padded to ceil(d0/N) rows.
+        # FSDP2: Shard(0) per parameter over the shard group (S ranks; S = N unless hybrid);
+        # every rank's storage padded to ceil(d0/S) rows.
+        group = cfg.parallel.shard_size or nproc
         local, trainable = 0, []
         for p in params:
             rows = p.shape[0] if p.dim() else 1
-            per_rank = math.ceil(rows / nproc) * (p.numel() // rows if rows else 0)
+            per_rank = math.ceil(rows / group) * (p.numel() // rows if rows else 0)
             local += per_rank * p.element_size()
             if p.requires_grad:
                 trainable.append((per_rank, p.element_size()))
@@ -209,6 +236,7 @@ def _layout_state_child(raw: dict, engine: str, nproc: int) -> dict[str, int]:
 
     import shardlab
     from shardlab.config import config_from_dict
+    from shardlab.train import engine_options
 
     cfg = config_from_dict(raw)
     best: dict[str, int] | None = None
@@ -216,7 +244,9 @@ def _layout_state_child(raw: dict, engine: str, nproc: int) -> dict[str, int]:
     for rank in ranks:
         _init_fake(rank, nproc)
         try:
-            m = shardlab.parallelize(_meta_model(cfg), engine, device="meta")
+            cfg.parallel.strategy = engine
+            options = {k: v for k, v in engine_options(cfg).items() if k != "offload"}  # where, not how much
+            m = shardlab.parallelize(_meta_model(cfg), engine, device="meta", **options)
             e = shardlab.engine_of(m)
             if engine == "zero3":  # ownership of every rank is known on any rank
                 per_rank: dict[int, list] = {r: [] for r in range(nproc)}
@@ -258,12 +288,16 @@ def _init_fake(rank: int, world: int) -> None:
 
 
 # -- the probe ----------------------------------------------------------------------------------------
-def _probe_child(raw: dict, engines: list[str], nproc: int, layers: list[int | None], micro: int, seq: int,
+def _probe_child(raws: dict[str, dict], nproc: int, layers: list[int | None], micro: int, seq: int,
                  accumulation: int) -> dict:
     """Run each engine for real on a fake N-rank group at each probe depth: an untracked step
     (creates optimizer state), a tracked step (the peak) and a step whose forward alone is
-    tracked (the forward peak). Returns {engine: {layers: {...}}}."""
+    tracked (the forward peak). raws: each engine's config (engine_config). Returns
+    {engine: {layers: {...}}}. REAL_GROUP_ENGINES run last, on a real one-rank group."""
+    import tempfile
+
     import torch
+    import torch.distributed as dist
 
     from shardlab import memory
     from shardlab.config import config_from_dict
@@ -271,15 +305,20 @@ def _probe_child(raw: dict, engines: list[str], nproc: int, layers: list[int | N
     from shardlab.train import build_run, train_step
 
     torch.set_num_threads(1)
-    cfg0 = config_from_dict(raw)
     out: dict = {}
     _init_fake(0, nproc)
     rt = Runtime(0, 0, nproc, torch.device("cpu"), "fake")
-    for engine in engines:
+    tmp = tempfile.TemporaryDirectory(prefix="shardlab-plan-")
+    for engine in sorted(raws, key=lambda e: e in REAL_GROUP_ENGINES):
+        cfg0 = config_from_dict(raws[engine])
+        if engine in REAL_GROUP_ENGINES and rt.backend == "fake":
+            # see REAL_GROUP_ENGINES: a real one-rank gloo group (a FileStore, no network)
+            dist.destroy_process_group()
+            dist.init_process_group("gloo", store=dist.FileStore(f"{tmp.name}/store", 1), rank=0, world_size=1)
+            rt = Runtime(0, 0, 1, torch.device("cpu"), "gloo")
         out[engine] = {}
         for L in layers:
-            cfg = _probe_config(cfg0, L, micro, seq, nproc, 3, accumulation)
-            cfg.parallel.strategy = engine
+            cfg = _probe_config(cfg0, L, micro, seq, rt.world_size, 3, accumulation)
             run = build_run(cfg, rt)
             run.model.train()
             train_step(run)
@@ -298,8 +337,11 @@ def _probe_child(raw: dict, engines: list[str], nproc: int, layers: list[int | N
             fwd = _forward_peak(run, rt)
             out[engine][str(L)] = {"peak": full["peak_live_bytes"], "parts": full["parts"], "phase": full["phase"],
                                    "fwd_peak": fwd["peak_live_bytes"], "fwd_parts": fwd["parts"],
+                                   "end_parts": (full["step_end"] or {}).get("parts", {}),
                                    "step_seconds": seconds}
             del run, tracker
+    dist.destroy_process_group()
+    tmp.cleanup()
     return out
 
 
@@ -351,12 +393,47 @@ def _probe_shape(cfg) -> tuple[int, int, float]:
     return pb, ps, (b * seq) / (pb * ps)
 
 
-def _extrapolate(values: dict[int | None, float], L: int | None) -> float:
-    keys = sorted(k for k in values if k is not None)
-    if L is None or len(keys) < 2:
-        return values[keys[0] if keys else None]
-    (l1, v1), (l2, v2) = (keys[0], values[keys[0]]), (keys[-1], values[keys[-1]])
-    return v1 + (L - l1) * (v2 - v1) / (l2 - l1)
+def _scale_probe(per_layer: dict[str, dict], L: int | None, act_scale: float, sharded: bool) -> tuple[dict, dict]:
+    """Parts at the real model's step peak and forward peak, from probes at two depths.
+
+    [Note: scaling a probe's peak to the real depth]
+    A step's peak falls near the end of backward (or, with large activations, at its start).
+    At the end of backward every block but the last few holds what it keeps between steps
+    (shard, gradient, optimizer state, ddp's bucket) and the rest is transient: the units an
+    engine has gathered or is reducing, which its bounds cap (MAX_UNITS_REDUCING, prefetch),
+    so the transient does not grow with depth. Hence the step peak of L blocks is the deepest
+    probe's peak plus, per block added, what one block keeps between steps (the probes'
+    difference in step-end state, by part: exact, as per-block state is the same in every
+    block). Extrapolating each part of the peak linearly instead is off by whole units: which
+    parts a peak catches half-done moves between shallow probes (fsdp on gpt2-small, sharded
+    gradients at the peak: 13.5 MiB at 2 and 3 blocks, 27.0 at 4, 135.2 at 12).
+    That holds for the sharded engines (units, bounded). A replicated engine (ddp, torch-ddp,
+    single) has no units: every part of its peak is per-block state or per-block fresh
+    gradients (ddp keeps autograd's gradients beside its buckets until backward ends), so each
+    part is extrapolated linearly in depth.
+    The forward peak (end of forward: saved activations of every block) is linear in depth
+    part by part, and is the candidate that wins when activations dominate.
+    Activations scale with tokens per micro batch in both.
+    """
+    keys = sorted(int(k) for k in per_layer if k != "None")
+    if L is None or not keys:
+        v = per_layer[str(keys[-1]) if keys else "None"]
+        step, fwd = dict(v["parts"]), dict(v["fwd_parts"])
+    else:
+        hi = per_layer[str(keys[-1])]
+        lo = per_layer[str(keys[0])] if len(keys) > 1 else hi
+        blocks = (L - keys[-1]) / (keys[-1] - keys[0]) if len(keys) > 1 else 0.0
+        growth = "end_parts" if sharded else "parts"
+        step = {p: hi["parts"].get(p, 0) + blocks * (hi[growth].get(p, 0) - lo[growth].get(p, 0)) for p in PARTS}
+        fwd = {p: hi["fwd_parts"].get(p, 0) + blocks * (hi["fwd_parts"].get(p, 0) - lo["fwd_parts"].get(p, 0))
+               for p in PARTS}
+    # Only activations scale with tokens: of the step peak's "activations" (what was born in
+    # forward or backward and nobody claimed), at most the forward's saved activations are; the
+    # rest is backward-born storage of fixed size (PyTorch DDP's buckets on the one-rank probe).
+    saved = min(step.get("activations", 0), fwd.get("activations", 0))
+    step["activations"] = step.get("activations", 0) + (act_scale - 1) * saved
+    fwd["activations"] = fwd.get("activations", 0) * act_scale
+    return step, fwd
 
 
 def _n_layer(cfg) -> int | None:
@@ -367,14 +444,15 @@ def _n_layer(cfg) -> int | None:
     return gpt_config(cfg.model).n_layer
 
 
-def predict_all(cfg, nproc: int, engines: list[str] | None = None) -> dict[str, Prediction]:
-    """Predicted peak per rank, by part, for each engine at world size nproc."""
+def predict_all(cfg, nproc: int, engines: list[str] | None = None, per_node: int | None = None
+                ) -> dict[str, Prediction]:
+    """Predicted peak per rank (device memory), by part, for each engine at world size nproc
+    (per_node: ranks per node, hybrid sharding's default shard group)."""
     from shardlab.config import ConfigError, validate_for_world
 
     engines = list(engines or [e for e in ENGINES if e != "single" or nproc == 1])
-    for e in engines:
-        c = copy.deepcopy(cfg)
-        c.parallel.strategy = e
+    cfgs = {e: engine_config(cfg, e, nproc, per_node) for e in engines}
+    for e, c in cfgs.items():
         if e == "single" and nproc != 1:
             raise ConfigError(f"engine single runs one process; --nproc {nproc} asks for {nproc}")
         validate_for_world(c, nproc)
@@ -383,47 +461,53 @@ def predict_all(cfg, nproc: int, engines: list[str] | None = None) -> dict[str, 
     layers = sorted(set(layers), key=lambda x: -1 if x is None else x)
     micro, seq, act_scale = _probe_shape(cfg)
     accumulation = cfg.train.global_batch_size // (nproc * cfg.train.micro_batch_size)
-    states = {e: model_state(cfg, e, nproc) for e in engines}
-    probe_ok = [e for e in engines if _probe_state_estimate(cfg, e, nproc, max(x or 0 for x in layers)) <= PROBE_MAX_BYTES]
-    probe_ok = sorted({PROBED_AS.get(e, e) for e in probe_ok}, key=ENGINES.index)
-    probes = _in_child(_probe_child, cfg.to_dict(), probe_ok, nproc, layers, micro, seq,
+    states = {e: model_state(cfgs[e], e, nproc) for e in engines}
+    deepest_probe = max(x or 0 for x in layers)
+    probe_ok = [e for e in engines if _probe_state_estimate(cfgs[e], e, nproc, deepest_probe) <= PROBE_MAX_BYTES]
+    probes = _in_child(_probe_child, {e: cfgs[e].to_dict() for e in probe_ok}, nproc, layers, micro, seq,
                        min(accumulation, 2)) if probe_ok else {}
     out = {}
     for e in engines:
         state = states[e]
-        if PROBED_AS.get(e, e) not in probes:
+        if e not in probes:
             parts = dict.fromkeys(PARTS, 0)
             parts.update(params=state["params"], optimizer=state["optimizer"])
             out[e] = Prediction(e, nproc, sum(parts.values()), parts, "unknown", state, probed=False,
                                 notes=[f"not probed: the probe would need over {PROBE_MAX_BYTES / 2**30:.0f} GiB here; "
                                        "the figure is parameters + optimizer state only (a lower bound)"])
             continue
-        per_layer = probes[PROBED_AS.get(e, e)]
+        per_layer = probes[e]
+        deepest = per_layer[max(per_layer, key=lambda k: -1 if k == "None" else int(k))]
+        parts_step, parts_fwd = _scale_probe(per_layer, L, act_scale, e in SHARDED_ENGINES)
         candidates = []
-        for _key, parts_key, label in (("peak", "parts", None), ("fwd_peak", "fwd_parts", "forward")):
-            parts = {}
-            for part in PARTS:
-                vals = {(None if k == "None" else int(k)): v[parts_key].get(part, 0) for k, v in per_layer.items()}
-                parts[part] = _extrapolate(vals, L)
-            parts["activations"] *= act_scale
-            parts["params"], parts["optimizer"] = state["params"], state["optimizer"]
-            if label is None:
-                phase = next(iter(per_layer.values()))["phase"]
-            else:
-                phase = label
+        for parts, phase in ((parts_step, deepest["phase"]), (parts_fwd, "forward")):
+            parts["params"], parts["optimizer"] = state["params"], state["optimizer"]  # exact
             candidates.append((sum(parts.values()), parts, phase))
         total, parts, phase = max(candidates, key=lambda c: c[0])
         notes = []
-        if e in PROBED_AS:
-            notes.append(f"probed as {PROBED_AS[e]}: PyTorch's DDP reducer does not run on a fake process group; "
-                         "equal with accumulation or activation-bound peaks, up to ~20% high when model state sets "
-                         "the peak (its gradients are bucket views; docs/memory.md)")
+        host = 0
+        if cfgs[e].parallel.offload == "cpu":
+            # [Note: CPU offload] shards, their gradients and the optimizer state live in host memory;
+            # the device holds what the probe saw besides them (gathered units, unsharded gradients
+            # in flight, activations) plus a unit's shard on its way in or out, not modelled (1/S of a unit).
+            host = sum(state.values())  # params + grads + optimizer, all of them, between steps too
+            parts.update(params=0, grads=0, optimizer=0)
+            total = sum(parts.values())
+            notes.append(f"parallel.offload=cpu: {host / 2**30:.2f} GiB of shards, gradients and optimizer state per "
+                         "rank in host memory (not in the peak); the optimizer step runs on the CPU")
+        group = cfgs[e].parallel.shard_size
+        if e in SHARDED_ENGINES and group and group < nproc:
+            notes.append(f"hybrid sharding: shards over {group} ranks, replicated {nproc // group} times "
+                         f"(model state 1/{group}, not 1/{nproc})")
+        if e in REAL_GROUP_ENGINES and nproc > 1:
+            notes.append("probed on a real 1-rank gloo group (its DDP reducer does not run on a fake group); "
+                         "a replica's memory does not depend on N")
         if act_scale != 1:
             notes.append(f"activations scaled x{act_scale:g} from a probe micro batch of {micro} x {seq} tokens")
         if L is not None and L > max(x or 0 for x in layers):
             notes.append(f"extrapolated from probes at {', '.join(str(x) for x in layers)} of {L} blocks")
         out[e] = Prediction(e, nproc, int(round(total)), {k: int(round(v)) for k, v in parts.items()}, phase, state,
-                            notes=notes)
+                            notes=notes, host_bytes=host)
         out[e].probe_step_seconds = {k: v["step_seconds"] for k, v in per_layer.items()}  # type: ignore[attr-defined]
     return out
 
@@ -441,8 +525,8 @@ def _probe_state_estimate(cfg, engine: str, nproc: int, layers: int) -> int:
     if layers and cfg.model.name == "gpt":
         c.model.n_layer = layers
     psi = sum(p.numel() * p.element_size() for p in {id(p): p for p in _meta_model(c).parameters()}.values())
-    sharded = engine in ("zero3", "fsdp", "torch-fsdp")
-    return int(psi * (5 if not sharded else 4 / nproc + 2))  # psi: parameter bytes (4/param in fp32)
+    group = cfg.parallel.shard_size or nproc
+    return int(psi * (5 if engine not in SHARDED_ENGINES else 4 / group + 2))  # psi: parameter bytes
 
 
 # -- time: alpha-beta per collective --------------------------------------------------------------
@@ -460,12 +544,14 @@ def collective_time(kind: str, nbytes: float, world: int, link: Link) -> float:
     return steps * link.alpha_s + bus * nbytes / link.bandwidth
 
 
-def comm_plan(cfg, engine: str, world: int) -> list[tuple[str, float, int]]:
-    """(kind, full bytes per call, calls per step) of an engine's training collectives: what its
-    design says it sends (docs/engines.md): ddp Psi all-reduced once per step in buckets; zero3
-    broadcasts every unit in forward and backward and reduces its gradients; fsdp/torch-fsdp
-    all-gather every unit in forward and again in backward (not the root, kept gathered) and
-    reduce-scatter the gradients once per step."""
+def comm_plan(cfg, engine: str, world: int) -> list[tuple[str, float, int, int]]:
+    """(kind, full bytes per call, calls per step, ranks in the group) of an engine's training
+    collectives: what its design says it sends (docs/engines.md): ddp Psi all-reduced once per
+    step in buckets; zero3 broadcasts every unit in forward and backward and reduces its
+    gradients; fsdp/torch-fsdp all-gather every unit in forward and again in backward (not the
+    root, kept gathered) and reduce-scatter the gradients once per step, all within the shard
+    group of S ranks; with hybrid sharding (S < N) each unit's reduced 1/S gradient shard is then
+    all-reduced across the N/S replicas."""
     if engine == "single" or world == 1:
         return []
     from shardlab.models import repeated_blocks
@@ -484,18 +570,21 @@ def comm_plan(cfg, engine: str, world: int) -> list[tuple[str, float, int]]:
     if engine in ("ddp", "torch-ddp"):
         bucket = int(cfg.parallel.bucket_size_mb * 2**20)
         calls = max(1, math.ceil(trainable / bucket))
-        return [("all_reduce", trainable / calls, calls)]
+        return [("all_reduce", trainable / calls, calls, world)]
     n = len(units) + 1
+    group = (cfg.parallel.shard_size or world) if engine in ("fsdp", "torch-fsdp") else world
     gather = "broadcast" if engine == "zero3" else "all_gather"
-    out = [(gather, total / n, n * micro)]                        # forward: every unit, every micro batch
+    out = [(gather, total / n, n * micro, group)]                  # forward: every unit, every micro batch
     again = total - (root_bytes if engine != "zero3" else 0)      # backward: again (fsdp keeps the root)
-    out.append((gather, again / max(1, n - (engine != "zero3")), (n - (engine != "zero3")) * micro))
-    out.append(("reduce" if engine == "zero3" else "reduce_scatter", trainable / n, n))
-    return out
+    out.append((gather, again / max(1, n - (engine != "zero3")), (n - (engine != "zero3")) * micro, group))
+    out.append(("reduce" if engine == "zero3" else "reduce_scatter", trainable / n, n, group))
+    if group < world:
+        out.append(("all_reduce", trainable / n / group, n, world // group))
+    return [e for e in out if e[3] > 1]
 
 
 def comm_seconds(cfg, engine: str, world: int, link: Link) -> float:
-    return sum(calls * collective_time(kind, b, world, link) for kind, b, calls in comm_plan(cfg, engine, world))
+    return sum(calls * collective_time(kind, b, ranks, link) for kind, b, calls, ranks in comm_plan(cfg, engine, world))
 
 
 def _param_count(cfg) -> int:
@@ -619,22 +708,21 @@ def run(args) -> int:
         from shardlab.config import validate_for_world
 
         for e in engines:
-            c = copy.deepcopy(cfg)
-            c.parallel.strategy = e
-            validate_for_world(c, world)
+            validate_for_world(engine_config(cfg, e, world, args.nproc), world)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     gpu = GPUS[args.gpu]
     link = INTERCONNECTS[args.interconnect or ("nvlink" if args.nodes == 1 else "infiniband-400")]
-    preds = predict_all(cfg, world, engines)
+    preds = predict_all(cfg, world, engines, per_node=args.nproc)
     report: dict[str, Any] = {"gpu": dataclasses.asdict(gpu), "usable_bytes": usable_bytes(gpu), "world": world,
                               "nodes": args.nodes, "interconnect": dataclasses.asdict(link), "mfu": MFU,
                               "engines": {}}
     for e, p in preds.items():
-        v = verdict(cfg, p, gpu, preds, world)
-        ts = step_time(cfg, e, world, link, gpu, None, args.nodes)
-        ts["comm_stops_hiding_at_nodes"] = hiding_limit(cfg, e, args.nproc, link, ts["compute_s"])
+        c = engine_config(cfg, e, world, args.nproc)
+        v = verdict(c, p, gpu, preds, world)
+        ts = step_time(c, e, world, link, gpu, None, args.nodes)
+        ts["comm_stops_hiding_at_nodes"] = hiding_limit(c, e, args.nproc, link, ts["compute_s"])
         report["engines"][e] = {**p.to_dict(), "verdict": v, "time": ts}
     if args.json:
         print(json.dumps(report, indent=1, default=str))
