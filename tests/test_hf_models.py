@@ -162,14 +162,93 @@ def test_lora_trains_only_adapters(parity_runs, case):
 
 
 # -- loading from a sharded safetensors directory -------------------------------------------------
-def _load_runs(rank: int, world: int, path: str, arch: str):
-    out = {}
-    for strategy in ("fsdp", "zero3", "torch-fsdp", "ddp"):
+def _fsdp_reads(engine, inner) -> dict[str, int]:
+    """What this fsdp rank read from the files (the reader counts every element it reads) against
+    what its shards hold: `held` elements of `tensors` tensors whose longest row has `row` elements."""
+    held = tensors = slack = 0
+    for g in engine.groups:
+        n = g.shard.numel()
+        lo = engine.shard_rank * n
+        for e in g.entries:
+            a, b = max(lo, e.offset), min(lo + n, e.offset + e.numel)
+            if a < b:
+                held += b - a
+                tensors += 1
+                slack += 2 * (e.numel // e.shape[0] if len(e.shape) else 1)  # 2 rows of this tensor
+    return {"read": inner._reader.elements_read, "held": held, "tensors": tensors, "slack": slack,
+            "model": sum(e.numel for g in engine.groups for e in g.entries)}
+
+
+def _load_runs(rank: int, world: int, path: str, arch: str, strategies=("fsdp", "zero3", "torch-fsdp", "ddp")):
+    out, reads = {}, None
+    for strategy in strategies:
         model = shardlab.parallelize(build(arch, "meta", hf_path=path), strategy, device="cpu")
-        inner = shardlab.engine_of(model).unwrapped()
+        engine = shardlab.engine_of(model)
+        inner = engine.unwrapped()
         buffers = {k: v.clone() for k, v in inner.named_buffers() if "inv_freq" in k}
         out[strategy] = (shardlab.full_state_dict(model), buffers)
-    return out
+        if strategy == "fsdp":
+            reads = _fsdp_reads(engine, inner)
+    return out, reads
+
+
+def _load_fsdp_only(rank: int, world: int, saved: dict[str, str]):
+    return {arch: _load_runs(rank, world, path, arch, strategies=("fsdp",)) for arch, path in saved.items()}
+
+
+@pytest.fixture(scope="module")
+def fsdp_loads_3(saved_models):
+    """fsdp at an uneven world size: shards start and end mid-tensor and mid-row."""
+    return run_workers(3, _load_fsdp_only, saved_models, timeout_s=180)
+
+
+def _whole_load(arch: str, path: str) -> dict[str, torch.Tensor]:
+    return HFCausalLM(hf_config(arch), seed=99, dtype=torch.float64, hf_path=path).state_dict()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("arch", ["mistral", "gpt2"])
+def test_fsdp_reads_only_its_ranges(saved_models, parity_runs, fsdp_loads_3, arch, world):
+    """Each fsdp rank reads from the files only the ranges its shards hold, plus under 2 rows per
+    tensor (whole rows are read), and loads the same weights as a whole load in one process."""
+    runs = [r[("load", arch)] for r in parity_runs] if world == 2 else [r[arch] for r in fsdp_loads_3]
+    expected = _whole_load(arch, saved_models[arch])
+    for rank, run in enumerate(runs):
+        state = run[0]["fsdp"][0]
+        assert set(state) == set(expected)
+        for k in expected:
+            torch.testing.assert_close(state[k], expected[k], rtol=0, atol=0, msg=lambda m, k=k: f"rank {rank} {k}: {m}")
+        reads = run[1]
+        assert reads["held"] <= reads["read"] <= reads["held"] + reads["slack"], (rank, reads)
+        assert reads["read"] < reads["model"], (rank, reads)  # never the whole model per rank
+    held = sum(r[1]["held"] for r in runs)
+    assert held == runs[0][1]["model"]  # the shards together hold every element once
+
+
+def test_read_flat_range_reads_only_covering_rows(tmp_path):
+    """SafetensorsReader.read_flat_range on a 3-D, a 2-D, a 1-D and a scalar tensor: exactly the
+    flat elements asked for, and never more than the covering rows."""
+    from safetensors.torch import save_file
+
+    from shardlab.models.hf import SafetensorsReader
+
+    tensors = {"cube": torch.randn(4, 3, 5), "mat": torch.randn(7, 6), "vec": torch.randn(11), "one": torch.tensor(2.5)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    reader = SafetensorsReader(str(tmp_path))
+    g = torch.Generator().manual_seed(0)
+    for key, t in tensors.items():
+        flat, row = t.reshape(-1), (t[0].numel() if t.dim() else 1)
+        cases = [(0, flat.numel())] + [sorted(torch.randint(0, flat.numel() + 1, (2,), generator=g).tolist())
+                                       for _ in range(20)]
+        for start, end in cases:
+            if start == end:
+                continue
+            before = reader.elements_read
+            got = reader.read_flat_range(key, start, end)
+            assert torch.equal(got, flat[start:end]), (key, start, end)
+            assert reader.elements_read - before <= (end - start) + 2 * row - 2, (key, start, end)
+    with pytest.raises(ValueError, match="beyond"):
+        reader.read_flat_range("mat", 40, 43)
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gpt2"])
@@ -185,7 +264,7 @@ def test_load_sharded_safetensors_on_every_engine(saved_models, parity_runs, arc
     for k, v in hf.state_dict().items():
         torch.testing.assert_close(expected["model." + k], v, rtol=0, atol=0)
     for rank, runs in enumerate(parity_runs):
-        per_engine = runs[("load", arch)]
+        per_engine, _reads = runs[("load", arch)]
         for strategy, (state, buffers) in per_engine.items():
             assert set(state) == set(expected), strategy
             for k in expected:
