@@ -217,7 +217,7 @@ def test_fsdp_reads_only_its_ranges(saved_models, parity_runs, fsdp_loads_3, arc
         state = run[0]["fsdp"][0]
         assert set(state) == set(expected)
         for k in expected:
-            torch.testing.assert_close(state[k], expected[k], rtol=0, atol=0, msg=lambda m, k=k: f"rank {rank} {k}: {m}")
+            torch.testing.assert_close(state[k], expected[k], rtol=0, atol=0, msg=lambda m, k=k, r=rank: f"rank {r} {k}: {m}")
         reads = run[1]
         assert reads["held"] <= reads["read"] <= reads["held"] + reads["slack"], (rank, reads)
         assert reads["read"] < reads["model"], (rank, reads)  # never the whole model per rank
