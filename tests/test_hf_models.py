@@ -105,11 +105,12 @@ def _train(rank: int, world: int, arch: str, strategy: str, packed: bool, lora: 
     return (losses, shardlab.full_state_dict(model)), trainable, reduced
 
 
-def _all_runs(rank: int, world: int, cases, saved: dict[str, str]):
+def _all_runs(rank: int, world: int, cases, saved: dict[str, str], lora_sft_dir: str):
     """Everything that needs two ranks, in one spawn (start-up dominates on small machines)."""
     out = {case: _train(rank, world, *case) for case in cases}
     for arch, path in saved.items():
         out[("load", arch)] = _load_runs(rank, world, path, arch)
+    out["lora_resume"] = _lora_sft_straight_and_resumed(rank, world, lora_sft_dir)
     return out
 
 
@@ -132,8 +133,25 @@ def saved_models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def parity_runs(saved_models):
-    return run_workers(2, _all_runs, PARITY_CASES + LORA_CASES, saved_models, timeout_s=300)
+def lora_sft_dir(tmp_path_factory):
+    """A tiny Mistral config and a small alpaca JSONL file for an SFT run through the training loop."""
+    import json
+
+    out = tmp_path_factory.mktemp("lora-sft")
+    with open("configs/hf/mistral-tiny.json") as f:
+        raw = json.load(f)
+    raw.update(vocab_size=256, hidden_size=16, intermediate_size=24, num_attention_heads=2, num_key_value_heads=1,
+               head_dim=8, max_position_embeddings=64)
+    (out / "tiny.json").write_text(json.dumps(raw))
+    (out / "d.jsonl").write_text("".join(
+        json.dumps({"instruction": f"add {i} and {i % 7}", "output": f"{i} plus {i % 7} is {i + i % 7}"}) + "\n"
+        for i in range(48)))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def parity_runs(saved_models, lora_sft_dir):
+    return run_workers(2, _all_runs, PARITY_CASES + LORA_CASES, saved_models, lora_sft_dir, timeout_s=360)
 
 
 @pytest.mark.parametrize("case", PARITY_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{'packed' if c[2] else 'padded'}")
@@ -287,3 +305,62 @@ def test_packing_never_mixes_examples():
     torch.testing.assert_close(packed, alone, rtol=1e-12, atol=1e-12)
     unpacked = model(ids)
     assert (unpacked[:, 5:] - alone[:, 5:]).abs().max() > 1e-6  # without the mask they would mix
+
+
+# -- LoRA SFT: checkpoint and resume --------------------------------------------------------------
+LORA_SFT_STEPS, LORA_SFT_CRASH = 4, 2
+
+
+def _lora_sft_cfg(out: str, name: str):
+    from shardlab.config import load_config
+
+    return load_config("configs/sft-mistral-tiny.yaml", [
+        f"model.hf_config={out}/tiny.json", "model.lora.rank=2", "model.lora.alpha=4.0",
+        "model.lora.dropout=0.1",  # the resumed run must restore the RNG to draw the same masks
+        f"data.path={out}/d.jsonl", "data.seq_len=64", "data.val_fraction=0.1",
+        f"train.steps={LORA_SFT_STEPS}", "train.global_batch_size=4", "train.micro_batch_size=1", "train.lr=3e-2",
+        "train.warmup_steps=1", "train.eval_batches=1", f"checkpoint.every_steps={LORA_SFT_CRASH}",
+        "checkpoint.keep_last=3", "export.format=none", "train.memory_tracking=none", "parallel.strategy=fsdp",
+        "parallel.timeout_s=60", f"output.dir={out}", f"output.run_name={name}", "output.progress=false",
+        "output.tensorboard=false"])
+
+
+def _lora_sft_straight_and_resumed(rank: int, world: int, out: str) -> dict:
+    """The SFT training loop with LoRA on fsdp: LORA_SFT_STEPS straight, and the same run dying
+    right after its step-LORA_SFT_CRASH checkpoint, then started again (resume=auto)."""
+    import os
+
+    from shardlab import train as T
+    from tests.checkpoint_helpers import runtime, train_until_crash
+
+    os.environ["SHARDLAB_CACHE"] = os.path.join(out, "cache")  # the tokenizer and token cache stay here
+    rt = runtime(rank, world, "fsdp")
+    straight = T.train(_lora_sft_cfg(out, "straight"), rt)
+    train_until_crash(_lora_sft_cfg(out, "resumed"), rt, crash_after=LORA_SFT_CRASH)
+    resumed = T.train(_lora_sft_cfg(out, "resumed"), rt)
+    return {"straight": straight["losses"], "resumed": resumed["losses"], "steps_this_run": resumed["steps_this_run"]}
+
+
+def test_lora_sft_resume_matches_uninterrupted(parity_runs, lora_sft_dir):
+    """A LoRA SFT run on fsdp (2 ranks) checkpointed, killed and resumed gives the uninterrupted
+    run's losses and, bitwise, its adapters, base weights and optimizer state."""
+    import os
+
+    from shardlab.checkpoint import read_tensors
+    from tests.checkpoint_helpers import assert_same_tensors
+
+    r = parity_runs[0]["lora_resume"]
+    assert r["steps_this_run"] == LORA_SFT_STEPS - LORA_SFT_CRASH
+    assert len(r["straight"]) == LORA_SFT_STEPS and r["resumed"] == r["straight"]
+
+    def step(run: str, s: int) -> str:
+        return os.path.join(lora_sft_dir, run, "checkpoints", f"step_{s:08d}")
+
+    assert assert_same_tensors(step("straight", LORA_SFT_STEPS), step("resumed", LORA_SFT_STEPS)) > 0
+    # the run trained the adapters (and only them), and the optimizer holds state for them alone
+    early, late = read_tensors(step("straight", LORA_SFT_CRASH)), read_tensors(step("straight", LORA_SFT_STEPS))
+    adapters = [k for k in late if k.startswith("model/") and ".lora_" in k]
+    assert adapters and all(not torch.equal(early[k], late[k]) for k in adapters)
+    assert all(torch.equal(early[k], late[k]) for k in late if k.startswith("model/") and ".lora_" not in k)
+    optim = {k.split("/")[1] for k in late if k.startswith("optim/")}
+    assert optim == {k.removeprefix("model/") for k in adapters}
