@@ -105,11 +105,12 @@ def _train(rank: int, world: int, arch: str, strategy: str, packed: bool, lora: 
     return (losses, shardlab.full_state_dict(model)), trainable, reduced
 
 
-def _all_runs(rank: int, world: int, cases, saved: dict[str, str]):
+def _all_runs(rank: int, world: int, cases, saved: dict[str, str], lora_sft_dir: str):
     """Everything that needs two ranks, in one spawn (start-up dominates on small machines)."""
     out = {case: _train(rank, world, *case) for case in cases}
     for arch, path in saved.items():
         out[("load", arch)] = _load_runs(rank, world, path, arch)
+    out["lora_resume"] = _lora_sft_straight_and_resumed(rank, world, lora_sft_dir)
     return out
 
 
@@ -132,8 +133,25 @@ def saved_models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def parity_runs(saved_models):
-    return run_workers(2, _all_runs, PARITY_CASES + LORA_CASES, saved_models, timeout_s=300)
+def lora_sft_dir(tmp_path_factory):
+    """A tiny Mistral config and a small alpaca JSONL file for an SFT run through the training loop."""
+    import json
+
+    out = tmp_path_factory.mktemp("lora-sft")
+    with open("configs/hf/mistral-tiny.json") as f:
+        raw = json.load(f)
+    raw.update(vocab_size=256, hidden_size=16, intermediate_size=24, num_attention_heads=2, num_key_value_heads=1,
+               head_dim=8, max_position_embeddings=64)
+    (out / "tiny.json").write_text(json.dumps(raw))
+    (out / "d.jsonl").write_text("".join(
+        json.dumps({"instruction": f"add {i} and {i % 7}", "output": f"{i} plus {i % 7} is {i + i % 7}"}) + "\n"
+        for i in range(48)))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def parity_runs(saved_models, lora_sft_dir):
+    return run_workers(2, _all_runs, PARITY_CASES + LORA_CASES, saved_models, lora_sft_dir, timeout_s=360)
 
 
 @pytest.mark.parametrize("case", PARITY_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{'packed' if c[2] else 'padded'}")
@@ -162,14 +180,93 @@ def test_lora_trains_only_adapters(parity_runs, case):
 
 
 # -- loading from a sharded safetensors directory -------------------------------------------------
-def _load_runs(rank: int, world: int, path: str, arch: str):
-    out = {}
-    for strategy in ("fsdp", "zero3", "torch-fsdp", "ddp"):
+def _fsdp_reads(engine, inner) -> dict[str, int]:
+    """What this fsdp rank read from the files (the reader counts every element it reads) against
+    what its shards hold: `held` elements of `tensors` tensors whose longest row has `row` elements."""
+    held = tensors = slack = 0
+    for g in engine.groups:
+        n = g.shard.numel()
+        lo = engine.shard_rank * n
+        for e in g.entries:
+            a, b = max(lo, e.offset), min(lo + n, e.offset + e.numel)
+            if a < b:
+                held += b - a
+                tensors += 1
+                slack += 2 * (e.numel // e.shape[0] if len(e.shape) else 1)  # 2 rows of this tensor
+    return {"read": inner._reader.elements_read, "held": held, "tensors": tensors, "slack": slack,
+            "model": sum(e.numel for g in engine.groups for e in g.entries)}
+
+
+def _load_runs(rank: int, world: int, path: str, arch: str, strategies=("fsdp", "zero3", "torch-fsdp", "ddp")):
+    out, reads = {}, None
+    for strategy in strategies:
         model = shardlab.parallelize(build(arch, "meta", hf_path=path), strategy, device="cpu")
-        inner = shardlab.engine_of(model).unwrapped()
+        engine = shardlab.engine_of(model)
+        inner = engine.unwrapped()
         buffers = {k: v.clone() for k, v in inner.named_buffers() if "inv_freq" in k}
         out[strategy] = (shardlab.full_state_dict(model), buffers)
-    return out
+        if strategy == "fsdp":
+            reads = _fsdp_reads(engine, inner)
+    return out, reads
+
+
+def _load_fsdp_only(rank: int, world: int, saved: dict[str, str]):
+    return {arch: _load_runs(rank, world, path, arch, strategies=("fsdp",)) for arch, path in saved.items()}
+
+
+@pytest.fixture(scope="module")
+def fsdp_loads_3(saved_models):
+    """fsdp at an uneven world size: shards start and end mid-tensor and mid-row."""
+    return run_workers(3, _load_fsdp_only, saved_models, timeout_s=180)
+
+
+def _whole_load(arch: str, path: str) -> dict[str, torch.Tensor]:
+    return HFCausalLM(hf_config(arch), seed=99, dtype=torch.float64, hf_path=path).state_dict()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("arch", ["mistral", "gpt2"])
+def test_fsdp_reads_only_its_ranges(saved_models, parity_runs, fsdp_loads_3, arch, world):
+    """Each fsdp rank reads from the files only the ranges its shards hold, plus under 2 rows per
+    tensor (whole rows are read), and loads the same weights as a whole load in one process."""
+    runs = [r[("load", arch)] for r in parity_runs] if world == 2 else [r[arch] for r in fsdp_loads_3]
+    expected = _whole_load(arch, saved_models[arch])
+    for rank, run in enumerate(runs):
+        state = run[0]["fsdp"][0]
+        assert set(state) == set(expected)
+        for k in expected:
+            torch.testing.assert_close(state[k], expected[k], rtol=0, atol=0, msg=lambda m, k=k, r=rank: f"rank {r} {k}: {m}")
+        reads = run[1]
+        assert reads["held"] <= reads["read"] <= reads["held"] + reads["slack"], (rank, reads)
+        assert reads["read"] < reads["model"], (rank, reads)  # never the whole model per rank
+    held = sum(r[1]["held"] for r in runs)
+    assert held == runs[0][1]["model"]  # the shards together hold every element once
+
+
+def test_read_flat_range_reads_only_covering_rows(tmp_path):
+    """SafetensorsReader.read_flat_range on a 3-D, a 2-D, a 1-D and a scalar tensor: exactly the
+    flat elements asked for, and never more than the covering rows."""
+    from safetensors.torch import save_file
+
+    from shardlab.models.hf import SafetensorsReader
+
+    tensors = {"cube": torch.randn(4, 3, 5), "mat": torch.randn(7, 6), "vec": torch.randn(11), "one": torch.tensor(2.5)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    reader = SafetensorsReader(str(tmp_path))
+    g = torch.Generator().manual_seed(0)
+    for key, t in tensors.items():
+        flat, row = t.reshape(-1), (t[0].numel() if t.dim() else 1)
+        cases = [(0, flat.numel())] + [sorted(torch.randint(0, flat.numel() + 1, (2,), generator=g).tolist())
+                                       for _ in range(20)]
+        for start, end in cases:
+            if start == end:
+                continue
+            before = reader.elements_read
+            got = reader.read_flat_range(key, start, end)
+            assert torch.equal(got, flat[start:end]), (key, start, end)
+            assert reader.elements_read - before <= (end - start) + 2 * row - 2, (key, start, end)
+    with pytest.raises(ValueError, match="beyond"):
+        reader.read_flat_range("mat", 40, 43)
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gpt2"])
@@ -185,7 +282,7 @@ def test_load_sharded_safetensors_on_every_engine(saved_models, parity_runs, arc
     for k, v in hf.state_dict().items():
         torch.testing.assert_close(expected["model." + k], v, rtol=0, atol=0)
     for rank, runs in enumerate(parity_runs):
-        per_engine = runs[("load", arch)]
+        per_engine, _reads = runs[("load", arch)]
         for strategy, (state, buffers) in per_engine.items():
             assert set(state) == set(expected), strategy
             for k in expected:
@@ -208,3 +305,62 @@ def test_packing_never_mixes_examples():
     torch.testing.assert_close(packed, alone, rtol=1e-12, atol=1e-12)
     unpacked = model(ids)
     assert (unpacked[:, 5:] - alone[:, 5:]).abs().max() > 1e-6  # without the mask they would mix
+
+
+# -- LoRA SFT: checkpoint and resume --------------------------------------------------------------
+LORA_SFT_STEPS, LORA_SFT_CRASH = 4, 2
+
+
+def _lora_sft_cfg(out: str, name: str):
+    from shardlab.config import load_config
+
+    return load_config("configs/sft-mistral-tiny.yaml", [
+        f"model.hf_config={out}/tiny.json", "model.lora.rank=2", "model.lora.alpha=4.0",
+        "model.lora.dropout=0.1",  # the resumed run must restore the RNG to draw the same masks
+        f"data.path={out}/d.jsonl", "data.seq_len=64", "data.val_fraction=0.1",
+        f"train.steps={LORA_SFT_STEPS}", "train.global_batch_size=4", "train.micro_batch_size=1", "train.lr=3e-2",
+        "train.warmup_steps=1", "train.eval_batches=1", f"checkpoint.every_steps={LORA_SFT_CRASH}",
+        "checkpoint.keep_last=3", "export.format=none", "train.memory_tracking=none", "parallel.strategy=fsdp",
+        "parallel.timeout_s=60", f"output.dir={out}", f"output.run_name={name}", "output.progress=false",
+        "output.tensorboard=false"])
+
+
+def _lora_sft_straight_and_resumed(rank: int, world: int, out: str) -> dict:
+    """The SFT training loop with LoRA on fsdp: LORA_SFT_STEPS straight, and the same run dying
+    right after its step-LORA_SFT_CRASH checkpoint, then started again (resume=auto)."""
+    import os
+
+    from shardlab import train as T
+    from tests.checkpoint_helpers import runtime, train_until_crash
+
+    os.environ["SHARDLAB_CACHE"] = os.path.join(out, "cache")  # the tokenizer and token cache stay here
+    rt = runtime(rank, world, "fsdp")
+    straight = T.train(_lora_sft_cfg(out, "straight"), rt)
+    train_until_crash(_lora_sft_cfg(out, "resumed"), rt, crash_after=LORA_SFT_CRASH)
+    resumed = T.train(_lora_sft_cfg(out, "resumed"), rt)
+    return {"straight": straight["losses"], "resumed": resumed["losses"], "steps_this_run": resumed["steps_this_run"]}
+
+
+def test_lora_sft_resume_matches_uninterrupted(parity_runs, lora_sft_dir):
+    """A LoRA SFT run on fsdp (2 ranks) checkpointed, killed and resumed gives the uninterrupted
+    run's losses and, bitwise, its adapters, base weights and optimizer state."""
+    import os
+
+    from shardlab.checkpoint import read_tensors
+    from tests.checkpoint_helpers import assert_same_tensors
+
+    r = parity_runs[0]["lora_resume"]
+    assert r["steps_this_run"] == LORA_SFT_STEPS - LORA_SFT_CRASH
+    assert len(r["straight"]) == LORA_SFT_STEPS and r["resumed"] == r["straight"]
+
+    def step(run: str, s: int) -> str:
+        return os.path.join(lora_sft_dir, run, "checkpoints", f"step_{s:08d}")
+
+    assert assert_same_tensors(step("straight", LORA_SFT_STEPS), step("resumed", LORA_SFT_STEPS)) > 0
+    # the run trained the adapters (and only them), and the optimizer holds state for them alone
+    early, late = read_tensors(step("straight", LORA_SFT_CRASH)), read_tensors(step("straight", LORA_SFT_STEPS))
+    adapters = [k for k in late if k.startswith("model/") and ".lora_" in k]
+    assert adapters and all(not torch.equal(early[k], late[k]) for k in adapters)
+    assert all(torch.equal(early[k], late[k]) for k in late if k.startswith("model/") and ".lora_" not in k)
+    optim = {k.split("/")[1] for k in late if k.startswith("optim/")}
+    assert optim == {k.removeprefix("model/") for k in adapters}

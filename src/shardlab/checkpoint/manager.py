@@ -489,7 +489,7 @@ def _plan_reads(model: nn.Module, opt, manifest: dict[str, Any], md: Any, rank: 
         for pc in ps:
             pieces.append(_Piece(f"model/{pc.name}", pc.offset, math.prod(pc.full_shape),
                                  flat[pc.local_start:pc.local_start + pc.numel]))
-        if not has_optim:
+        if not has_optim or not _had_optimizer_state(p, ps, om, md):
             continue
         st: dict[str, torch.Tensor] = {}
         for key in om["tensor_keys"]:
@@ -512,6 +512,25 @@ def _plan_reads(model: nn.Module, opt, manifest: dict[str, Any], md: Any, rank: 
     for k in rng_keys:
         plain[k] = torch.empty(md[k].size, dtype=md[k].properties.dtype)
     return _Reads(pieces, plain, new_state, has_optim, rng_keys)
+
+
+def _had_optimizer_state(p: torch.Tensor, pieces: list, om: dict[str, Any], md: Any) -> bool:
+    """Whether the checkpoint holds optimizer state for local parameter `p`.
+
+    [Note: parameters without optimizer state]
+    A save writes optimizer state only for parameters the optimizer has state for, i.e. those
+    that got a gradient. Frozen parameters (LoRA's base weights, fsdp's frozen flat shards) never
+    do, even when they sit in the optimizer's param groups, and a trainable one that no loss has
+    reached yet has none either. Asking to read state for them would fail on the missing keys
+    (or, for a piece-less padding shard, borrow another parameter's), so a frozen parameter gets
+    none, and a trainable one gets it iff the checkpoint has its keys. The resumed optimizer
+    then holds state for exactly the parameters the saving one did."""
+    if not p.requires_grad:
+        return False
+    if not pieces:  # only padding here: its state, if any, is as its group's
+        return True
+    name = pieces[0].name
+    return all(f"optim/{name}/{key}" in md for key in [*om["tensor_keys"], *om["scalar_keys"]])
 
 
 def _dist_ready() -> bool:

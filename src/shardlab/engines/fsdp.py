@@ -128,7 +128,7 @@ from torch import nn
 
 from shardlab.engines import _hooks, collectives
 from shardlab.engines.api import CPUOffload, Engine, MixedPrecision, ShardPiece, is_meta
-from shardlab.models.init import canonical_names, init_parameters_
+from shardlab.models.init import RANGE_READERS_ATTR, canonical_names, init_parameters_
 
 
 class UnitState(enum.Enum):
@@ -281,12 +281,20 @@ class FSDPEngine(Engine):
         self.flat_units: list[FlatUnit] = []
         self.groups: list[FlatGroup] = []
         materialized: dict[int, str] = dict(names)
+        range_readers = getattr(root, RANGE_READERS_ATTR, None) if meta else None
+        readers: dict[int, Any] = {}  # pid -> read(start, end): left on meta, only our range is read
         for gi, owner in enumerate(owners):
             pids = members[gi]
             region = [m for m in owner.modules() if group_of_module.get(id(m)) == gi]
             if meta:
-                # Materialize this unit only: its parameters and its modules' buffers.
+                # Materialize this unit only: its parameters and its modules' buffers. Parameters
+                # the model reads by range (pretrained weights) stay meta: _make_group reads the
+                # range this rank keeps (see [Note: reading a flat range by rows] in models/hf.py).
+                if range_readers is not None:
+                    readers.update(range_readers([tensors[pid] for pid in pids], names))
                 for pid in pids:
+                    if pid in readers:
+                        continue
                     p = tensors[pid]
                     new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.device),
                                        p.requires_grad)
@@ -320,7 +328,8 @@ class FSDPEngine(Engine):
                 for (trainable, dtype), group_pids in sorted(keys.items(), key=lambda kv: not kv[0][0]):
                     name = "flat_shard" + ("" if trainable else "_frozen")
                     name += "" if dtype == first_dtype else "_" + str(dtype).removeprefix("torch.")
-                    params = [(names[pid], tensors.pop(pid), bindings[pid]) for pid in group_pids]
+                    params = [(names[pid], tensors.pop(pid), bindings[pid], readers.pop(pid, None))
+                              for pid in group_pids]
                     unit.groups.append(self._make_group(unit, params, name))
                     del params  # the full tensors die here: one unit materialized at a time
                 self.flat_units.append(unit)
@@ -337,11 +346,12 @@ class FSDPEngine(Engine):
 
     @torch.no_grad()
     def _make_group(self, unit: FlatUnit, params: list, shard_name: str) -> FlatGroup:
-        """Flatten `params` (name, full tensor, bindings), all of one requires_grad and dtype,
-        keep this rank's slice, drop the rest."""
+        """Flatten `params` (name, full tensor, bindings, range reader or None), all of one
+        requires_grad and dtype, keep this rank's slice, drop the rest. A parameter with a range
+        reader is a meta tensor: only the elements of this rank's slice are read."""
         dtype, trainable = params[0][1].dtype, params[0][1].requires_grad
         entries, offset = [], 0
-        for name, p, binds in params:
+        for name, p, binds, _read in params:
             entries.append(FlatEntry(name, p.shape, offset, p.numel(), binds))
             offset += p.numel()
         padded = -(-offset // self.shard_size) * self.shard_size
@@ -351,10 +361,11 @@ class FSDPEngine(Engine):
             shard = self.offload.host_tensor(params[0][1], shard_numel).zero_()
         else:
             shard = torch.zeros(shard_numel, dtype=dtype, device=self.device)
-        for e, (_, p, _) in zip(entries, params):
+        for e, (_, p, _, read) in zip(entries, params):
             a, b = max(lo, e.offset), min(lo + shard_numel, e.offset + e.numel)
             if a < b:
-                shard[a - lo:b - lo].copy_(p.detach().reshape(-1)[a - e.offset:b - e.offset])
+                value = read(a - e.offset, b - e.offset) if read is not None else p.detach().reshape(-1)[a - e.offset:b - e.offset]
+                shard[a - lo:b - lo].copy_(value)
         for e in entries:  # the full tensors are freed here: no attribute refers to them now
             for m, attr in e.bindings:
                 del m._parameters[attr]

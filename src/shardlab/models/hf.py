@@ -17,6 +17,8 @@ read, through `safe_open`, never the whole model), or by the model's own `_init_
 under a generator seeded by (seed, module name), so a unit materialized alone equals the same
 unit of a whole build. Non-persistent buffers (rotary `inv_freq`) are not in any file and a
 meta build left them meta; they are recomputed here from the config on the real device.
+fsdp goes one step further: through `shardlab_range_readers` each rank reads only the element
+ranges of its flat shard (see [Note: reading a flat range by rows] in SafetensorsReader).
 
 [Note: packed sequences]
 A batch's inputs are either token ids [B, T], or [B, 2, T]: token ids and position ids. Position
@@ -27,7 +29,9 @@ and eager attention honour) so attention never crosses examples. Targets of -100
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -78,7 +82,8 @@ class SafetensorsReader:
         self.hf_path = hf_path
         self.files = weight_files(hf_path)
         self._open: dict[str, Any] = {}
-        self.bytes_read = 0
+        self.bytes_read = 0       # what was read from the files, for tests and reports
+        self.elements_read = 0
 
     def _handle(self, path: str):
         if path not in self._open:
@@ -94,8 +99,42 @@ class SafetensorsReader:
         """The tensor `key`, or only `index` of it (safetensors reads just that slice)."""
         f = self._handle(self.files[key])
         t = f.get_tensor(key) if index is None else f.get_slice(key)[index]
-        self.bytes_read += t.numel() * t.element_size()
+        self._count(t)
         return t
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The stored shape of `key`, from the file's header (no data read)."""
+        return tuple(self._handle(self.files[key]).get_slice(key).get_shape())
+
+    def read_flat_range(self, key: str, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of tensor `key` flattened (row-major), as a 1-D tensor, reading
+        only the rows of dim 0 that cover them: see [Note: reading a flat range by rows].
+
+        [Note: reading a flat range by rows]
+        fsdp keeps a slice [lo, hi) of each unit's flat buffer (the unit's tensors flattened and
+        laid end to end), so a rank holds a range of elements of each tensor it overlaps, which
+        may start and end mid-row. safetensors' `get_slice(key)[a:b]` reads whole rows of dim 0
+        (a row = the product of the other dims; one element for a 1-D tensor) straight from the
+        memory-mapped file, and nothing else. So we read rows floor(start/row) .. ceil(end/row)
+        and cut the exact elements: at most one partial row is over-read at each end, i.e. fewer
+        than 2 rows per tensor per rank beyond the elements the rank holds. A scalar is read whole.
+        """
+        if not 0 <= start < end:
+            raise ValueError(f"{key}: empty or negative element range [{start}, {end})")
+        shape = self.shape(key)
+        numel = math.prod(shape)
+        if end > numel:
+            raise ValueError(f"{key}: element range [{start}, {end}) beyond its {numel} elements {shape}")
+        if not shape:  # a scalar
+            return self.get(key).reshape(1)
+        row = numel // shape[0]
+        first, last = start // row, -(-end // row)
+        rows = self.get(key, slice(first, last)).reshape(-1)
+        return rows[start - first * row:end - first * row]
+
+    def _count(self, t: torch.Tensor) -> None:
+        self.elements_read += t.numel()
+        self.bytes_read += t.numel() * t.element_size()
 
     def close(self) -> None:
         self._open.clear()
@@ -190,6 +229,40 @@ class HFCausalLM(nn.Module):
                     return cand
         return None
 
+    def _file_key(self, reader: SafetensorsReader, canonical: str, tied_names: list[str]) -> str:
+        """The checkpoint key holding parameter `canonical` (or one of the names it is tied to)."""
+        key = self._find(reader, self.checkpoint_key(canonical), [self.checkpoint_key(n) for n in tied_names])
+        if key is None:
+            raise KeyError(f"model.hf_path {self.hf_path!r} has no weight for {self.checkpoint_key(canonical)!r}; "
+                           "the directory does not match its config.json")
+        return key
+
+    def _check_shape(self, key: str, stored: tuple[int, ...], p: torch.Tensor) -> None:
+        if tuple(stored) != tuple(p.shape):
+            raise ValueError(f"model.hf_path: {key} has shape {tuple(stored)}, the config says {tuple(p.shape)}")
+
+    def shardlab_range_readers(self, params: list[torch.Tensor], names: dict[int, str]) -> dict[int, Any]:
+        """For an engine that keeps a flat range of each parameter (fsdp): id(p) -> read(start, end),
+        the elements [start, end) of p flattened, read from model.hf_path's files alone (see
+        SafetensorsReader.read_flat_range), for every p of `params` that comes from the files.
+        Parameters not in the result (random init, LoRA adapters) are materialized and filled by
+        `shardlab_initialize_` as usual. Keys and shapes are checked here, before any read."""
+        if not self.hf_path:
+            return {}
+        reader = self._open_reader()
+        tied: dict[int, list[str]] = {}
+        for n, p in self.named_parameters(remove_duplicate=False):
+            tied.setdefault(id(p), []).append(n)
+        out: dict[int, Any] = {}
+        for p in params:
+            canonical = names[id(p)]
+            if ".lora_" in canonical:
+                continue
+            key = self._file_key(reader, canonical, tied.get(id(p), [canonical]))
+            self._check_shape(key, reader.shape(key), p)
+            out[id(p)] = functools.partial(reader.read_flat_range, key)
+        return out
+
     @torch.no_grad()
     def shardlab_initialize_(self, modules=None, names: dict[int, str] | None = None) -> None:
         """Fill the parameters and buffers of `modules` (all when None) that have storage: from
@@ -218,15 +291,9 @@ class HFCausalLM(nn.Module):
                 if ".lora_" in canonical:
                     _init_lora_(p, canonical, self.init_seed)
                 elif reader is not None:
-                    key = self._find(reader, self.checkpoint_key(canonical),
-                                     [self.checkpoint_key(n) for n in tied[id(p)]])
-                    if key is None:
-                        raise KeyError(f"model.hf_path {self.hf_path!r} has no weight for {self.checkpoint_key(canonical)!r}; "
-                                       "the directory does not match its config.json")
+                    key = self._file_key(reader, canonical, tied[id(p)])
                     value = reader.get(key)
-                    if tuple(value.shape) != tuple(p.shape):
-                        raise ValueError(f"model.hf_path: {key} has shape {tuple(value.shape)}, the config "
-                                         f"says {tuple(p.shape)}")
+                    self._check_shape(key, value.shape, p)
                     p.copy_(value.to(dtype=p.dtype))
             _recompute_buffers_(m)
 

@@ -16,6 +16,11 @@ own init scheme: `models/hf.py`) defines `shardlab_initialize_(modules, names)` 
 materialization (whole, unit by unit, owned tensors only) fills that model correctly without
 knowing it. It must fill the parameters with storage of those modules and their buffers
 (buffers computed at construction included), and leave meta tensors alone.
+
+Such a model may also define `shardlab_range_readers(params, names)`: for the parameters it can
+read piecewise, id(p) -> read(start, end) giving elements [start, end) of p flattened. An
+engine that keeps only a flat range of each parameter (fsdp) leaves those on the meta device
+and reads just its ranges, never the whole tensor; it materializes and initializes the rest.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ INIT_STD_ATTR = "_shardlab_init_std"
 DEFAULT_STD = 0.02
 # A root model with this method fills its own tensors (see the Note above).
 INITIALIZER_ATTR = "shardlab_initialize_"
+# ... and with this one reads element ranges of some of them (see the same Note).
+RANGE_READERS_ATTR = "shardlab_range_readers"
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
