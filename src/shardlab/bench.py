@@ -268,10 +268,11 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
         "2(R-1)/R x 4/S bytes/param (sharded over S, all-reduced over R = N/S replicas). 'peak live' is the "
         "largest live-tensor total of a rank during a step (metrics.json peak_live_bytes).",
         "'comm ms / step': per kind (ag all-gather, rs reduce-scatter, ar all-reduce, bc broadcast, rd reduce), "
-        "the milliseconds a rank spent in that kind's calls per step, median over measured steps, largest rank: "
-        "inside a blocking call, or from issue until the wait on an async one returns (DDP's buckets: until the "
-        "future completes). It includes waiting for the slowest rank and any compute overlapped before the "
-        "wait, so it is not exposed time, and kinds overlap each other; on CUDA with NCCL it times issue only.",
+        "the milliseconds a rank spent in that kind's calls per step, summed over the calls, median over measured "
+        "steps, largest rank: inside a blocking call, or from issue until the wait on an async one returns "
+        "(torch-ddp's buckets: until the future completes). It includes waiting for the slowest rank and any "
+        "compute overlapped before the wait, and calls in flight together each count in full, so it is not "
+        "exposed time and can exceed the step; on CUDA with NCCL it times issue only (docs/benchmarks.md).",
     ]
     if any(_offloaded(r) for r in rows):
         notes.append("offload=cpu: the model state (theory 'on host') lives in host memory; the device holds only "
@@ -506,7 +507,7 @@ def run(args: argparse.Namespace) -> int:
     header = (f"shardlab bench, {time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, "
               f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs\n"
               f"command: shardlab bench {' '.join(sys.argv[2:] if sys.argv[1:2] == ['bench'] else sys.argv[1:])}\n"
-              f"model: {what} ({rows[0]['num_parameters'] / 1e6:.2f}M params), micro batch {args.micro_batch} "
+              f"model: {what} ({rows[0]['num_parameters'] / 1e6:.2f}M params), micro batch {args.micro_batch or 8} "
               f"per rank, {args.steps} steps x {args.repeats} round(s), {args.warmup} warmup steps per run excluded\n")
     with open(os.path.join(out, "bench.json"), "w") as f:
         json.dump({"args": {k: v for k, v in vars(args).items() if not callable(v)}, "rows": rows,
