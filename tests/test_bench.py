@@ -1,6 +1,8 @@
 """`shardlab bench`: bad arguments fail with a clear line before any run; the speed ratio
-carries the rounds' spread and says when it is within noise. (The benchmark itself is run
-by hand and recorded in docs/benchmarks.md; it is not a timed test.)"""
+carries the rounds' spread and says when it is within noise; cells an engine cannot run are
+skipped with their reason; every engine times its collectives per kind; an HSDP cell's traffic
+and model state equal the theory columns (with S, not N). (The benchmark itself is run by hand
+and recorded in docs/benchmarks.md; it is not a timed test.)"""
 
 import json
 import os
@@ -9,7 +11,8 @@ import sys
 
 import pytest
 
-from shardlab.bench import _speed_vs, summarize
+from shardlab.bench import _speed_vs, comm_bus_theory, plan_cells, summarize
+from shardlab.testing import run_workers
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -20,6 +23,9 @@ from shardlab.bench import _speed_vs, summarize
     (["--warmup", "5", "--steps", "5"], "--warmup must be"),
     (["--micro-batch", "0"], "--micro-batch must be >= 1"),
     (["--reshard-after-forward", "maybe"], "--reshard-after-forward takes comma-separated values"),
+    (["--shard-size", "0,2"], "--shard-size takes comma-separated whole numbers >= 1"),
+    (["--offload", "gpu"], "--offload takes comma-separated values from none, cpu"),
+    (["--strategies", "ddp", "--offload", "cpu"], "every cell was skipped"),
     (["train.stpes=3"], "unknown config key 'train.stpes'"),
 ])
 def test_bad_arguments_fail_cleanly(args, fragment, tmp_path, capsys):
@@ -77,3 +83,102 @@ def test_bench_runs_any_config_with_axes(tmp_path):
     assert by[("ddp", 2, "")]["samples_per_s"] > 0
     md = (tmp_path / "b" / "bench.md").read_text()
     assert "config " in md and "reshard_after_forward=false" in md
+
+
+def test_invalid_cells_are_skipped_with_their_reason():
+    variants = [{"shard_size": s, "offload": o} for s in ("1", "4") for o in ("none", "cpu")]
+    order, skipped = plan_cells(["ddp", "fsdp", "zero3"], [2], variants)
+    assert order == [("ddp", 2, {}),  # ddp takes neither axis: one cell, its only form
+                     ("fsdp", 2, {"shard_size": "1", "offload": "none"}),
+                     ("fsdp", 2, {"shard_size": "1", "offload": "cpu"}),
+                     ("zero3", 2, {"offload": "none"}), ("zero3", 2, {"offload": "cpu"})]
+    assert len(skipped) == 2, skipped
+    assert skipped[0].startswith("ddp x2 offload=cpu: ddp has no offload")
+    assert skipped[1].startswith("fsdp x2 shard_size=4: parallel.shard_size=4 must divide the world size 2")
+
+
+def test_theory_uses_the_shard_group_size():
+    psi = 1000
+    assert comm_bus_theory("ddp", 4, 1, False, psi) == 2 * 3 / 4 * 4 * psi
+    assert comm_bus_theory("fsdp", 4, 4, True, psi) == 3 * 3 / 4 * 4 * psi            # plain FSDP
+    assert comm_bus_theory("fsdp", 4, 2, True, psi) == 3 / 2 * 4 * psi + 4 * psi / 2   # HSDP: RS/AG in 2, AR over 2
+    assert comm_bus_theory("fsdp", 2, 1, True, psi) == comm_bus_theory("ddp", 2, 1, False, psi)  # S=1: DDP's
+    m = {**_metrics([0, 1.0]), "num_parameters": 1000, "state_bytes_per_param": 16, "shard_size": 2}
+    row = summarize({("fsdp", 4, "shard_size=2"): [m]}, warmup=1)[0]
+    assert row["model_state_theory_bytes"] == 16 * 1000 / 2
+
+
+# ------------------------------------------------------------------- per-collective time, every engine
+def _timed_steps(rank: int, world: int) -> dict:
+    """One AdamW step of the parity harness's small gpt with each engine: the calls and seconds
+    each kind had in it. (ddp and plain fsdp time through the same collectives.py paths as fsdp
+    with S = 1: async all-reduce, async reduce-scatter, blocking and async all-gather.)"""
+    import torch
+
+    import shardlab
+    from tests.parity import GLOBAL_BATCH, batch, build
+
+    out = {}
+    for strategy, options in (("torch-ddp", {}), ("torch-fsdp", {}), ("zero3", {}), ("fsdp", {"shard_size": 1}),
+                              ("torch-fsdp", {"shard_size": 1})):
+        model = shardlab.parallelize(build("gpt", "meta", torch.float32), strategy, device="cpu", **options)
+        engine = shardlab.engine_of(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        b = GLOBAL_BATCH // world
+        calls, seconds = engine.comm_stats(), engine.comm_seconds()
+        x, y = batch("gpt", 0, torch.float32)
+        model(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]).backward()
+        opt.step()
+        after_calls, after_seconds = engine.comm_stats(), engine.comm_seconds()
+        out[f"{strategy} {options}"] = {
+            "calls": {k: v["calls"] - calls.get(k, {}).get("calls", 0) for k, v in after_calls.items()},
+            "seconds": {k: v - seconds.get(k, 0.0) for k, v in after_seconds.items()}}
+    return out
+
+
+def test_every_engine_times_each_collective_kind():
+    per_rank = run_workers(2, _timed_steps, timeout_s=180)
+    expected_kinds = {"torch-ddp {}": {"all_reduce"}, "torch-fsdp {}": {"all_gather", "reduce_scatter"},
+                      "zero3 {}": {"broadcast", "reduce"},
+                      "fsdp {'shard_size': 1}": {"all_gather", "reduce_scatter", "all_reduce"},
+                      # FSDP2 at S = 1 neither gathers nor reduce-scatters (groups of one rank)
+                      "torch-fsdp {'shard_size': 1}": {"all_reduce"}}
+    for rank, res in enumerate(per_rank):
+        for engine, kinds in expected_kinds.items():
+            got = res[engine]
+            with_calls = {k for k, n in got["calls"].items() if n}
+            assert with_calls == kinds, (rank, engine, got)
+            for k in with_calls:
+                if engine == "torch-fsdp {'shard_size': 1}" and k == "all_reduce":
+                    # FSDP2 issues no reduce-scatter at S = 1, so its HSDP all-reduce has no start mark:
+                    # counted, not timed (engines/native.py)
+                    assert got["seconds"].get(k, 0.0) == 0.0
+                    continue
+                assert got["seconds"][k] > 0, (rank, engine, k, got)
+            # a kind without calls in the step has no time in it
+            assert all(got["seconds"].get(k, 0.0) == 0.0 for k in got["seconds"] if k not in with_calls), got
+
+
+def test_bench_hsdp_cell_matches_theory_and_reports_comm_time(tmp_path):
+    """One real bench cell through `shardlab train`: fsdp at N = 2 with S = 1 (two replicas of one
+    shard each); S = 4 is skipped with its reason. Traffic and model state equal the theory
+    columns exactly (S = 1: no padding, the all-gathers and reduce-scatters send nothing);
+    per-kind times are in bench.json and the table."""
+    out = subprocess.run([sys.executable, "-m", "shardlab", "bench", "--strategies", "fsdp", "--nproc", "2",
+                          "--preset", "gpt-nano", "--seq-len", "16", "--micro-batch", "2", "--steps", "3",
+                          "--warmup", "1", "--shard-size", "1,4", "--out", str(tmp_path / "b")],
+                         capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "skipped: fsdp x2 shard_size=4: parallel.shard_size=4 must divide the world size 2" in out.stdout
+    result = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert len(result["skipped"]) == 1
+    (row,) = result["rows"]
+    assert (row["variant"], row["shard_size"]) == ("shard_size=1", 1)
+    assert row["comm_bus_bytes_per_step"] == row["comm_bus_theory_bytes_per_step"] == 4 * row["num_parameters"]
+    assert row["model_state_bytes_max_rank"] == row["model_state_theory_bytes"] == 16 * row["num_parameters"]
+    kinds = set(row["comm_calls_per_step"])
+    assert kinds == {"all_gather", "reduce_scatter", "all_reduce"}  # the wrap-time broadcast is not a step's
+    for per_rank in row["comm_seconds_per_step"]:
+        assert set(per_rank) == kinds and all(t > 0 for t in per_rank.values()), per_rank
+    assert set(row["comm_seconds_per_step_max_rank"]) == kinds
+    assert "comm ms / step" in out.stdout and "ar " in out.stdout

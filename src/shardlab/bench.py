@@ -4,8 +4,14 @@
 Each cell is one `shardlab train --nproc N` run whose metrics.json gives per-step times,
 model-state bytes per rank (exact tensor byte counts of parameters + gradients + optimizer
 state, taken at the last step), peak memory per rank (live tensor bytes where the run
-reports them, and RSS / CUDA max allocated) and, for shardlab's own engines, bytes per
-collective kind. Nothing in the tables is computed from the formulas except the columns
+reports them, and RSS / CUDA max allocated), and bytes, calls and time per collective kind
+(every engine: PyTorch's through DDP's comm hook and FSDP2's custom collectives). The time
+of a kind is per rank, the median over measured steps of the seconds that rank spent in that
+kind's calls in one step, as the caller sees them: inside a blocking call, or from issue until
+the wait on an async one returns. It includes waiting for the slowest rank, and for async
+calls the compute overlapped before the wait, so it is not the exposed time (what the step
+would save without communication); on CUDA with NCCL it times issue, not transfer
+(docs/benchmarks.md). Nothing in the tables is computed from the formulas except the columns
 named "theory". Cells run in interleaved order over `--repeats` rounds, so drift on a
 shared machine hits every engine alike; the reported step time is the median over all
 measured steps of all rounds (warmup steps excluded), with the 90th percentile beside it.
@@ -17,6 +23,11 @@ each world size does the same work per rank (weak scaling):
   shardlab bench --strategies ddp,torch-ddp,fsdp,torch-fsdp,zero3 --nproc 2 --preset gpt-mini
   shardlab bench configs/resnet-cifar10.yaml data.source=synthetic --nproc 1,2,4 \\
       --strategies ddp,fsdp --reshard-after-forward true,false --mixed-precision fp32,bf16
+  shardlab bench --strategies ddp,fsdp,torch-fsdp --nproc 4 --shard-size 2,4 --offload none,cpu
+
+A cell an engine cannot run (a shard size that does not divide N, offload for an engine
+without it) is skipped with its reason, printed and kept in bench.json; an axis an engine does
+not take at all (ddp and reshard_after_forward or shard_size) is not a variant of it.
 """
 
 from __future__ import annotations
@@ -74,11 +85,73 @@ def _run_cell(args: argparse.Namespace, strategy: str, nproc: int, variant: dict
     with open(os.path.join(out_dir, name, "metrics.json")) as f:
         m = json.load(f)
     with open(os.path.join(out_dir, name, "run_args.json")) as f:
-        train = json.load(f)["config"]["train"]
+        config = json.load(f)["config"]
+    train, parallel = config["train"], config["parallel"]
     # bytes per parameter of params + grads + optimizer state, fp32: AdamW 4+4+8, SGD 4+4(+4 momentum)
     m["state_bytes_per_param"] = 16 if train["optimizer"] == "adamw" else 12 if train["momentum"] else 8
+    m["shard_size"] = _shard_size(strategy, nproc, parallel.get("shard_size"))
+    m["offload"] = parallel.get("offload", "none")
     m["process_wall_s"] = time.perf_counter() - t0
     return m
+
+
+def _shard_size(strategy: str, nproc: int, configured: int | None) -> int:
+    """S, the ranks a parameter is sharded over: parallel.shard_size for the hybrid engines (its
+    default, the ranks per node, is N for bench's one-node runs), N for zero3, 1 unsharded."""
+    from shardlab.config import HYBRID_STRATEGIES
+    from shardlab.engines import is_sharded
+
+    if strategy == "single" or not is_sharded(strategy):
+        return 1
+    if strategy in HYBRID_STRATEGIES and configured is not None:
+        return int(configured)
+    return nproc
+
+
+def comm_bus_theory(strategy: str, nproc: int, shard_size: int, sharded: bool, psi: int) -> float:
+    """Bytes one rank sends per step on a ring, fp32 (docs/engines.md): all-reduce 2(N-1)/N x 4Psi
+    unsharded; sharded over S of R = N/S replicas, all-gather twice and reduce-scatter within S,
+    3(S-1)/S x 4Psi, then the all-reduce of the 1/S slice across the R replicas, 2(R-1)/R x 4Psi/S
+    (S = N: plain FSDP, no all-reduce; S = 1: DDP's all-reduce)."""
+    if strategy == "single" or nproc == 1:
+        return 0.0
+    if not sharded:
+        return 2 * (nproc - 1) / nproc * psi * BYTES_FP32
+    s, r = shard_size, nproc // shard_size
+    return 3 * (s - 1) / s * psi * BYTES_FP32 + 2 * (r - 1) / r * psi * BYTES_FP32 / s
+
+
+def _rank_seconds(m: dict[str, Any], rank: int, kind: str) -> list[float]:
+    """One run's seconds per step of `kind` on `rank` (metrics.json comm_seconds_per_step)."""
+    per_rank = m.get("comm_seconds_per_step") or []
+    own = per_rank[rank] if rank < len(per_rank) else None
+    return (own or {}).get(kind, [])
+
+
+def _comm_by_kind(runs: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """Per collective kind: calls and bus bytes per step (mean over ranks, from the first round)
+    and seconds per step (per rank: the median over the measured steps of every round). Kinds
+    without calls in the training steps are left out; a kind with calls and no time (FSDP2's HSDP
+    all-reduce at S = 1, or a run that did not time) has None."""
+    m = runs[0]
+    steps = m["steps_this_run"]
+    per_rank = [s for s in m["comm_bytes"] if s]
+    if not per_rank:
+        return {"calls": None, "bus_bytes": None, "seconds_per_rank": None, "seconds_max_rank": None}
+    kinds = sorted({k for s in per_rank for k, t in s.items() if t["calls"]})
+    calls = {k: sum(s.get(k, {}).get("calls", 0) for s in per_rank) / len(per_rank) / steps for k in kinds}
+    bus = {k: sum(s.get(k, {}).get("bus_bytes", 0) for s in per_rank) / len(per_rank) / steps for k in kinds}
+    seconds_per_rank = []
+    for rank, own in enumerate(m["comm_bytes"]):
+        mine = {}
+        for k in kinds:
+            if not (own or {}).get(k, {}).get("calls"):
+                continue
+            measured = [t for r in runs for t in _rank_seconds(r, rank, k)[warmup:]]
+            mine[k] = statistics.median(measured) if measured else None
+        seconds_per_rank.append(mine)
+    seconds_max = {k: max((r[k] for r in seconds_per_rank if r.get(k) is not None), default=None) for k in kinds}
+    return {"calls": calls, "bus_bytes": bus, "seconds_per_rank": seconds_per_rank, "seconds_max_rank": seconds_max}
 
 
 def _comm_per_step(m: dict[str, Any], field: str) -> float | None:
@@ -105,6 +178,8 @@ def summarize(cells: dict[tuple, list[dict[str, Any]]], warmup: int) -> list[dic
         m = runs[0]
         psi = m["num_parameters"]
         sharded = m["sharded"]
+        shard_size = m.get("shard_size") or (nproc if sharded else 1)
+        comm = _comm_by_kind(runs, warmup)
         median = statistics.median(steps)
         live = [max(r["peak_live_bytes"]) for r in runs if r.get("peak_live_bytes")]
         rows.append({
@@ -116,18 +191,23 @@ def summarize(cells: dict[tuple, list[dict[str, Any]]], warmup: int) -> list[dic
             "samples_per_s": m["samples_processed"] / m["steps_this_run"] / median,
             "tokens_per_s": m.get("tokens_processed", 0) / m["steps_this_run"] / median,
             "model_state_bytes_max_rank": max(m["model_state_bytes"]),
-            "model_state_theory_bytes": m.get("state_bytes_per_param", 16) * psi / (nproc if sharded else 1),
-            "sharded": sharded,
+            # 16 Psi / S: S = N plain sharding, the shard group with HSDP (with offload, on the host)
+            "model_state_theory_bytes": m.get("state_bytes_per_param", 16) * psi / (shard_size if sharded else 1),
+            "sharded": sharded, "shard_size": shard_size, "offload": m.get("offload", "none"),
             "comm_payload_bytes_per_step": _comm_per_step(m, "payload_bytes"),
             "comm_bus_bytes_per_step": _comm_per_step(m, "bus_bytes"),
-            # Sent per rank on a ring: all-reduce 2(N-1)/N x 4Psi; sharded 3 x (N-1)/N x 4Psi.
-            "comm_bus_theory_bytes_per_step": 0 if strategy == "single" else
-            (3 if sharded else 2) * (nproc - 1) / nproc * psi * BYTES_FP32,
+            # Sent per rank on a ring: all-reduce 2(N-1)/N x 4Psi; sharded 3(S-1)/S x 4Psi + 2(R-1)/R x 4Psi/S.
+            "comm_bus_theory_bytes_per_step": comm_bus_theory(strategy, nproc, shard_size, sharded, psi),
+            # per collective kind, per step: calls and bus bytes (mean over ranks); seconds as the
+            # caller saw them, per rank the median over measured steps, and the largest rank's
+            "comm_calls_per_step": comm["calls"], "comm_bus_bytes_per_step_by_kind": comm["bus_bytes"],
+            "comm_seconds_per_step": comm["seconds_per_rank"],
+            "comm_seconds_per_step_max_rank": comm["seconds_max_rank"],
             "peak_rss_bytes_max_rank": max(m["peak_memory_bytes"]),
             # live tensor bytes at the step's peak (the memory tracker), median over rounds
             "peak_live_bytes_max_rank": statistics.median(live) if live else None,
             "peak_breakdown": (m.get("peak_breakdown") or [None])[0],
-            "final_loss": m["final_loss"],
+            "final_loss": m["final_loss"], "device": m.get("device"),
         })
     return rows
 
@@ -147,8 +227,8 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
     mib = 2**20
     head = ("| strategy | N | variant | median step (ms) | p90 (ms) | samples/s | speed vs torch twin "
             "| model state / rank (MiB) | theory (MiB) | vs ddp | peak live / rank (MiB) | vs ddp "
-            "| peak RSS / rank (GiB) | sent / rank / step (MiB) | theory (MiB) |")
-    lines = [head, "|" + "---|" * 15]
+            "| peak RSS / rank (GiB) | sent / rank / step (MiB) | theory (MiB) | comm ms / step, by kind (max rank) |")
+    lines = [head, "|" + "---|" * 16]
     from shardlab.engines import STRATEGIES
 
     twin = {name: entry.torch_twin for name, entry in STRATEGIES.items() if entry.torch_twin}
@@ -174,17 +254,49 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
         live_vs = (f"{r['peak_live_bytes_max_rank'] / d['peak_live_bytes_max_rank']:.2f}x"
                    if live and d and d["peak_live_bytes_max_rank"] else "")
         comm = "not counted" if r["comm_bus_bytes_per_step"] is None else f"{r['comm_bus_bytes_per_step'] / mib:.1f}"
+        state_theory = f"{r['model_state_theory_bytes'] / mib:.1f}" + (" on host" if _offloaded(r) else "")
         lines.append(f"| {r['strategy']} | {n} | {v or 'default'} | {r['step_time_median_s'] * 1000:.0f} | "
                      f"{r['step_time_p90_s'] * 1000:.0f} | {r['samples_per_s']:.2f} | {speed} | "
-                     f"{r['model_state_bytes_max_rank'] / mib:.1f} | {r['model_state_theory_bytes'] / mib:.1f} | {mem} | "
+                     f"{r['model_state_bytes_max_rank'] / mib:.1f} | {state_theory} | {mem} | "
                      f"{live} | {live_vs} | {r['peak_rss_bytes_max_rank'] / 2**30:.2f} | {comm} | "
-                     f"{r['comm_bus_theory_bytes_per_step'] / mib:.1f} |")
-    return "\n".join(lines) + (
-        "\n'sent' is what one rank sends per training step on a ring (nccl-tests' bus bytes), counted by "
-        "shardlab.engines.collectives. Theory: 16 bytes/param for DDP + AdamW (12 SGD with momentum, 8 "
-        "without), /N sharded; "
-        "2(N-1)/N x 4 bytes/param (all-reduce) vs 3(N-1)/N x 4 bytes/param (sharded). 'peak live' is the "
-        "largest live-tensor total of a rank during a step (metrics.json peak_live_bytes).\n")
+                     f"{r['comm_bus_theory_bytes_per_step'] / mib:.1f} | {_comm_ms(r)} |")
+    notes = [
+        "'sent' is what one rank sends per training step on a ring (nccl-tests' bus bytes), counted by "
+        "shardlab.engines.collectives (PyTorch's engines: DDP's comm hook, FSDP2's custom collectives). Theory: "
+        "16 bytes/param for DDP + AdamW (12 SGD with momentum, 8 without), /S sharded (S = shard group size: "
+        "N, or parallel.shard_size with HSDP); 2(N-1)/N x 4 bytes/param (all-reduce) vs 3(S-1)/S x 4 + "
+        "2(R-1)/R x 4/S bytes/param (sharded over S, all-reduced over R = N/S replicas). 'peak live' is the "
+        "largest live-tensor total of a rank during a step (metrics.json peak_live_bytes).",
+        "'comm ms / step': per kind (ag all-gather, rs reduce-scatter, ar all-reduce, bc broadcast, rd reduce), "
+        "the milliseconds a rank spent in that kind's calls per step, summed over the calls, median over measured "
+        "steps, largest rank: inside a blocking call, or from issue until the wait on an async one returns "
+        "(torch-ddp's buckets: until the future completes). It includes waiting for the slowest rank and any "
+        "compute overlapped before the wait, and calls in flight together each count in full, so it is not "
+        "exposed time and can exceed the step; on CUDA with NCCL it times issue only (docs/benchmarks.md).",
+    ]
+    if any(_offloaded(r) for r in rows):
+        notes.append("offload=cpu: the model state (theory 'on host') lives in host memory; the device holds only "
+                     "transients (the gathered units, gradients in flight, activations). "
+                     + ("On this CPU-only machine the device is the CPU, so measured memory (model state, peak "
+                        "live, RSS) does not drop with offload; the saving shows only on a GPU."
+                        if not any("cuda" in str(r.get("device", "")).lower() for r in rows) else ""))
+    return "\n".join(lines) + "\n" + "\n".join(notes) + "\n"
+
+
+_KIND_ABBREV = {"all_gather": "ag", "reduce_scatter": "rs", "all_reduce": "ar", "broadcast": "bc", "reduce": "rd"}
+
+
+def _offloaded(r: dict[str, Any]) -> bool:
+    return str(r.get("offload", "none")) not in ("none", "None", "")
+
+
+def _comm_ms(r: dict[str, Any]) -> str:
+    """'ag 12.3, rs 4.5' from the row's per-kind seconds (largest rank); '' with no collectives."""
+    seconds = r.get("comm_seconds_per_step_max_rank")
+    if seconds is None:
+        return "not counted" if r.get("comm_bus_bytes_per_step") is None else ""
+    return ", ".join(f"{_KIND_ABBREV.get(k, k)} " + ("not timed" if t is None else f"{t * 1000:.1f}")
+                     for k, t in seconds.items())
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> bool:
@@ -244,6 +356,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reshard-after-forward", default=None,
                    help="comma-separated axis of parallel.reshard_after_forward values: true,false "
                         "(FULL_SHARD vs SHARD_GRAD_OP)")
+    p.add_argument("--shard-size", default=None,
+                   help="comma-separated axis of parallel.shard_size values (HSDP: shard groups of S ranks, "
+                        "replicated N/S times), e.g. 2,4; for fsdp and torch-fsdp; S not dividing N is skipped")
+    p.add_argument("--offload", default=None,
+                   help="comma-separated axis of parallel.offload values: none,cpu (fsdp, zero3, torch-fsdp; "
+                        "cpu for another engine is skipped)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default=None, help="output folder (default: runs/bench-<timestamp>)")
 
@@ -257,6 +375,63 @@ def _axis(value: str | None, key: str, choices: tuple[str, ...]) -> list[str]:
         raise ValueError(f"--{key.replace('_', '-')} takes comma-separated values from {', '.join(choices)}; "
                          f"got {value!r}")
     return values
+
+
+def _shard_size_axis(value: str | None) -> list[str]:
+    if value is None:
+        return []
+    values = [v.strip() for v in value.split(",") if v.strip()]
+    if not values or not all(v.isdigit() and int(v) >= 1 for v in values):
+        raise ValueError(f"--shard-size takes comma-separated whole numbers >= 1 (parallel.shard_size), e.g. 2,4; "
+                         f"got {value!r}")
+    return [str(int(v)) for v in values]
+
+
+def _skip_reason(strategy: str, nproc: int, key: str, value: str, accepted: tuple[str, ...]) -> str | None:
+    """Why an engine cannot run one axis value at N ranks, or None when it can."""
+    from shardlab.config import OFFLOAD_STRATEGIES
+    from shardlab.engines.collectives import resolve_shard_size
+
+    if key == "offload" and value != "none" and key not in accepted:
+        return (f"{strategy} has no offload (parallel.offload applies to {', '.join(OFFLOAD_STRATEGIES)}); "
+                f"its offload=none cell runs")
+    if key == "shard_size" and key in accepted:
+        try:
+            resolve_shard_size(int(value), nproc)
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+def plan_cells(strategies: list[str], worlds: list[int],
+               variants: list[dict[str, str]]) -> tuple[list[tuple[str, int, dict[str, str]]], list[str]]:
+    """The cells to run, in order, and the reasons for those skipped (one line each). An axis an
+    engine does not take is not a variant of it (ddp runs once whatever --reshard-after-forward
+    says), except a non-default offload, which it cannot honour: that cell is skipped."""
+    from shardlab.engines import engine_class
+
+    order: list[tuple[str, int, dict[str, str]]] = []
+    skipped: list[str] = []
+    for n in worlds:
+        for s in strategies:
+            if s == "single" and n != 1:
+                continue
+            accepted = engine_class(s).options
+            own: list[tuple[tuple[str, str], ...]] = []
+            for v in variants:
+                reasons = [(k, x, _skip_reason(s, n, k, x, accepted)) for k, x in v.items()]
+                reasons = [(k, x, why) for k, x, why in reasons if why]
+                if reasons:
+                    for k, x, why in reasons:
+                        line = f"{s} x{n} {k}={x}: {why}"
+                        if line not in skipped:
+                            skipped.append(line)
+                    continue
+                cell = tuple((k, x) for k, x in v.items() if k in accepted)
+                if cell not in own:
+                    own.append(cell)
+            order += [(s, n, dict(c)) for c in own]
+    return order, skipped
 
 
 def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], list[dict[str, str]]]:
@@ -287,7 +462,9 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], lis
     if not 0 <= args.warmup < args.steps:
         raise ValueError(f"--warmup must be >= 0 and smaller than --steps ({args.steps}), got {args.warmup}")
     axes = {"mixed_precision": _axis(args.mixed_precision, "mixed_precision", ("fp32", "bf16", "fp16")),
-            "reshard_after_forward": _axis(args.reshard_after_forward, "reshard_after_forward", ("true", "false"))}
+            "reshard_after_forward": _axis(args.reshard_after_forward, "reshard_after_forward", ("true", "false")),
+            "shard_size": _shard_size_axis(args.shard_size),
+            "offload": _axis(args.offload, "offload", ("none", "cpu"))}
     variants: list[dict[str, str]] = [{}]
     for key, values in axes.items():
         if values:
@@ -306,20 +483,15 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    order, skipped = plan_cells(strategies, worlds, variants)
+    for line in skipped:
+        print(f"skipped: {line}", flush=True)
+    if not order:
+        print("error: every cell was skipped (reasons above); nothing to run", file=sys.stderr)
+        return 2
     out = args.out or os.path.join("runs", time.strftime("bench-%Y%m%d-%H%M%S"))
     os.makedirs(out, exist_ok=True)
     cells: dict[tuple, list[dict[str, Any]]] = {}
-    from shardlab.engines import engine_class
-
-    order = []
-    for n in worlds:
-        for s in strategies:
-            if s == "single" and n != 1:
-                continue
-            # an axis the engine does not take (ddp has no reshard_after_forward) is not a variant of it
-            accepted = engine_class(s).options
-            own = {tuple((k, x) for k, x in v.items() if k in accepted) for v in variants}
-            order += [(s, n, dict(v)) for v in sorted(own)]
     for rep in range(args.repeats):
         for s, n, v in order:
             label = ",".join(f"{k}={x}" for k, x in v.items())
@@ -335,15 +507,19 @@ def run(args: argparse.Namespace) -> int:
     header = (f"shardlab bench, {time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, "
               f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs\n"
               f"command: shardlab bench {' '.join(sys.argv[2:] if sys.argv[1:2] == ['bench'] else sys.argv[1:])}\n"
-              f"model: {what} ({rows[0]['num_parameters'] / 1e6:.2f}M params), micro batch {args.micro_batch} "
+              f"model: {what} ({rows[0]['num_parameters'] / 1e6:.2f}M params), micro batch {args.micro_batch or 8} "
               f"per rank, {args.steps} steps x {args.repeats} round(s), {args.warmup} warmup steps per run excluded\n")
     with open(os.path.join(out, "bench.json"), "w") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items() if not callable(v)}, "rows": rows}, f, indent=2)
+        json.dump({"args": {k: v for k, v in vars(args).items() if not callable(v)}, "rows": rows,
+                   "skipped": skipped}, f, indent=2)
+    skipped_text = "".join(f"skipped: {line}\n" for line in skipped)
     with open(os.path.join(out, "bench.md"), "w") as f:
-        f.write(header + "\n" + table)
+        f.write(header + "\n" + table + ("\n" + skipped_text if skipped else ""))
     plotted = plot(rows, os.path.join(out, "bench.png"))
     print(header)
     print(table)
+    if skipped:
+        print(skipped_text)
     print(f"results: {out}/bench.md, bench.json" + (", bench.png" if plotted else ""))
     return 0
 

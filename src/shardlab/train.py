@@ -121,6 +121,21 @@ def _all_reduce_mean(value: torch.Tensor, rt: Runtime) -> torch.Tensor:
     return value
 
 
+def _seconds_since(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    if after is None:
+        return None
+    before = before or {}
+    return {kind: seconds - before.get(kind, 0.0) for kind, seconds in after.items()}
+
+
+def _per_kind(steps: list[dict[str, float] | None]) -> dict[str, list[float]] | None:
+    """[{kind: s}, ...] per step -> {kind: [s per step]} (0.0 in steps without that kind)."""
+    if not steps or any(s is None for s in steps):
+        return None
+    kinds = sorted({k for s in steps for k in s})
+    return {k: [s.get(k, 0.0) for s in steps] for k in kinds}
+
+
 def _comm_since(before: dict | None, after: dict | None) -> dict | None:
     if after is None:
         return None
@@ -346,6 +361,7 @@ def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str,
     state_bytes = None
     run.model.train()
     comm_before_loop = run.engine.comm_stats()  # wrap-time broadcasts and resume are not step traffic
+    step_comm_seconds: list[dict[str, float] | None] = []  # per step: seconds per collective kind
     # live tensor bytes by part and phase (docs/memory.md); "last" tracks only the last step,
     # so the other steps' times carry none of its overhead
     tracker = None if t.memory_tracking == "none" else memory.LiveMemoryTracker(rt.device, engine=run.engine,
@@ -362,11 +378,13 @@ def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str,
             if profiler is not None:
                 profiler.before_step(state.step)
             start = time.perf_counter()
+            comm_seconds_before = run.engine.comm_seconds()
             if tracker is not None:
                 with tracker.step(state.step, active=t.memory_tracking == "all" or state.step + 1 == t.steps):
                     r = train_step(run, tracker)
             else:
                 r = train_step(run)
+            step_comm_seconds.append(_seconds_since(comm_seconds_before, run.engine.comm_seconds()))
             if state.step + 1 == t.steps:  # measured while gradients and optimizer state both exist
                 state_bytes = {**run.engine.model_state_bytes(), "optimizer": optimizer_state_bytes(run.opt)}
             run.opt.zero_grad(set_to_none=True)
@@ -399,7 +417,8 @@ def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str,
         peak = max(peak, tracker.allocator_peak_seen)
     live = tracker.summary() if tracker is not None and tracker.steps_tracked else None
     per_rank = all_gather_object({"peak_memory_bytes": peak, "model_state_bytes": state_bytes,
-                                  "comm": train_comm, "live": live}, rt)
+                                  "comm": train_comm, "comm_seconds": _per_kind(step_comm_seconds),
+                                  "live": live}, rt)
     result = summarize(run, timer, per_rank, val_losses, time.perf_counter() - t0)
     if rt.is_main:
         M.write_json_atomic(os.path.join(run.out_dir, "metrics.json"), result, default=str)
@@ -435,6 +454,9 @@ def summarize(run: Run, timer: M.StepTimer, per_rank: list[dict], val_losses: di
         "model_state_bytes": [sum(r["model_state_bytes"].values()) for r in per_rank],
         "model_state_breakdown": [r["model_state_bytes"] for r in per_rank],
         "comm_bytes": [r["comm"] for r in per_rank],  # per collective kind, training steps only; null: not counted
+        # per rank: collective kind -> seconds in each step of this run (as step_times_s), as the
+        # caller saw them (engines/collectives.py; docs/benchmarks.md); null: not timed
+        "comm_seconds_per_step": [r["comm_seconds"] for r in per_rank],
         "final_loss": state.losses[-1] if state.losses else None,
         "losses": state.losses,
         "val_loss": val_losses[state.step],

@@ -278,6 +278,11 @@ class Engine:
         """Bytes per collective kind since wrap, when the engine counts them."""
         return None
 
+    def comm_seconds(self) -> dict[str, float] | None:
+        """Seconds per collective kind since wrap, when the engine times them (what is timed:
+        engines/collectives.py's docstring)."""
+        return None
+
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()

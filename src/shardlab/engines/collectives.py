@@ -12,10 +12,20 @@ Two numbers per call, in the convention of nccl-tests:
   x (N-1)/N for broadcast and reduce too, since on a pipelined chain N-1 of the N ranks
   forward the payload once (nothing for N = 1, where every function here is a local copy).
 Async calls return the torch.distributed Work handle (or None when nothing was sent).
+
+And the time each kind took, as the caller sees it (`CommCounter.seconds`): for a blocking
+call, the wall time inside it; for an async one, from issue until the caller's `wait()` on
+the returned handle returns (`TimedWork`). Either way it includes waiting for the slowest
+rank to arrive, and for async calls any compute the caller overlapped before waiting: it is
+the collective's duration seen from this rank, not the time it was exposed (blocked the
+caller). One `perf_counter` pair per call. With NCCL, `wait()` only orders the current CUDA
+stream after the collective and returns at once, so on CUDA these seconds are issue times,
+not transfer times (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -33,9 +43,12 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 @dataclass
 class CommCounter:
-    """Per-kind totals: {"all_gather": {"calls": n, "payload_bytes": b, "bus_bytes": w}, ...}."""
+    """Per-kind totals: {"all_gather": {"calls": n, "payload_bytes": b, "bus_bytes": w}, ...},
+    and per-kind seconds apart (`seconds_snapshot()`), so the byte counts stay exact integers
+    that tests compare across engines."""
 
     totals: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
     def add(self, kind: str, payload_bytes: int, world: int) -> None:
         factor = 2 * (world - 1) / world if kind == "all_reduce" else (world - 1) / world
@@ -44,11 +57,69 @@ class CommCounter:
         t["payload_bytes"] += payload_bytes
         t["bus_bytes"] += int(payload_bytes * factor)
 
+    def add_seconds(self, kind: str, seconds: float) -> None:
+        self.seconds[kind] += seconds
+
     def snapshot(self) -> dict[str, dict[str, int]]:
         return {k: dict(v) for k, v in self.totals.items()}
 
+    def seconds_snapshot(self) -> dict[str, float]:
+        """Seconds per kind since the counter was made: see the module docstring for what is timed."""
+        return dict(self.seconds)
+
     def reset(self) -> None:
         self.totals.clear()
+        self.seconds.clear()
+
+
+class TimedWork(dist.Work):
+    """An async collective's Work handle that adds the time from issue until its first `wait()`
+    returns to the counter. A subclass of `dist.Work` (not a wrapper) because FSDP2 waits only
+    on handles that pass `isinstance(work, dist.Work)`; everything else is delegated."""
+
+    def __init__(self, inner: dist.Work, counter: CommCounter, kind: str, issued: float):
+        super().__init__()
+        self.inner, self.counter, self.kind, self.issued = inner, counter, kind, issued
+        self.timed = False
+
+    def wait(self, timeout=None):  # noqa: ANN001 - torch's signature
+        done = self.inner.wait() if timeout is None else self.inner.wait(timeout)
+        if not self.timed:
+            self.timed = True
+            self.counter.add_seconds(self.kind, time.perf_counter() - self.issued)
+        return done
+
+    def is_completed(self) -> bool:
+        return self.inner.is_completed()
+
+    def is_success(self) -> bool:
+        return self.inner.is_success()
+
+    def exception(self):  # noqa: ANN201
+        return self.inner.exception()
+
+    def get_future(self):  # noqa: ANN201
+        return self.inner.get_future()
+
+    def source_rank(self) -> int:
+        return self.inner.source_rank()
+
+    def result(self):  # noqa: ANN201
+        return self.inner.result()
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+
+
+def timed(counter: CommCounter | None, kind: str, issued: float, work: dist.Work | None):
+    """What a collective returns, timed: a blocking call (work None) adds its time now; an
+    async one returns a TimedWork that adds it at `wait()`."""
+    if counter is None:
+        return work
+    if work is None:
+        counter.add_seconds(kind, time.perf_counter() - issued)
+        return None
+    return TimedWork(work, counter, kind, issued)
 
 
 def _world(group: dist.ProcessGroup | None) -> int:
@@ -63,40 +134,46 @@ def all_reduce(tensor: torch.Tensor, group=None, *, average: bool = False, async
                counter: CommCounter | None = None):
     """Sum (or average) `tensor` in place across the group."""
     world = _world(group)
+    issued = time.perf_counter()
     if counter is not None:
         counter.add("all_reduce", _nbytes(tensor), world)
     if world == 1:
-        return None
+        return timed(counter, "all_reduce", issued, None)
     if average:
         # Divide before the sum: keeps low-precision values in range, and the result is the mean.
         tensor.div_(world)
-    return dist.all_reduce(tensor, op=ReduceOp.SUM, group=group, async_op=async_op)
+    return timed(counter, "all_reduce", issued, dist.all_reduce(tensor, op=ReduceOp.SUM, group=group,
+                                                                 async_op=async_op))
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, *, async_op: bool = False,
               counter: CommCounter | None = None):
     """Copy `tensor` from group rank `src` to every rank, in place."""
     world = _world(group)
+    issued = time.perf_counter()
     if counter is not None:
         counter.add("broadcast", _nbytes(tensor), world)
     if world == 1:
-        return None
-    return dist.broadcast(tensor, src=dist.get_global_rank(group, src) if group is not None else src,
-                          group=group, async_op=async_op)
+        return timed(counter, "broadcast", issued, None)
+    return timed(counter, "broadcast", issued,
+                 dist.broadcast(tensor, src=dist.get_global_rank(group, src) if group is not None else src,
+                                group=group, async_op=async_op))
 
 
 def reduce(tensor: torch.Tensor, dst: int, group=None, *, average: bool = False, async_op: bool = False,
            counter: CommCounter | None = None):
     """Sum (or average) `tensor` onto group rank `dst`; other ranks' tensors are undefined after."""
     world = _world(group)
+    issued = time.perf_counter()
     if counter is not None:
         counter.add("reduce", _nbytes(tensor), world)
     if world == 1:
-        return None
+        return timed(counter, "reduce", issued, None)
     if average:
         tensor.div_(world)
-    return dist.reduce(tensor, dst=dist.get_global_rank(group, dst) if group is not None else dst,
-                       op=ReduceOp.SUM, group=group, async_op=async_op)
+    return timed(counter, "reduce", issued,
+                 dist.reduce(tensor, dst=dist.get_global_rank(group, dst) if group is not None else dst,
+                             op=ReduceOp.SUM, group=group, async_op=async_op))
 
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, *, async_op: bool = False,
@@ -105,12 +182,13 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, *, as
     world = _world(group)
     if output.numel() != shard.numel() * world:
         raise ValueError(f"all_gather_into: output has {output.numel()} elements, expected {world} x {shard.numel()}")
+    issued = time.perf_counter()
     if counter is not None:
         counter.add("all_gather", _nbytes(output), world)
     if world == 1:
         output.copy_(shard.view_as(output))
-        return None
-    return _all_gather_flat(output, shard, group=group, async_op=async_op)
+        return timed(counter, "all_gather", issued, None)
+    return timed(counter, "all_gather", issued, _all_gather_flat(output, shard, group=group, async_op=async_op))
 
 
 def reduce_scatter_into(shard: torch.Tensor, full: torch.Tensor, group=None, *, average: bool = True,
@@ -120,14 +198,16 @@ def reduce_scatter_into(shard: torch.Tensor, full: torch.Tensor, group=None, *, 
     world = _world(group)
     if full.numel() != shard.numel() * world:
         raise ValueError(f"reduce_scatter_into: input has {full.numel()} elements, expected {world} x {shard.numel()}")
+    issued = time.perf_counter()
     if counter is not None:
         counter.add("reduce_scatter", _nbytes(full), world)
     if average and world > 1:
         full.div_(world)
     if world == 1:
         shard.copy_(full.view_as(shard))
-        return None
-    return _reduce_scatter_flat(shard, full, op=ReduceOp.SUM, group=group, async_op=async_op)
+        return timed(counter, "reduce_scatter", issued, None)
+    return timed(counter, "reduce_scatter", issued,
+                 _reduce_scatter_flat(shard, full, op=ReduceOp.SUM, group=group, async_op=async_op))
 
 
 # ---------------------------------------------------------------------------- hybrid sharding groups

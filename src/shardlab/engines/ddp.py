@@ -193,3 +193,6 @@ class DDPEngine(Engine):
     # -- the rest of the contract ---------------------------------------------------------------
     def comm_stats(self) -> dict[str, dict[str, int]]:
         return self.counter.snapshot()
+
+    def comm_seconds(self) -> dict[str, float]:
+        return self.counter.seconds_snapshot()

@@ -749,6 +749,10 @@ class FSDPEngine(Engine):
         the wrap-time broadcasts over the whole group), all-reduces over the replica group."""
         return {**self.counter.snapshot(), **self.replica_counter.snapshot()}
 
+    def comm_seconds(self) -> dict[str, float]:
+        """Seconds per kind; the two counters never share a kind (the replica group only all-reduces)."""
+        return {**self.counter.seconds_snapshot(), **self.replica_counter.seconds_snapshot()}
+
     def comm_stats_by_group(self) -> dict[str, dict[str, dict[str, int]]]:
         """The same, split by the group each collective ran over: "shard" (also the wrap-time
         broadcast of buffers, over the whole group) and "replicate" (HSDP only)."""

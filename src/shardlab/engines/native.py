@@ -10,16 +10,25 @@ the extension points PyTorch offers, so `metrics.json` and `shardlab bench` comp
 like: DDP through a communication hook that counts each bucket and then runs DDP's default
 all-reduce hook (divide by N, sum: what DDP does without a hook), FSDP2 through custom
 all-gather / reduce-scatter objects (`set_custom_all_gather`, `set_custom_reduce_scatter`)
-that count and then call the same `dist` functions as FSDP2's defaults. Not counted: DDP's
-initial broadcast of the module state (before training, as the from-scratch engines' is
-excluded from step traffic too) and, with HSDP, FSDP2's all-reduce over the replica group,
-which FSDP2 issues with no hook to count it.
+that count and then call the same `dist` functions as FSDP2's defaults, and with HSDP an
+all-reduce hook (`set_all_reduce_hook`), which FSDP2 calls with the slice it has just
+all-reduced over the replica group. Not counted: DDP's initial broadcast of the module state
+(before training, as the from-scratch engines' is excluded from step traffic too).
+
+Times (`comm_seconds()`), as `collectives` takes them: FSDP2's blocking calls inside the call,
+its async all-gathers from issue until FSDP2's `wait()` returns (a `collectives.TimedWork`);
+DDP's bucket all-reduces from issue until the future completes (a callback chained on DDP's
+default hook's future: DDP waits on it at the end of backward, so this is when the wait could
+first return); FSDP2's HSDP all-reduce from the end of the reduce-scatter before it until the
+hook runs right after it (with S = 1 FSDP2 issues no reduce-scatter, so that all-reduce is
+counted but not timed).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -53,6 +62,9 @@ class TorchDDPEngine(Engine):
 
     def comm_stats(self) -> dict[str, dict[str, int]]:
         return self.counter.snapshot()
+
+    def comm_seconds(self) -> dict[str, float]:
+        return self.counter.seconds_snapshot()
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.module.no_sync()
@@ -108,16 +120,21 @@ class TorchFSDPEngine(Engine):
         fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload_policy)
         self.module = module
         self.counter = collectives.CommCounter()
-        all_gather, reduce_scatter = _counting_fsdp2_comms(self.counter)
+        all_gather, reduce_scatter, all_reduce_hook = _counting_fsdp2_comms(self.counter, self.hybrid.replicas)
         for m in [*self.units, module]:
             m.set_custom_all_gather(all_gather)
             m.set_custom_reduce_scatter(reduce_scatter)
+            if self.hybrid.replicas > 1:
+                m.set_all_reduce_hook(all_reduce_hook)
         if meta:
             # shards live on the host with offload; to_empty unties shared parameters: retie them
             materialize_(module, "cpu" if self.offload else self.device, getattr(module, "init_seed", 0))
 
     def comm_stats(self) -> dict[str, dict[str, int]]:
         return self.counter.snapshot()
+
+    def comm_seconds(self) -> dict[str, float]:
+        return self.counter.seconds_snapshot()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -182,30 +199,54 @@ class TorchFSDPEngine(Engine):
 
 
 def _counting_allreduce_hook(counter: collectives.CommCounter, group: dist.ProcessGroup | None, world: int):
-    """A DDP communication hook: count the bucket, then DDP's default all-reduce hook. It
-    closes over the counter, not the engine: DDP's reducer holds it from C++."""
+    """A DDP communication hook: count the bucket, then DDP's default all-reduce hook, timed
+    until its future completes. It closes over the counter, not the engine: DDP's reducer
+    holds it from C++."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     def hook(_state, bucket):  # unannotated: DDP rejects the string annotations of this module
         counter.add("all_reduce", collectives._nbytes(bucket.buffer()), world)
-        return default_hooks.allreduce_hook(group, bucket)
+        issued = time.perf_counter()
+
+        def done(fut):
+            counter.add_seconds("all_reduce", time.perf_counter() - issued)
+            return fut.value()
+
+        return default_hooks.allreduce_hook(group, bucket).then(done)
 
     return hook
 
 
-def _counting_fsdp2_comms(counter: collectives.CommCounter) -> tuple[Any, Any]:
+def _counting_fsdp2_comms(counter: collectives.CommCounter, replicas: int) -> tuple[Any, Any, Any]:
     """FSDP2's default all-gather and reduce-scatter, counting each call's payload first
-    (the gathered output; the reduce-scattered input), as `collectives` does."""
+    (the gathered output; the reduce-scattered input), as `collectives` does, and timing it;
+    and an all-reduce hook for HSDP that counts the slice FSDP2 has just all-reduced over the
+    replica group and times it from the end of the reduce-scatter that preceded it."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    last_reduce_scatter_end: list[float | None] = [None]
 
     class CountingAllGather(DefaultAllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             counter.add("all_gather", collectives._nbytes(output_tensor), group.size())
-            return super().__call__(output_tensor, input_tensor, group, async_op)
+            issued = time.perf_counter()
+            return collectives.timed(counter, "all_gather", issued,
+                                     super().__call__(output_tensor, input_tensor, group, async_op))
 
     class CountingReduceScatter(DefaultReduceScatter):
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             counter.add("reduce_scatter", collectives._nbytes(input_tensor), group.size())
-            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+            issued = time.perf_counter()
+            work = collectives.timed(counter, "reduce_scatter", issued,
+                                     super().__call__(output_tensor, input_tensor, group, op, async_op))
+            last_reduce_scatter_end[0] = time.perf_counter()
+            return work
 
-    return CountingAllGather(), CountingReduceScatter()
+    def all_reduce_hook(reduce_output: torch.Tensor) -> None:
+        # called by FSDP2 (HSDP) right after its blocking all-reduce of the reduce-scattered slice
+        counter.add("all_reduce", collectives._nbytes(reduce_output), replicas)
+        if last_reduce_scatter_end[0] is not None:
+            counter.add_seconds("all_reduce", time.perf_counter() - last_reduce_scatter_end[0])
+            last_reduce_scatter_end[0] = None
+
+    return CountingAllGather(), CountingReduceScatter(), all_reduce_hook

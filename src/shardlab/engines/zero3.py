@@ -633,3 +633,6 @@ class Zero3Engine(Engine):
     def comm_stats(self) -> dict[str, dict[str, int]]:
         return self.counter.snapshot()
 
+    def comm_seconds(self) -> dict[str, float]:
+        return self.counter.seconds_snapshot()
+
