@@ -214,7 +214,8 @@ def _materialize_sharded_(root: nn.Module, units: list[nn.Module], device: torch
       empty tensor for each that needs a value, a meta tensor, which the initializer leaves
       alone, for those already read), the initializer fills the unit as any engine's unit by unit
       materialization does, `_copy_full_value_` copies the local rows of each whole stand-in into
-      its DTensor, and the DTensors go back. The whole stand-ins live on the compute device, where
+      its DTensor, and the DTensors go back. (Running the initializer on the DTensors themselves
+      would draw through DTensor's own sharded RNG: values unlike a whole build's.) The whole stand-ins live on the compute device, where
       a whole build draws its values (the model's `_init_weights` draws differ by device), so at
       most one unit's non-file parameters exist whole at a time: all of them for random init (as
       fsdp's unit by unit materialization), only the adapters for a LoRA load from files. A tied
