@@ -5,6 +5,8 @@ every engine, recompute rotary buffers, and with LoRA train only adapters with a
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -110,6 +112,8 @@ def _all_runs(rank: int, world: int, cases, saved: dict[str, str], lora_sft_dir:
     out = {case: _train(rank, world, *case) for case in cases}
     for arch, path in saved.items():
         out[("load", arch)] = _load_runs(rank, world, path, arch)
+        out[("load-lora-offload", arch)] = _load_runs(rank, world, path, arch, strategies=("torch-fsdp",),
+                                                      lora=True, offload="cpu")
     out["lora_resume"] = _lora_sft_straight_and_resumed(rank, world, lora_sft_dir)
     return out
 
@@ -197,16 +201,34 @@ def _fsdp_reads(engine, inner) -> dict[str, int]:
             "model": sum(e.numel for g in engine.groups for e in g.entries)}
 
 
-def _load_runs(rank: int, world: int, path: str, arch: str, strategies=("fsdp", "zero3", "torch-fsdp", "ddp")):
-    out, reads = {}, None
+def _torch_fsdp_reads(engine, inner) -> dict[str, Any]:
+    """What this torch-fsdp rank read from the files against the elements its DTensor shards of
+    file-backed parameters hold, and whether the tied embeddings are still one parameter."""
+    hf = inner.hf_model
+    return {"read": inner._reader.elements_read,
+            "held": sum(p.to_local().numel() for n, p in inner.named_parameters() if ".lora_" not in n),
+            "model": sum(p.numel() for n, p in inner.named_parameters() if ".lora_" not in n),
+            "tied": hf.get_output_embeddings().weight is hf.get_input_embeddings().weight,
+            "dtensors": all(hasattr(p, "device_mesh") for p in inner.parameters()),
+            "offloaded": engine.offload is not None}
+
+
+def _load_runs(rank: int, world: int, path: str, arch: str, strategies=("fsdp", "zero3", "torch-fsdp", "ddp"),
+               lora: bool = False, offload: str | None = None):
+    """Each engine built on the meta device and loaded from `path`: (strategy -> (full state,
+    rotary buffers)), (strategy -> what its rank read) for the engines that read by range."""
+    out, reads = {}, {}
     for strategy in strategies:
-        model = shardlab.parallelize(build(arch, "meta", hf_path=path), strategy, device="cpu")
+        options = {"offload": offload} if offload else {}
+        model = shardlab.parallelize(build(arch, "meta", lora=lora, hf_path=path), strategy, device="cpu", **options)
         engine = shardlab.engine_of(model)
         inner = engine.unwrapped()
         buffers = {k: v.clone() for k, v in inner.named_buffers() if "inv_freq" in k}
         out[strategy] = (shardlab.full_state_dict(model), buffers)
         if strategy == "fsdp":
-            reads = _fsdp_reads(engine, inner)
+            reads[strategy] = _fsdp_reads(engine, inner)
+        elif strategy == "torch-fsdp":
+            reads[strategy] = _torch_fsdp_reads(engine, inner)
     return out, reads
 
 
@@ -236,11 +258,36 @@ def test_fsdp_reads_only_its_ranges(saved_models, parity_runs, fsdp_loads_3, arc
         assert set(state) == set(expected)
         for k in expected:
             torch.testing.assert_close(state[k], expected[k], rtol=0, atol=0, msg=lambda m, k=k, r=rank: f"rank {r} {k}: {m}")
-        reads = run[1]
+        reads = run[1]["fsdp"]
         assert reads["held"] <= reads["read"] <= reads["held"] + reads["slack"], (rank, reads)
         assert reads["read"] < reads["model"], (rank, reads)  # never the whole model per rank
-    held = sum(r[1]["held"] for r in runs)
-    assert held == runs[0][1]["model"]  # the shards together hold every element once
+    held = sum(r[1]["fsdp"]["held"] for r in runs)
+    assert held == runs[0][1]["fsdp"]["model"]  # the shards together hold every element once
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gpt2"])
+def test_torch_fsdp_reads_only_its_rows(saved_models, parity_runs, arch):
+    """torch-fsdp shards the meta model first, then reads each rank's DTensor rows straight from
+    the files: exactly the elements its shards hold (whole rows: no over-read) and less than the
+    whole model per rank; the same weights as a whole load; tied embeddings (gpt2) stay one
+    parameter. With LoRA and offload=cpu: base weights read the same way, adapters initialized as
+    in a whole build, shards on the host."""
+    path = saved_models[arch]
+    for case, whole in (("load", _whole_load(arch, path)), ("load-lora-offload", build(arch, "cpu", True, path).state_dict())):
+        held = 0
+        for rank, r in enumerate(parity_runs):
+            per_engine, reads = r[(case, arch)]
+            state = per_engine["torch-fsdp"][0]
+            assert set(state) == set(whole), case
+            for k in whole:
+                torch.testing.assert_close(state[k], whole[k], rtol=0, atol=0,
+                                           msg=lambda m, k=k, c=case, r=rank: f"{c} rank {r} {k}: {m}")
+            got = reads["torch-fsdp"]
+            assert got["dtensors"] and got["offloaded"] == (case == "load-lora-offload"), (case, rank, got)
+            assert got["read"] == got["held"] < got["model"], (case, rank, got)
+            assert got["tied"] == (arch == "gpt2"), (case, rank, got)
+            held += got["held"]
+        assert held == got["model"], case  # the ranks' shards together hold every element once
 
 
 def test_read_flat_range_reads_only_covering_rows(tmp_path):

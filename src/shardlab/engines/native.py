@@ -38,7 +38,16 @@ from torch import nn
 
 from shardlab.engines import collectives
 from shardlab.engines.api import CPUOffload, Engine, MixedPrecision, ShardPiece, is_meta, materialize_whole_
-from shardlab.models.init import INITIALIZER_ATTR, dtensor_local_rows, materialize_
+from shardlab.models.init import (
+    INITIALIZER_ATTR,
+    RANGE_READERS_ATTR,
+    _copy_full_value_,
+    canonical_names,
+    dtensor_local_rows,
+    init_parameters_,
+    materialize_,
+    tied_parameters,
+)
 
 
 class TorchDDPEngine(Engine):
@@ -91,11 +100,9 @@ class TorchFSDPEngine(Engine):
 
         from shardlab.engines.collectives import hybrid_groups
 
-        # [Note: torch-fsdp from the meta device] A meta model is sharded first and then given
-        # storage: each rank allocates and initializes only its shards (as FSDP2 recommends),
-        # never the whole model. A model that fills its own tensors (pretrained weights:
-        # models/hf.py) is built whole first, as before.
-        meta = is_meta(module) and not hasattr(module, INITIALIZER_ATTR)
+        # A meta model is sharded first and given storage afterwards: see
+        # [Note: torch-fsdp from the meta device] at _materialize_sharded_.
+        meta = is_meta(module)
         if not meta:
             materialize_whole_(module, self.device)
         self.hybrid = hybrid_groups(self.group, shard_size)
@@ -127,8 +134,9 @@ class TorchFSDPEngine(Engine):
             if self.hybrid.replicas > 1:
                 m.set_all_reduce_hook(all_reduce_hook)
         if meta:
-            # shards live on the host with offload; to_empty unties shared parameters: retie them
-            materialize_(module, "cpu" if self.offload else self.device, getattr(module, "init_seed", 0))
+            # shards live on the host with offload
+            _materialize_sharded_(module, self.units, "cpu" if self.offload else self.device, self.device,
+                                  getattr(module, "init_seed", 0))
 
     def comm_stats(self) -> dict[str, dict[str, int]]:
         return self.counter.snapshot()
@@ -196,6 +204,110 @@ class TorchFSDPEngine(Engine):
             offset = first_row * math.prod(p.shape[1:])
             out.append((p, [ShardPiece(names[id(p)], p.shape, offset, 0, numel)] if numel else []))
         return out
+
+
+@torch.no_grad()
+def _materialize_sharded_(root: nn.Module, units: list[nn.Module], device: torch.device | str,
+                          init_device: torch.device, seed: int) -> None:
+    """Give a meta model already sharded by `fully_shard` storage on `device` (its DTensors'
+    local shards only) and fill each rank's shards as a whole build would.
+
+    [Note: torch-fsdp from the meta device]
+    FSDP2 shards a meta model (DTensors placed Shard(0), and Replicate over HSDP's replica
+    dimension), then `to_empty` allocates only each rank's local shard (unties shared
+    parameters: they are retied at once, as `materialize_` does). How the shards are filled
+    depends on the model:
+    - A model that does not fill its own tensors (shardlab's): `init_parameters_` draws each
+      tensor's full value from its name-keyed generator and `_copy_full_value_` keeps the
+      local rows (`materialize_`).
+    - A model that fills its own tensors (`shardlab_initialize_`, models/hf.py): the parameters it
+      reads by range (`shardlab_range_readers`: pretrained weights) are read straight into the
+      local shard. A Shard(0) local shard is rows [first, first + rows) of the tensor
+      (`dtensor_local_rows`), i.e. the flat range [first*row, (first + rows)*row): whole rows, so
+      `read_flat_range` reads exactly the shard's elements, nothing more, and no rank ever reads
+      or holds a whole tensor. Everything else (LoRA adapters, random init, and the buffers the
+      model recomputes, rotary `inv_freq`) goes through the model's own initializer, one FSDP
+      unit at a time "on the side": the unit's parameters are swapped for stand-ins (a whole
+      empty tensor for each that needs a value, a meta tensor, which the initializer leaves
+      alone, for those already read), the initializer fills the unit as any engine's unit by unit
+      materialization does, `_copy_full_value_` copies the local rows of each whole stand-in into
+      its DTensor, and the DTensors go back. (Running the initializer on the DTensors themselves
+      would draw through DTensor's own sharded RNG: values unlike a whole build's.) The whole stand-ins live on the compute device, where
+      a whole build draws its values (the model's `_init_weights` draws differ by device), so at
+      most one unit's non-file parameters exist whole at a time: all of them for random init (as
+      fsdp's unit by unit materialization), only the adapters for a LoRA load from files. A tied
+      parameter is filled once, in the first unit that binds it, with every module binding it
+      passed to the initializer (as fsdp does).
+    """
+    custom = hasattr(root, INITIALIZER_ATTR)
+    if not custom:
+        materialize_(root, device, seed)
+        return
+    ties = tied_parameters(root)
+    root.to_empty(device=device)
+    for (m0, n0), *rest in ties:
+        for m, n in rest:
+            setattr(m, n, getattr(m0, n0))
+    names = canonical_names(root)
+    params = {id(p): p for p in root.parameters()}
+    range_readers = getattr(root, RANGE_READERS_ATTR, None)
+    readers = range_readers(list(params.values()), names) if range_readers is not None else {}
+    for pid, read in readers.items():
+        _read_local_rows_(params[pid], read)
+    bindings: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in root.modules():
+        for attr, p in m._parameters.items():
+            if p is not None:
+                bindings.setdefault(id(p), []).append((m, attr))
+    done_modules: set[int] = set()
+    filled = set(readers)
+    for unit in [*units, root]:
+        region = [m for m in unit.modules() if id(m) not in done_modules]
+        done_modules.update(id(m) for m in region)
+        pending = [id(p) for m in region for p in m._parameters.values() if p is not None and id(p) not in filled]
+        pending = list(dict.fromkeys(pending))
+        has_buffers = any(b is not None for m in region for b in m._buffers.values())
+        if not pending and not has_buffers:
+            continue
+        init_modules = list({id(m): m for m in [*region, *(m for pid in pending for m, _ in bindings[pid])]}.values())
+        stand_ins: dict[int, nn.Parameter] = {}
+        swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+        side_names: dict[int, str] = {}
+        for m in init_modules:
+            for attr, p in list(m._parameters.items()):
+                if p is None:
+                    continue
+                if id(p) not in stand_ins:
+                    where = init_device if id(p) in pending else "meta"
+                    stand_ins[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=where),
+                                                    requires_grad=p.requires_grad)
+                    side_names[id(stand_ins[id(p)])] = names[id(p)]
+                swapped.append((m, attr, p))
+                m._parameters[attr] = stand_ins[id(p)]
+        try:
+            init_parameters_(root, seed, modules=init_modules, names=side_names)
+        finally:
+            for m, attr, p in swapped:
+                m._parameters[attr] = p
+        for pid in pending:
+            _copy_full_value_(params[pid], stand_ins[pid])
+        filled.update(pending)
+        del stand_ins, swapped
+
+
+def _read_local_rows_(p: torch.Tensor, read: Any) -> None:
+    """Fill a DTensor parameter's local shard from `read(start, end)` (elements [start, end) of the
+    whole tensor flattened): its rows are one contiguous, whole-row range."""
+    if not hasattr(p, "device_mesh"):
+        p.copy_(read(0, p.numel()).view(p.shape).to(p.dtype))
+        return
+    first, shape = dtensor_local_rows(p)
+    local = p.to_local()
+    if not local.numel():
+        return
+    row = math.prod(p.shape[1:])
+    rows = shape[0] if p.dim() else 1
+    local.copy_(read(first * row, (first + rows) * row).view(shape).to(local.dtype))
 
 
 def _counting_allreduce_hook(counter: collectives.CommCounter, group: dist.ProcessGroup | None, world: int):

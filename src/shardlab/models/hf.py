@@ -17,8 +17,10 @@ read, through `safe_open`, never the whole model), or by the model's own `_init_
 under a generator seeded by (seed, module name), so a unit materialized alone equals the same
 unit of a whole build. Non-persistent buffers (rotary `inv_freq`) are not in any file and a
 meta build left them meta; they are recomputed here from the config on the real device.
-fsdp goes one step further: through `shardlab_range_readers` each rank reads only the element
-ranges of its flat shard (see [Note: reading a flat range by rows] in SafetensorsReader).
+fsdp and torch-fsdp go one step further: through `shardlab_range_readers` each rank reads only the
+element ranges of its flat shard (fsdp, see [Note: reading a flat range by rows] in
+SafetensorsReader) or the rows of its DTensor shards (torch-fsdp, see [Note: torch-fsdp from the
+meta device] in engines/native.py).
 
 [Note: packed sequences]
 A batch's inputs are either token ids [B, T], or [B, 2, T]: token ids and position ids. Position

@@ -21,6 +21,7 @@ Such a model may also define `shardlab_range_readers(params, names)`: for the pa
 read piecewise, id(p) -> read(start, end) giving elements [start, end) of p flattened. An
 engine that keeps only a flat range of each parameter (fsdp) leaves those on the meta device
 and reads just its ranges, never the whole tensor; it materializes and initializes the rest.
+torch-fsdp reads each DTensor shard's rows the same way (engines/native.py, `_materialize_sharded_`).
 """
 
 from __future__ import annotations
