@@ -109,7 +109,8 @@ def init_runtime(backend: str = "auto", timeout_s: float = 300.0, force_group: b
 # free gives its pages back at once: 0.83 GiB there. The price is a page fault for every page
 # of every large allocation, every time: fsdp on gpt-mini at N=2 (micro batch 8 x 128) took
 # 1513-1609 ms per step with a 4 MiB threshold against 1274-1459 ms without (3 rounds each,
-# one run). So it is a choice, not a default: SHARDLAB_MMAP_THRESHOLD=<bytes> (e.g. 4194304)
+# one run), and a 16 MiB threshold, which leaves gpt-mini untouched, made fsdp on gpt2-small
+# at N=2 1.48x slower (docs/memory.md). So it is a choice, not a default: SHARDLAB_MMAP_THRESHOLD=<bytes> (e.g. 4194304)
 # sets it in every worker, for runs where the host's memory, not speed, is what binds.
 # (glibc's own MALLOC_MMAP_THRESHOLD_ works too, for every process.)
 _M_MMAP_THRESHOLD = -3  # mallopt parameter number in glibc's malloc.h
