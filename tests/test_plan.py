@@ -15,7 +15,7 @@ import os
 import pytest
 
 from shardlab.config import load_config
-from shardlab.plan import Link, collective_time, fit_alpha_beta, predict_all
+from shardlab.plan import Link, collective_time, fit_alpha_beta, fit_per_kind, predict_all
 from tests.plan_measure import measure
 
 TOLERANCE = 0.10  # the bar
@@ -90,3 +90,11 @@ def test_alpha_beta_fit_recovers_constants():
                for b in (2**12, 2**16, 2**20, 2**24)]
     alpha, bw = fit_alpha_beta(samples, 2)
     assert alpha == pytest.approx(50e-6, rel=1e-6) and bw == pytest.approx(2e9, rel=1e-6)
+
+
+def test_per_kind_fit_recovers_each_kinds_constants():
+    truth = (("all_gather", 40e-6, 3e9), ("all_reduce", 90e-6, 1e9), ("reduce_scatter", 300e-6, 0.5e9))
+    link = Link("x", 0.0, 1.0, "", truth)
+    samples = [(k, b, collective_time(k, b, 2, link)) for k, _, _ in truth for b in (2**12, 2**16, 2**20, 2**24)]
+    for (k, a, bw), (k2, a2, bw2) in zip(truth, fit_per_kind(samples, 2)):
+        assert k == k2 and a2 == pytest.approx(a, rel=1e-6) and bw2 == pytest.approx(bw, rel=1e-6)
