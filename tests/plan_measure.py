@@ -53,7 +53,7 @@ def measure(config: str | None, overrides: list[str], world: int, engines: list[
 
 def main() -> None:
     from shardlab.config import load_config
-    from shardlab.plan import predict
+    from shardlab.plan import predict_all
 
     ap = argparse.ArgumentParser()
     ap.add_argument("config")
@@ -67,9 +67,9 @@ def main() -> None:
     for n in [int(x) for x in a.nproc.split(",")]:
         engines = a.engines.split(",") if a.engines else None
         measured = measure(a.config, a.overrides, n, engines)
-        cfg = load_config(a.config, a.overrides)
+        predicted = predict_all(load_config(a.config, a.overrides), n, list(measured))
         for engine, m in measured.items():
-            p = predict(cfg, engine, n)
+            p = predicted[engine]
             err = (p.peak_bytes - m["peak_live_bytes"]) / m["peak_live_bytes"]
             rows.append((engine, n, p.peak_bytes, m["peak_live_bytes"], err))
             print(f"| {engine} | {n} | {p.peak_bytes / 2**20:.2f} | {m['peak_live_bytes'] / 2**20:.2f} | "

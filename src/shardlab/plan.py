@@ -168,7 +168,10 @@ def _probe_config(cfg, n_layer: int | None, micro: int, seq: int, world: int, st
                         memory_tracking="none", eval_every=0, profile=False)
     if cfg.model.name == "gpt":  # the probe's data: synthetic tokens with the real vocabulary
         raw["model"]["vocab_size"] = _vocab_size(cfg)
-    raw["data"].update(source="synthetic", path=None, tokenizer=None, synthetic_samples=max(64, 4 * micro * world))
+    # synthetic tokens of the same shape: memory does not depend on their values; SFT's packing
+    # changes only which tokens attend to which (a mask of the same size), so it is dropped here
+    raw["data"].update(source="synthetic", path=None, tokenizer=None, tokenizer_path=None, packing=False,
+                       synthetic_samples=max(64, 4 * micro * world))
     raw["checkpoint"].update(every_steps=0, resume="none")
     raw["output"].update(tensorboard=False, progress=False, run_name="plan-probe")
     return config_from_dict(raw)
@@ -452,6 +455,12 @@ def _scale_probe(per_layer: dict[str, dict], L: int | None, act_scale: float, sh
     return step, fwd
 
 
+def _tokens_per_sample(cfg) -> int:
+    """Tokens a sample holds for the FLOP count: seq_len for the language models (gpt, hf), one
+    "token" per image for the vision ones."""
+    return cfg.data.seq_len if cfg.model.name in ("gpt", "hf") else 1
+
+
 def _n_layer(cfg) -> int | None:
     if cfg.model.name != "gpt":
         return None
@@ -487,10 +496,12 @@ def predict_all(cfg, nproc: int, engines: list[str] | None = None, per_node: int
         state = states[e]
         if e not in probes:
             parts = dict.fromkeys(PARTS, 0)
-            parts.update(params=state["params"], optimizer=state["optimizer"])
+            # all three are live at the optimizer step, so their sum is a lower bound of the peak
+            parts.update(params=state["params"], grads=state["grads"], optimizer=state["optimizer"])
             out[e] = Prediction(e, nproc, sum(parts.values()), parts, "unknown", state, probed=False,
-                                notes=[f"not probed: the probe would need over {PROBE_MAX_BYTES / 2**30:.0f} GiB here; "
-                                       "the figure is parameters + optimizer state only (a lower bound)"])
+                                notes=[f"not probed: the probe would need over {PROBE_MAX_BYTES / 2**30:.0f} GiB here "
+                                       "(SHARDLAB_PLAN_PROBE_MAX_GIB raises the limit); the figure is parameters + "
+                                       "gradients + optimizer state, all live at the optimizer step (a lower bound)"])
             continue
         per_layer = probes[e]
         deepest = per_layer[max(per_layer, key=lambda k: -1 if k == "None" else int(k))]
@@ -614,7 +625,7 @@ def step_time(cfg, engine: str, world: int, link: Link, gpu: GPU | None, probe_s
     measured step) and communication (alpha-beta); overlapped = max(compute, comm) for engines that
     overlap (all do: bucketed all-reduce, prefetch), serial = compute + comm."""
     t = cfg.train
-    tokens_rank = t.global_batch_size // world * (cfg.data.seq_len if _n_layer(cfg) is not None else 1)
+    tokens_rank = t.global_batch_size // world * _tokens_per_sample(cfg)
     flops = (8 if t.activation_checkpointing else 6) * _param_count(cfg) * tokens_rank
     if gpu is not None:
         compute = flops / (gpu.peak_flops * MFU)
@@ -624,7 +635,7 @@ def step_time(cfg, engine: str, world: int, link: Link, gpu: GPU | None, probe_s
         source = "the probe's measured step on this CPU, scaled"
     comm = comm_seconds(cfg, engine, world, link)
     overlapped = max(compute, comm)
-    tokens_step = t.global_batch_size * (cfg.data.seq_len if _n_layer(cfg) is not None else 1)
+    tokens_step = t.global_batch_size * _tokens_per_sample(cfg)
     return {"compute_s": compute, "comm_s": comm, "step_s": overlapped, "step_serial_s": compute + comm,
             "tokens_per_s": tokens_step / overlapped if overlapped else None, "compute_source": source,
             "comm_hidden": comm <= compute, "link": link.name}
