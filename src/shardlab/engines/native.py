@@ -46,7 +46,8 @@ from shardlab.models.init import (
     dtensor_local_rows,
     init_parameters_,
     materialize_,
-    tied_parameters,
+    parameter_bindings,
+    to_empty_keeping_ties_,
 )
 
 
@@ -243,22 +244,14 @@ def _materialize_sharded_(root: nn.Module, units: list[nn.Module], device: torch
     if not custom:
         materialize_(root, device, seed)
         return
-    ties = tied_parameters(root)
-    root.to_empty(device=device)
-    for (m0, n0), *rest in ties:
-        for m, n in rest:
-            setattr(m, n, getattr(m0, n0))
+    to_empty_keeping_ties_(root, device)
     names = canonical_names(root)
     params = {id(p): p for p in root.parameters()}
     range_readers = getattr(root, RANGE_READERS_ATTR, None)
     readers = range_readers(list(params.values()), names) if range_readers is not None else {}
     for pid, read in readers.items():
         _read_local_rows_(params[pid], read)
-    bindings: dict[int, list[tuple[nn.Module, str]]] = {}
-    for m in root.modules():
-        for attr, p in m._parameters.items():
-            if p is not None:
-                bindings.setdefault(id(p), []).append((m, attr))
+    bindings = parameter_bindings(root)
     done_modules: set[int] = set()
     filled = set(readers)
     for unit in [*units, root]:

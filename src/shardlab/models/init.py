@@ -119,24 +119,34 @@ def _copy_full_value_(p: torch.Tensor, value: torch.Tensor) -> None:
         local.copy_((value[first:first + shape[0]] if p.dim() else value).to(dtype=local.dtype))
 
 
-def tied_parameters(root: nn.Module) -> list[list[tuple[nn.Module, str]]]:
-    """Groups of (module, attribute) that share one Parameter, e.g. GPT's embedding and head."""
+def parameter_bindings(root: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """id(parameter) -> every (module, attribute) that binds it, in module order."""
     seen: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in root.modules():
         for local_name, p in module.named_parameters(recurse=False):
             seen.setdefault(id(p), []).append((module, local_name))
-    return [group for group in seen.values() if len(group) > 1]
+    return seen
 
 
-@torch.no_grad()
-def materialize_(root: nn.Module, device: str | torch.device, seed: int) -> nn.Module:
-    """Give a meta-device model real storage on `device` and initialize it exactly as a
-    model built there directly. `Module.to_empty` unties shared parameters, so ties are
-    restored before initialization."""
+def tied_parameters(root: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Groups of (module, attribute) that share one Parameter, e.g. GPT's embedding and head."""
+    return [group for group in parameter_bindings(root).values() if len(group) > 1]
+
+
+def to_empty_keeping_ties_(root: nn.Module, device: str | torch.device) -> nn.Module:
+    """`Module.to_empty`, which unties shared parameters, with the ties restored."""
     ties = tied_parameters(root)
     root.to_empty(device=device)
     for (m0, n0), *rest in ties:
         for m, n in rest:
             setattr(m, n, getattr(m0, n0))
+    return root
+
+
+@torch.no_grad()
+def materialize_(root: nn.Module, device: str | torch.device, seed: int) -> nn.Module:
+    """Give a meta-device model real storage on `device` and initialize it exactly as a
+    model built there directly (ties kept)."""
+    to_empty_keeping_ties_(root, device)
     init_parameters_(root, seed)
     return root
