@@ -2,7 +2,8 @@
 
 One spawn per world size, every case inside it (process start-up dominates; N=4 on two cores
 is slow, so the models are the parity harness's tiny ones and runs are 3 steps):
-- N=4: fsdp and torch-fsdp with S=2 (HSDP: shard groups {0,1},{2,3}, replica groups {0,2},{1,3})
+- N=4: the CPU forms of the flat collectives against torch's, whole group and subgroup;
+  fsdp and torch-fsdp with S=2 (HSDP: shard groups {0,1},{2,3}, replica groups {0,2},{1,3})
   and fsdp with S=4 (plain FSDP), SGD and AdamW, with accumulation (no_sync) and clipping;
   the traffic of one step per group against the formulas of docs/engines.md; model state per
   rank 16 Psi / S; a checkpoint written by HSDP read by FSDP, DDP, torch-fsdp HSDP and zero3
@@ -90,6 +91,38 @@ def _traffic_and_state(rank: int, world: int, shard_size: int) -> dict:
     }
 
 
+def _collectives_against_torch(rank: int, world: int) -> dict:
+    """collectives.all_gather_into and reduce_scatter_into take the in-place CPU forms ([Note:
+    flat collectives on CPU, without gloo's temporaries]); torch's flat collectives are the
+    reference, over the whole group and over a 2-rank subgroup (HSDP's case: the broadcasts'
+    sources are group ranks mapped to global ones), blocking and async, in float64 with
+    values whose sums are exact. Each call counts as one call of its kind."""
+    import torch.distributed as dist
+
+    from shardlab.engines import collectives
+
+    subgroups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mismatches, counts = [], collectives.CommCounter()
+    for group in (None, subgroups[rank // 2]):
+        n = dist.get_world_size(group)
+        for async_op in (False, True):
+            shard = torch.arange(5, dtype=torch.float64) + 10 * rank
+            full, want = torch.empty(5 * n, dtype=torch.float64), torch.empty(5 * n, dtype=torch.float64)
+            work = collectives.all_gather_into(full, shard, group, async_op=async_op, counter=counts)
+            if work is not None:
+                work.wait()
+            dist.all_gather_into_tensor(want, shard, group=group)
+            mismatches += [] if torch.equal(full, want) else [("all_gather", group is None, async_op)]
+            grad = torch.arange(4 * n, dtype=torch.float64) * (rank + 1)
+            out, want = torch.empty(4, dtype=torch.float64), torch.empty(4, dtype=torch.float64)
+            dist.reduce_scatter_tensor(want, grad.clone(), group=group)
+            work = collectives.reduce_scatter_into(out, grad, group, average=False, async_op=async_op, counter=counts)
+            if work is not None:
+                work.wait()
+            mismatches += [] if torch.equal(out, want) else [("reduce_scatter", group is None, async_op)]
+    return {"mismatches": mismatches, "calls": {k: v["calls"] for k, v in counts.snapshot().items()}}
+
+
 HSDP2 = ("parallel.shard_size=2",)
 CKPT_ARGS = ("model.dropout=0.0", "train.micro_batch_size=1")
 
@@ -98,6 +131,7 @@ def _four(rank: int, world: int, out: str) -> dict:
     res: dict = {"parity": [train_engine(rank, world, name, strategy, opt, accumulate=acc, clip=clip, **options)
                             for strategy, name, opt, acc, clip, options in PARITY4]}
     res["traffic"] = {s: _traffic_and_state(rank, world, s) for s in (2, 4)}
+    res["collectives"] = _collectives_against_torch(rank, world)
     # an HSDP checkpoint written by the training loop (config keys -> engine options), after 2 steps
     cfg = make_cfg("fsdp", out, "hsdp", *CKPT_ARGS, *HSDP2, steps=2, every=2)
     T.train(cfg, runtime(rank, world, "fsdp"))
@@ -205,6 +239,12 @@ def test_traffic_per_group_matches_the_formulas(four):
             assert ar["payload_bytes"] == sum(sh for _, sh in trainable) == sum(f for f, _ in trainable) // s
             assert ar["calls"] == len(trainable)
             assert ar["bus_bytes"] == sum(int(sh * 2 * (r - 1) / r) for _, sh in trainable)
+
+
+def test_cpu_collectives_equal_torchs_flat_collectives(four):
+    for r in four["ranks"]:
+        assert r["collectives"]["mismatches"] == [], r["collectives"]
+        assert r["collectives"]["calls"] == {"all_gather": 4, "reduce_scatter": 4}
 
 
 def test_model_state_is_16_psi_over_shard_size(four):

@@ -99,20 +99,21 @@ def init_runtime(backend: str = "auto", timeout_s: float = 300.0, force_group: b
 
 # [Note: peak RSS on CPU and glibc's allocator]
 # The sharded engines allocate and free unit-sized buffers (gathered parameters, unsharded
-# gradients, gloo's copies of reduce-scatter inputs) many times per step. glibc serves
-# allocations above its mmap threshold with mmap and returns them to the OS on free, but the
-# threshold is dynamic: after the first such free it rises to the freed size, up to 32 MiB,
-# and from then on such buffers come from the heap, where freed memory stays cached and
-# fragments. Peak RSS then runs well above the live bytes: on gpt2-small at N=4 (micro batch
-# 1 x 64), fsdp held 0.42 GiB of live tensors per rank at its peak and 1.45 GiB of RSS (ddp:
-# 1.96). A fixed threshold (mallopt M_MMAP_THRESHOLD) keeps large buffers mmapped, so each
-# free gives its pages back at once: 0.83 GiB there. The price is a page fault for every page
-# of every large allocation, every time: fsdp on gpt-mini at N=2 (micro batch 8 x 128) took
-# 1513-1609 ms per step with a 4 MiB threshold against 1274-1459 ms without (3 rounds each,
-# one run), and a 16 MiB threshold, which leaves gpt-mini untouched, made fsdp on gpt2-small
-# at N=2 1.48x slower (docs/memory.md). So it is a choice, not a default: SHARDLAB_MMAP_THRESHOLD=<bytes> (e.g. 4194304)
-# sets it in every worker, for runs where the host's memory, not speed, is what binds.
-# (glibc's own MALLOC_MMAP_THRESHOLD_ works too, for every process.)
+# gradients) many times per step. glibc serves allocations above its mmap threshold with
+# mmap and returns them to the OS on free, but the threshold is dynamic: after the first such
+# free it rises to the freed size, up to 32 MiB, and from then on such buffers come from the
+# heap, where freed memory stays cached and fragments, so peak RSS runs above the live bytes.
+# The worst of it came from gloo's own unit-sized temporaries inside all_gather_into_tensor
+# and reduce_scatter_tensor, which the engines' collectives now avoid on CPU ([Note: flat
+# collectives on CPU, without gloo's temporaries] in engines/collectives.py): fsdp on
+# gpt2-small at N=4 went from 1.44 to 1.04 GiB of peak RSS (ddp: 1.97). What is left can
+# still be traded for speed: a fixed threshold (mallopt M_MMAP_THRESHOLD) keeps large buffers
+# mmapped, so each free gives its pages back at once, at the price of a page fault for every
+# page of every large allocation, every time (a 16 MiB threshold made fsdp on gpt2-small at
+# N=2 1.48x slower, measured before the collectives changed; docs/memory.md). So it is a
+# choice, not a default: SHARDLAB_MMAP_THRESHOLD=<bytes> (e.g. 4194304) sets it in every
+# worker, for runs where the host's memory, not speed, is what binds. (glibc's own
+# MALLOC_MMAP_THRESHOLD_ works too, for every process.)
 _M_MMAP_THRESHOLD = -3  # mallopt parameter number in glibc's malloc.h
 
 
