@@ -1,7 +1,7 @@
 """`shardlab plan` (shardlab.plan): its predicted peak live bytes per rank agree with what
 `shardlab train` measures (metrics.json `peak_live_bytes`, via tests/plan_measure.py, which runs
 shardlab.train.train in-process) within 10 % for every engine; bad input exits 2 before any probe;
-the alpha-beta fit recovers known constants.
+the alpha-beta fit recovers known constants; an HF decoder's depth is cut for the probes as a GPT's is.
 
 Fast: one spawn measures every engine at N=2 on gpt-tiny (micro batch 1 x 64 tokens), one probe
 process predicts them. Optional (SHARDLAB_PLAN_SWEEP=1, about 4 minutes): N=1, 2, 4 at gpt-tiny's own micro batch (4 x 128: activations
@@ -98,3 +98,30 @@ def test_per_kind_fit_recovers_each_kinds_constants():
     samples = [(k, b, collective_time(k, b, 2, link)) for k, _, _ in truth for b in (2**12, 2**16, 2**20, 2**24)]
     for (k, a, bw), (k2, a2, bw2) in zip(truth, fit_per_kind(samples, 2)):
         assert k == k2 and a2 == pytest.approx(a, rel=1e-6) and bw2 == pytest.approx(bw, rel=1e-6)
+
+
+def test_hf_decoder_depth_is_cut_for_the_probes(tmp_path):
+    """An HF decoder is probed at PROBE_LAYERS decoder layers, like a GPT: the probe's config is a
+    copy of the model's with num_hidden_layers cut (random init in place of the model directory's
+    weights), and the model state stays exact for the real depth."""
+    pytest.importorskip("transformers")
+    import json
+
+    from shardlab.config import config_from_dict
+    from shardlab.plan import PROBE_LAYERS, _cut_depth, _meta_model, _n_layer, model_state
+
+    raw = json.load(open("configs/hf/mistral-tiny.json"))
+    raw["num_hidden_layers"] = 9
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(raw))
+    cfg = load_config("configs/sft-mistral-tiny.yaml", [f"model.hf_config={tmp_path / 'model'}"])
+    assert _n_layer(cfg) == 9
+    cut = cfg.to_dict()
+    _cut_depth(cut, PROBE_LAYERS[0], str(tmp_path))
+    probe = config_from_dict(cut)
+    assert probe.model.hf_path is None and _n_layer(probe) == PROBE_LAYERS[0]
+    layers = _meta_model(probe).hf_model.model.layers
+    assert len(layers) == PROBE_LAYERS[0]
+    whole = _meta_model(cfg)
+    exact = sum(t.numel() * t.element_size() for t in (*whole.parameters(), *whole.buffers()))
+    assert model_state(cfg, "ddp", 1)["params"] == exact  # parameters + buffers of all 9 layers

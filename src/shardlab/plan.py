@@ -51,7 +51,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-#: Blocks of the model the probes run with (model keys n_layer; other models run whole).
+#: Blocks of the model the probes run with (GPT's n_layer, an HF decoder's num_hidden_layers;
+#: other models run whole).
 PROBE_LAYERS = (3, 4)
 #: Tokens (micro batch x sequence) a probe micro batch holds at most; activations scale from there.
 PROBE_TOKENS = 256
@@ -157,12 +158,35 @@ class Prediction:
 
 
 # -- model state, exactly ---------------------------------------------------------------------------------
-def _probe_config(cfg, n_layer: int | None, micro: int, seq: int, world: int, steps: int, accumulation: int):
+def _cut_depth(raw: dict, n_layer: int, tmpdir: str) -> None:
+    """Cut the model of config dict `raw` to `n_layer` blocks, in place: GPT's model.n_layer; for
+    an HF model, a copy of its config with num_hidden_layers=n_layer written into tmpdir and used
+    as model.hf_config (random init: a probe measures memory, which the values do not change;
+    per-layer lists such as layer_types are cut to match)."""
+    model = raw["model"]
+    if model["name"] == "gpt":
+        model["n_layer"] = n_layer
+        return
+    from types import SimpleNamespace
+
+    from shardlab.models.hf import load_hf_config
+
+    config = load_hf_config(SimpleNamespace(hf_path=model.get("hf_path"), hf_config=model.get("hf_config")))
+    config.num_hidden_layers = n_layer
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:n_layer]
+    path = os.path.join(tmpdir, f"hf-config-{n_layer}-layers.json")
+    config.to_json_file(path)
+    model.update(hf_path=None, hf_config=path)
+
+
+def _probe_config(cfg, n_layer: int | None, micro: int, seq: int, world: int, steps: int, accumulation: int,
+                  tmpdir: str):
     from shardlab.config import config_from_dict
 
     raw = cfg.to_dict()
     if n_layer is not None:
-        raw["model"]["n_layer"] = n_layer
+        _cut_depth(raw, n_layer, tmpdir)
     raw["data"]["seq_len"] = seq
     raw["train"].update(micro_batch_size=micro, global_batch_size=micro * world * accumulation, steps=steps,
                         memory_tracking="none", eval_every=0, profile=False)
@@ -337,7 +361,7 @@ def _probe_child(raws: dict[str, dict], nproc: int, layers: list[int | None], mi
             rt = Runtime(0, 0, 1, torch.device("cpu"), "gloo")
         out[engine] = {}
         for L in layers:
-            cfg = _probe_config(cfg0, L, micro, seq, rt.world_size, 3, accumulation)
+            cfg = _probe_config(cfg0, L, micro, seq, rt.world_size, 3, accumulation, tmp.name)
             run = build_run(cfg, rt)
             run.model.train()
             train_step(run)
@@ -462,6 +486,12 @@ def _tokens_per_sample(cfg) -> int:
 
 
 def _n_layer(cfg) -> int | None:
+    """Blocks of a model whose depth the probes cut (GPT's n_layer, an HF decoder's
+    num_hidden_layers); None for models that run whole (ResNet, MLP)."""
+    if cfg.model.name == "hf":
+        from shardlab.models.hf import load_hf_config
+
+        return load_hf_config(cfg.model).num_hidden_layers
     if cfg.model.name != "gpt":
         return None
     from shardlab.models.gpt import gpt_config
@@ -546,12 +576,16 @@ def predict(cfg, engine: str, nproc: int) -> Prediction:
 def _probe_state_estimate(cfg, engine: str, nproc: int, layers: int) -> int:
     """Rough bytes the probe of `engine` holds (model state of the probe model + one gathered
     copy), to refuse probes that would not fit on this machine."""
-    import copy as _copy
+    import tempfile
 
-    c = _copy.deepcopy(cfg)
-    if layers and cfg.model.name == "gpt":
-        c.model.n_layer = layers
-    psi = sum(p.numel() * p.element_size() for p in {id(p): p for p in _meta_model(c).parameters()}.values())
+    from shardlab.config import config_from_dict
+
+    raw = cfg.to_dict()
+    with tempfile.TemporaryDirectory(prefix="shardlab-plan-") as tmp:
+        if layers and cfg.model.name in ("gpt", "hf"):
+            _cut_depth(raw, layers, tmp)
+        model = _meta_model(config_from_dict(raw))
+        psi = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     group = cfg.parallel.shard_size or nproc
     return int(psi * (5 if engine not in SHARDED_ENGINES else 4 / group + 2))  # psi: parameter bytes
 
@@ -810,16 +844,19 @@ def _time_collectives(rank: int, world: int, sizes: tuple[int, ...], repeats: in
     import torch
     import torch.distributed as dist
 
+    from shardlab.engines import collectives as c
+
     out = []
     for nbytes in sizes:
         n = nbytes // 4
         full = torch.ones(n - n % world)
         shard = torch.ones(full.numel() // world)
-        ops = {"all_reduce": lambda f=full: dist.all_reduce(f),
-               "all_gather": lambda f=full, s=shard: dist.all_gather_into_tensor(f, s),
-               "reduce_scatter": lambda f=full, s=shard: dist.reduce_scatter_tensor(s, f),
-               "broadcast": lambda f=full: dist.broadcast(f, 0),
-               "reduce": lambda f=full: dist.reduce(f, 0)}
+        # the engines' own collectives (on CPU: [Note: flat collectives on CPU, without gloo's temporaries])
+        ops = {"all_reduce": lambda f=full: c.all_reduce(f),
+               "all_gather": lambda f=full, s=shard: c.all_gather_into(f, s),
+               "reduce_scatter": lambda f=full, s=shard: c.reduce_scatter_into(s, f, average=False),
+               "broadcast": lambda f=full: c.broadcast(f, 0),
+               "reduce": lambda f=full: c.reduce(f, 0)}
         for kind, op in ops.items():
             op()  # warm-up
             times = []
