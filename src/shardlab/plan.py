@@ -455,7 +455,13 @@ def _scale_probe(per_layer: dict[str, dict], L: int | None, act_scale: float, sh
     gradients (ddp keeps autograd's gradients beside its buckets until backward ends), so each
     part is extrapolated linearly in depth.
     The forward peak (end of forward: saved activations of every block) is linear in depth
-    part by part, and is the candidate that wins when activations dominate.
+    part by part, and is the candidate that wins when activations dominate. Then a sharded
+    engine's step peak comes at the start of backward: the forward's activations plus the
+    head's backward (the logits' gradient), not yet freed by any block. The probes show it:
+    their step peaks' activations grow between the two depths as the forward's do (within
+    5 %): both peaks caught the same moment, and each part is extrapolated linearly, as for a
+    replicated engine (the blocks' gradients, which the end-of-backward rule adds per block,
+    do not exist yet there).
     Activations scale with tokens per micro batch in both.
     """
     keys = sorted(int(k) for k in per_layer if k != "None")
@@ -466,7 +472,10 @@ def _scale_probe(per_layer: dict[str, dict], L: int | None, act_scale: float, sh
         hi = per_layer[str(keys[-1])]
         lo = per_layer[str(keys[0])] if len(keys) > 1 else hi
         blocks = (L - keys[-1]) / (keys[-1] - keys[0]) if len(keys) > 1 else 0.0
-        growth = "end_parts" if sharded else "parts"
+        act_step = hi["parts"].get("activations", 0) - lo["parts"].get("activations", 0)
+        act_fwd = hi["fwd_parts"].get("activations", 0) - lo["fwd_parts"].get("activations", 0)
+        at_backward_start = act_fwd > 0 and abs(act_step - act_fwd) <= 0.05 * act_fwd
+        growth = "end_parts" if sharded and not at_backward_start else "parts"
         step = {p: hi["parts"].get(p, 0) + blocks * (hi[growth].get(p, 0) - lo[growth].get(p, 0)) for p in PARTS}
         fwd = {p: hi["fwd_parts"].get(p, 0) + blocks * (hi["fwd_parts"].get(p, 0) - lo["fwd_parts"].get(p, 0))
                for p in PARTS}
