@@ -125,3 +125,23 @@ def test_hf_decoder_depth_is_cut_for_the_probes(tmp_path):
     whole = _meta_model(cfg)
     exact = sum(t.numel() * t.element_size() for t in (*whole.parameters(), *whole.buffers()))
     assert model_state(cfg, "ddp", 1)["params"] == exact  # parameters + buffers of all 9 layers
+
+
+def test_scaling_follows_where_the_probes_peaked():
+    """_scale_probe, on made-up probes of 3 and 4 blocks scaled to 8. A sharded engine peaking at
+    the end of backward: the 4-block peak plus what each block keeps between steps (end_parts);
+    its transient gradient at the peak does not grow. Peaking at the start of backward (its
+    peak's activations grow as the forward's do): every part linearly, and no gradients yet."""
+    from shardlab.plan import _scale_probe
+
+    def probe(step: dict, end: dict, fwd_act: float) -> dict:
+        return {"parts": step, "end_parts": end, "fwd_parts": {"activations": fwd_act}}
+
+    end_of_backward = {"3": probe({"grads": 30, "unsharded_grads": 9, "activations": 5}, {"grads": 30}, 12),
+                       "4": probe({"grads": 40, "unsharded_grads": 9, "activations": 5}, {"grads": 40}, 16)}
+    step, fwd = _scale_probe(end_of_backward, 8, 1.0, sharded=True)
+    assert (step["grads"], step["unsharded_grads"], step["activations"], fwd["activations"]) == (80, 9, 5, 32)
+    start_of_backward = {"3": probe({"activations": 14, "comm": 1}, {"grads": 30}, 12),
+                         "4": probe({"activations": 18, "comm": 1}, {"grads": 40}, 16)}
+    step, _ = _scale_probe(start_of_backward, 8, 1.0, sharded=True)
+    assert (step["grads"], step["activations"], step["comm"]) == (0, 34, 1)
