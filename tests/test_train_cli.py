@@ -85,24 +85,49 @@ REDUCE_KIND = {"ddp": "all_reduce", "zero3": "reduce", "fsdp": "reduce_scatter",
                "torch-ddp": "all_reduce", "torch-fsdp": "reduce_scatter"}
 
 
+def _accumulation_runs(rank: int, world: int, out_dir: str, common: list[str]) -> dict:
+    """Every engine at accumulation 1 and 4, trained in turn in one spawn (`shardlab.train.train`,
+    the CLI's code path minus the launcher: one process start-up instead of ten)."""
+    import torch
+
+    from shardlab.config import load_config
+    from shardlab.runtime import Runtime
+    from shardlab.train import train
+
+    out = {}
+    for strategy, kind in REDUCE_KIND.items():
+        for mb in (8, 2):  # accumulation 1 and 4 on 2 ranks
+            name = f"{strategy}-{mb}"
+            cfg = load_config("configs/gpt-tiny.yaml", [f"parallel.strategy={strategy}", f"train.micro_batch_size={mb}",
+                                                        *common, f"output.dir={out_dir}", f"output.run_name={name}",
+                                                        "output.progress=false"])
+            result = train(cfg, Runtime(rank, rank, world, torch.device("cpu"), "gloo"))
+            with open(f"{out_dir}/{name}/run_args.json") as f:
+                accumulation = json.load(f)["accumulation_steps"]
+            out[name] = {"losses": result["losses"], "accumulation": accumulation,
+                         "calls": [r[kind]["calls"] for r in result["comm_bytes"]]}
+    return out
+
+
 @pytest.mark.slow
 def test_accumulation_communicates_once_per_step(tmp_path):
     """With 4 micro batches per rank, the gradient reductions are those of 1 micro batch: the
     first three backward passes run inside no_sync and send nothing. PyTorch's engines are
     counted through DDP's communication hook and FSDP2's custom collectives (engines/native.py)."""
+    from shardlab.testing import run_workers
+
     common = ["model.preset=gpt-nano", "data.seq_len=32", "train.steps=3", "train.global_batch_size=16",
               "output.tensorboard=false", "train.optimizer=sgd", "train.lr=0.1"]
     single, _, _ = _train(tmp_path, "single", "parallel.strategy=single", "train.micro_batch_size=16", *common,
                           nproc=None)
+    runs = run_workers(2, _accumulation_runs, str(tmp_path), common, timeout_s=280)[0]
     for strategy, kind in REDUCE_KIND.items():
-        calls = {}
-        for mb in (8, 2):  # accumulation 1 and 4 on 2 ranks
-            m, args, _ = _train(tmp_path, f"{strategy}-{mb}", f"parallel.strategy={strategy}",
-                                f"train.micro_batch_size={mb}", *common)
-            assert args["accumulation_steps"] == 8 // mb
-            calls[mb] = [rank[kind]["calls"] for rank in m["comm_bytes"]]
+        for mb in (8, 2):
+            run = runs[f"{strategy}-{mb}"]
+            assert run["accumulation"] == 8 // mb
             # float32 on 2 CPU ranks: reduction order differs from one process by ~1e-7 relative
-            assert m["losses"] == pytest.approx(single["losses"], rel=1e-5), (strategy, mb)
+            assert run["losses"] == pytest.approx(single["losses"], rel=1e-5), (strategy, mb)
+        calls = {mb: runs[f"{strategy}-{mb}"]["calls"] for mb in (8, 2)}
         assert calls[2] == calls[8] and calls[8][0] > 0, f"{strategy}: {kind} calls {calls}"
 
 
