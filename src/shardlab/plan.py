@@ -59,6 +59,9 @@ PROBE_TOKENS = 256
 #: A probe whose model state would exceed this is not run (the engine is then reported by its model state
 #: only); SHARDLAB_PLAN_PROBE_MAX_GIB raises it on a machine with more memory to spare.
 PROBE_MAX_BYTES = int(float(os.environ.get("SHARDLAB_PLAN_PROBE_MAX_GIB", "6")) * 2**30)
+#: Seconds the probes of all engines may take together; past it the engines are reported by their
+#: model state only. SHARDLAB_PLAN_PROBE_TIMEOUT_S changes it (a large model on a few CPU cores).
+PROBE_TIMEOUT_S = float(os.environ.get("SHARDLAB_PLAN_PROBE_TIMEOUT_S", "1800"))
 
 #: Engines probed on a real one-rank gloo group instead of the fake N-rank one: PyTorch's DDP
 #: reducer does not run on a fake group, and a replicated engine's memory per rank does not
@@ -528,8 +531,16 @@ def predict_all(cfg, nproc: int, engines: list[str] | None = None, per_node: int
     states = {e: model_state(cfgs[e], e, nproc) for e in engines}
     deepest_probe = max(x or 0 for x in layers)
     probe_ok = [e for e in engines if _probe_state_estimate(cfgs[e], e, nproc, deepest_probe) <= PROBE_MAX_BYTES]
-    probes = _in_child(_probe_child, {e: cfgs[e].to_dict() for e in probe_ok}, nproc, layers, micro, seq,
-                       min(accumulation, 2)) if probe_ok else {}
+    why_not = {e: f"the probe would need over {PROBE_MAX_BYTES / 2**30:.0f} GiB here (SHARDLAB_PLAN_PROBE_MAX_GIB "
+                  "raises the limit)" for e in engines if e not in probe_ok}
+    probes = {}
+    if probe_ok:
+        try:
+            probes = _in_child(_probe_child, {e: cfgs[e].to_dict() for e in probe_ok}, nproc, layers, micro, seq,
+                               min(accumulation, 2), timeout_s=PROBE_TIMEOUT_S)
+        except mp.TimeoutError:  # the pool's exit terminates the probe
+            why_not.update({e: f"the probes did not finish in {PROBE_TIMEOUT_S:g} s here "
+                               "(SHARDLAB_PLAN_PROBE_TIMEOUT_S gives them longer)" for e in probe_ok})
     out = {}
     for e in engines:
         state = states[e]
@@ -538,9 +549,8 @@ def predict_all(cfg, nproc: int, engines: list[str] | None = None, per_node: int
             # all three are live at the optimizer step, so their sum is a lower bound of the peak
             parts.update(params=state["params"], grads=state["grads"], optimizer=state["optimizer"])
             out[e] = Prediction(e, nproc, sum(parts.values()), parts, "unknown", state, probed=False,
-                                notes=[f"not probed: the probe would need over {PROBE_MAX_BYTES / 2**30:.0f} GiB here "
-                                       "(SHARDLAB_PLAN_PROBE_MAX_GIB raises the limit); the figure is parameters + "
-                                       "gradients + optimizer state, all live at the optimizer step (a lower bound)"])
+                                notes=[f"not probed: {why_not[e]}; the figure is parameters + gradients + optimizer "
+                                       "state, all live at the optimizer step (a lower bound)"])
             continue
         per_layer = probes[e]
         deepest = per_layer[max(per_layer, key=lambda k: -1 if k == "None" else int(k))]
