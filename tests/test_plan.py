@@ -145,3 +145,14 @@ def test_scaling_follows_where_the_probes_peaked():
                          "4": probe({"activations": 18, "comm": 1}, {"grads": 40}, 16)}
     step, _ = _scale_probe(start_of_backward, 8, 1.0, sharded=True)
     assert (step["grads"], step["activations"], step["comm"]) == (0, 34, 1)
+
+
+def test_probes_past_their_time_report_the_lower_bound(monkeypatch):
+    """A probe that runs past PROBE_TIMEOUT_S (SHARDLAB_PLAN_PROBE_TIMEOUT_S) is stopped; the engine
+    is reported by parameters + gradients + optimizer state, with the reason, not a traceback."""
+    import shardlab.plan as plan
+
+    monkeypatch.setattr(plan, "PROBE_TIMEOUT_S", 0.01)
+    p = predict_all(load_config("configs/gpt-tiny.yaml", []), 2, ["ddp"])["ddp"]
+    assert not p.probed and "did not finish in 0.01 s" in p.notes[0], p.notes
+    assert p.peak_bytes == sum(p.model_state.values())

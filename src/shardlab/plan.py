@@ -129,13 +129,14 @@ class Link:
 #: fitted on this machine (docs/memory.md, `python -m shardlab.plan fit-loopback`); the others
 #: are nominal figures from vendor specifications with a stated efficiency.
 INTERCONNECTS: dict[str, Link] = {
-    # 2026-11-23, `python -m shardlab.plan fit-loopback` (median of 15 calls per kind and size, 4 KiB-16 MiB):
-    # per-kind mean |error| 17 % at the 2 fitted workers, 42 % at 4 (oversubscribed: 4 workers on 2 cores);
+    # 2026-11-23, `python -m shardlab.plan fit-loopback` (median of 15 calls per kind and size, 4 KiB-16 MiB),
+    # timing the engines' own collectives (on CPU, all-gather and reduce-scatter in place: collectives.py):
+    # per-kind mean |error| 19 % at the 2 fitted workers, 51 % at 4 (oversubscribed: 4 workers on 2 cores);
     # the constants moved by up to 3x between runs on this shared VM (docs/memory.md, "Step time").
-    "loopback": Link("loopback", 553e-6, 2.17e9, "fitted here: gloo on 127.0.0.1, 2 workers, 2 CPU cores",
-                     (("all_gather", 643.6e-6, 0.611e9), ("all_reduce", 392.1e-6, 0.987e9),
-                      ("broadcast", 463.4e-6, 3.466e9), ("reduce", 667.9e-6, 1.080e9),
-                      ("reduce_scatter", 1178.2e-6, 0.298e9))),
+    "loopback": Link("loopback", 211.7e-6, 1.548e9, "fitted here: gloo on 127.0.0.1, 2 workers, 2 CPU cores",
+                     (("all_gather", 583.8e-6, 0.711e9), ("all_reduce", 394.7e-6, 0.914e9),
+                      ("broadcast", 130.7e-6, 2.401e9), ("reduce", 483.2e-6, 1.041e9),
+                      ("reduce_scatter", 799.5e-6, 0.414e9))),
     "pcie": Link("pcie", 10e-6, 0.8 * 16e9, "PCIe 4.0 x16: 32 GB/s per direction nominal; ~16 GB/s ring bus, 80 %"),
     "nvlink": Link("nvlink", 5e-6, 0.8 * 300e9, "NVLink 4 (H100): 450 GB/s per direction; ~300 GB/s NCCL bus, 80 %"),
     "infiniband-400": Link("infiniband-400", 5e-6, 0.8 * 50e9, "InfiniBand NDR 400 Gb/s = 50 GB/s per port, 80 %"),
