@@ -250,9 +250,8 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, *, as
         return timed(counter, "all_gather", issued, _all_gather_flat(output, shard, group=group, async_op=async_op))
     chunks = output.view(-1).chunk(world)
     chunks[dist.get_rank(group)].copy_(shard.view(-1))
-    works = [dist.broadcast(chunk, src=dist.get_global_rank(group, r) if group is not None else r,
-                            group=group, async_op=True)
-             for r, chunk in enumerate(chunks)]
+    # rank r's chunk from rank r; uncounted here, as the one all-gather counted above
+    works = [broadcast(chunk, r, group, async_op=True) for r, chunk in enumerate(chunks)]
     return timed(counter, "all_gather", issued, _finish(_AllDone(works), async_op))
 
 
@@ -275,7 +274,7 @@ def reduce_scatter_into(shard: torch.Tensor, full: torch.Tensor, group=None, *, 
         return timed(counter, "reduce_scatter", issued,
                      _reduce_scatter_flat(shard, full, op=ReduceOp.SUM, group=group, async_op=async_op))
     mine = full.view(-1).chunk(world)[dist.get_rank(group)]
-    work = dist.all_reduce(full, op=ReduceOp.SUM, group=group, async_op=True)
+    work = all_reduce(full, group, async_op=True)  # uncounted: one reduce-scatter (averaged above)
     return timed(counter, "reduce_scatter", issued,
                  _finish(_AllDone([work], then=lambda: shard.view(-1).copy_(mine)), async_op))
 
