@@ -530,8 +530,8 @@ def predict_all(cfg, nproc: int, engines: list[str] | None = None, per_node: int
     micro, seq, act_scale = _probe_shape(cfg)
     accumulation = cfg.train.global_batch_size // (nproc * cfg.train.micro_batch_size)
     states = {e: model_state(cfgs[e], e, nproc) for e in engines}
-    deepest_probe = max(x or 0 for x in layers)
-    probe_ok = [e for e in engines if _probe_state_estimate(cfgs[e], e, nproc, deepest_probe) <= PROBE_MAX_BYTES]
+    probe_psi = _probe_param_bytes(cfg, max(x or 0 for x in layers))
+    probe_ok = [e for e in engines if _probe_state_estimate(probe_psi, cfgs[e], e, nproc) <= PROBE_MAX_BYTES]
     why_not = {e: f"the probe would need over {PROBE_MAX_BYTES / 2**30:.0f} GiB here (SHARDLAB_PLAN_PROBE_MAX_GIB "
                   "raises the limit)" for e in engines if e not in probe_ok}
     probes = {}
@@ -593,9 +593,8 @@ def predict(cfg, engine: str, nproc: int) -> Prediction:
     return predict_all(cfg, nproc, [engine])[engine]
 
 
-def _probe_state_estimate(cfg, engine: str, nproc: int, layers: int) -> int:
-    """Rough bytes the probe of `engine` holds (model state of the probe model + one gathered
-    copy), to refuse probes that would not fit on this machine."""
+def _probe_param_bytes(cfg, layers: int) -> int:
+    """Parameter bytes of the probe model (the model cut to `layers` blocks; the same for every engine)."""
     import tempfile
 
     from shardlab.config import config_from_dict
@@ -605,9 +604,14 @@ def _probe_state_estimate(cfg, engine: str, nproc: int, layers: int) -> int:
         if layers and cfg.model.name in ("gpt", "hf"):
             _cut_depth(raw, layers, tmp)
         model = _meta_model(config_from_dict(raw))
-        psi = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+        return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def _probe_state_estimate(psi: int, cfg, engine: str, nproc: int) -> int:
+    """Rough bytes the probe of `engine` holds (model state of the probe model, of `psi` parameter
+    bytes, + one gathered copy), to refuse probes that would not fit on this machine."""
     group = cfg.parallel.shard_size or nproc
-    return int(psi * (5 if engine not in SHARDED_ENGINES else 4 / group + 2))  # psi: parameter bytes
+    return int(psi * (5 if engine not in SHARDED_ENGINES else 4 / group + 2))
 
 
 # -- time: alpha-beta per collective --------------------------------------------------------------
@@ -785,18 +789,12 @@ def run(args) -> int:
             if bad:
                 raise ConfigError(f"--engines: unknown {', '.join(bad)}; valid: {', '.join(ENGINES)}")
         world = args.nproc * args.nodes
-        if engines is None:
-            engines = [e for e in ENGINES if e != "single" or world == 1]
-        from shardlab.config import validate_for_world
-
-        for e in engines:
-            validate_for_world(engine_config(cfg, e, world, args.nproc), world)
+        preds = predict_all(cfg, world, engines, per_node=args.nproc)  # validates every engine before probing
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     gpu = GPUS[args.gpu]
     link = INTERCONNECTS[args.interconnect or ("nvlink" if args.nodes == 1 else "infiniband-400")]
-    preds = predict_all(cfg, world, engines, per_node=args.nproc)
     report: dict[str, Any] = {"gpu": dataclasses.asdict(gpu), "usable_bytes": usable_bytes(gpu), "world": world,
                               "nodes": args.nodes, "interconnect": dataclasses.asdict(link), "mfu": MFU,
                               "engines": {}}
