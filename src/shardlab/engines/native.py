@@ -41,8 +41,8 @@ from shardlab.engines.api import CPUOffload, Engine, MixedPrecision, ShardPiece,
 from shardlab.models.init import (
     INITIALIZER_ATTR,
     RANGE_READERS_ATTR,
-    _copy_full_value_,
     canonical_names,
+    copy_full_value_,
     dtensor_local_rows,
     init_parameters_,
     materialize_,
@@ -219,7 +219,7 @@ def _materialize_sharded_(root: nn.Module, units: list[nn.Module], device: torch
     parameters: they are retied at once, as `materialize_` does). How the shards are filled
     depends on the model:
     - A model that does not fill its own tensors (shardlab's): `init_parameters_` draws each
-      tensor's full value from its name-keyed generator and `_copy_full_value_` keeps the
+      tensor's full value from its name-keyed generator and `copy_full_value_` keeps the
       local rows (`materialize_`).
     - A model that fills its own tensors (`shardlab_initialize_`, models/hf.py): the parameters it
       reads by range (`shardlab_range_readers`: pretrained weights) are read straight into the
@@ -231,7 +231,7 @@ def _materialize_sharded_(root: nn.Module, units: list[nn.Module], device: torch
       unit at a time "on the side": the unit's parameters are swapped for stand-ins (a whole
       empty tensor for each that needs a value, a meta tensor, which the initializer leaves
       alone, for those already read), the initializer fills the unit as any engine's unit by unit
-      materialization does, `_copy_full_value_` copies the local rows of each whole stand-in into
+      materialization does, `copy_full_value_` copies the local rows of each whole stand-in into
       its DTensor, and the DTensors go back. (Running the initializer on the DTensors themselves
       would draw through DTensor's own sharded RNG: values unlike a whole build's.) The whole stand-ins live on the compute device, where
       a whole build draws its values (the model's `_init_weights` draws differ by device), so at
@@ -283,7 +283,7 @@ def _materialize_sharded_(root: nn.Module, units: list[nn.Module], device: torch
             for m, attr, p in swapped:
                 m._parameters[attr] = p
         for pid in pending:
-            _copy_full_value_(params[pid], stand_ins[pid])
+            copy_full_value_(params[pid], stand_ins[pid])
         filled.update(pending)
         del stand_ins, swapped
 

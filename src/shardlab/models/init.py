@@ -85,7 +85,7 @@ def init_parameters_(root: nn.Module, seed: int, modules: Iterable[nn.Module] | 
         for local_name, p in module.named_parameters(recurse=False):
             full = names[id(p)]
             value = _init_value(module, local_name, p.shape, _generator(seed, full))
-            _copy_full_value_(p, value)
+            copy_full_value_(p, value)
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
             module.running_mean.zero_()
             module.running_var.fill_(1.0)
@@ -106,7 +106,7 @@ def dtensor_local_rows(p: torch.Tensor) -> tuple[int, torch.Size]:
     return (offset[0] if p.dim() else 0), torch.Size(shape)
 
 
-def _copy_full_value_(p: torch.Tensor, value: torch.Tensor) -> None:
+def copy_full_value_(p: torch.Tensor, value: torch.Tensor) -> None:
     """Write a parameter's full initial value into it; a DTensor (FSDP2's sharded parameters)
     takes only the rows its local shard holds, so a model sharded on the meta device and
     materialized there equals one built whole."""
