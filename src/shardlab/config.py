@@ -20,11 +20,8 @@ import yaml
 
 from shardlab.data import DATA_SOURCES
 from shardlab.engines import STRATEGIES
+from shardlab.errors import ConfigError
 from shardlab.models import MODELS
-
-
-class ConfigError(ValueError):
-    """A configuration problem a user can fix; the message says how."""
 
 
 @dataclass

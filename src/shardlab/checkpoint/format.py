@@ -8,6 +8,8 @@ import os
 import re
 from typing import Any
 
+from shardlab.errors import CheckpointError
+
 log = logging.getLogger("shardlab.checkpoint")
 
 FORMAT = "shardlab-checkpoint"
@@ -15,10 +17,6 @@ FORMAT_VERSION = 1
 MANIFEST = "shardlab.json"
 DCP_METADATA = ".metadata"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used; the message says which one, what is wrong and what to do."""
 
 
 def step_dir_name(step: int) -> str:

@@ -13,15 +13,13 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardlab.errors import RenderError
+
 RESOLVED_CONFIG_NAME = "shardlab-config.yaml"
 
 # Kubernetes object names (RFC 1123 labels) are the strictest names we emit; Slurm job
 # names are free text, but keeping one rule for both keeps rendered files comparable.
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-
-
-class RenderError(ValueError):
-    """A request that cannot be rendered; the message says what to change."""
 
 
 @dataclass

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardlab.errors import ConfigError
 from shardlab.models.spec import ModelSpec
 
 IGNORE_INDEX = -100
@@ -376,8 +377,6 @@ def load_hf_config(section, vocab_size: int | None = None):
 
 
 def _check(section) -> None:
-    from shardlab.config import ConfigError
-
     if section.name != "hf":
         return
     if (section.hf_path is None) == (section.hf_config is None):

@@ -32,7 +32,7 @@ class ModelSpec:
     # module -> JSON kwargs that `rebuild` turns back into the same architecture
     record: Callable[[nn.Module], dict[str, Any]]
     rebuild: Callable[[dict[str, Any], int], nn.Module]
-    # model section -> None, or raise shardlab.config.ConfigError naming the key and the fix
+    # model section -> None, or raise shardlab.errors.ConfigError naming the key and the fix
     check: Callable[[Any], None] = lambda section: None
     # model section -> what the synthetic data source needs (vocab_size, in_features, num_classes)
     synthetic: Callable[[Any], dict[str, Any]] = lambda section: {}
