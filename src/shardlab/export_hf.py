@@ -67,7 +67,7 @@ def model_from_state(record: dict[str, Any], state: dict[str, torch.Tensor]) -> 
     """The model of `record` holding `state`, built on the meta device and filled without a
     random init (a 7B export does not first draw 7B random numbers); buffers recomputed."""
     from shardlab.models import rebuild_model
-    from shardlab.models.hf import _recompute_buffers_
+    from shardlab.models.hf import recompute_buffers_
 
     model = rebuild_model(record, "meta")
     model.load_state_dict(state, strict=True, assign=True)
@@ -75,7 +75,7 @@ def model_from_state(record: dict[str, Any], state: dict[str, torch.Tensor]) -> 
         for name, b in list(m._buffers.items()):
             if b is not None and b.device.type == "meta":
                 m._buffers[name] = torch.zeros(b.shape, dtype=b.dtype)
-        _recompute_buffers_(m)
+        recompute_buffers_(m)
     if record["name"] == "gpt":
         model.lm_head.weight = model.tok_emb.weight
     elif getattr(model.hf_config, "tie_word_embeddings", False):

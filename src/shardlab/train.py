@@ -180,7 +180,7 @@ class Run:
             self.state.loss_scaler = self.scaler.state_dict()
         m = self.manager
         if m.last_saved_step != self.state.step:
-            m._refuse_non_finite(self.model, self.state.step)
+            m.refuse_non_finite(self.model, self.state.step)
             m.save(self.model, self.opt, self.sched, self.state, blocking=True)
         m.wait()
         from shardlab.checkpoint import step_dir_name

@@ -7,11 +7,11 @@ reads at each step (disjoint slices of one global batch).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from shardlab.data.datasets import Datasets
 from shardlab.data.sampler import GlobalBatchSampler
 
 __all__ = ["GlobalBatchSampler", "Datasets", "DATA_SOURCES", "build_datasets", "collate"]
@@ -19,18 +19,6 @@ __all__ = ["GlobalBatchSampler", "Datasets", "DATA_SOURCES", "build_datasets", "
 # data.source -> what it yields (a ModelSpec.data_kind); None: whatever the model takes.
 DATA_SOURCES: dict[str, str | None] = {"builtin": "tokens", "text": "tokens", "sft": "tokens", "cifar10": "images",
                                        "synthetic": None}
-
-
-@dataclass
-class Datasets:
-    train: torch.utils.data.Dataset
-    val: torch.utils.data.Dataset | None
-    vocab_size: int | None = None       # text sources
-    tokens_per_sample: int | None = None
-    info: dict[str, Any] | None = None  # goes to run_args.json (e.g. corpus hash)
-    tokenizer_dir: str | None = None    # sft: the tokenizer used (exports copy it)
-    # sft: non-padding tokens of each training sample (tokens_processed counts these, not padding)
-    real_tokens: torch.Tensor | None = None
 
 
 def build_datasets(cfg) -> Datasets:

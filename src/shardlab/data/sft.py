@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from shardlab.data.datasets import Datasets
+
 IGNORE = -100
 FORMAT_VERSION = 1
 SPECIALS = {"pad": "<pad>", "bos": "<s>", "eos": "</s>"}
@@ -382,8 +384,6 @@ class SFTRows(torch.utils.data.Dataset):
 def build(cfg):
     """The Datasets of data.source=sft; local rank 0 prepares the cache, the others wait and read it."""
     import torch.distributed as dist
-
-    from shardlab.data import Datasets
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         if int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:

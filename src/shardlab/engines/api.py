@@ -65,6 +65,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardlab.models import outermost_modules, repeated_blocks
+from shardlab.models.init import materialize_
+
 ENGINE_ATTR = "_shardlab_engine"
 
 WrapSpec = Union[None, set, frozenset, tuple, list, Callable[[nn.Module], bool]]
@@ -143,35 +146,15 @@ def resolve_units(model: nn.Module, wrap: WrapSpec) -> list[nn.Module]:
     A callable: every module for which wrap(module) is true (outermost only).
     """
     if wrap is None:
-        from shardlab.models import repeated_blocks
-
         return repeated_blocks(model)
     if isinstance(wrap, (set, frozenset, tuple, list)):
         classes = tuple(wrap)
         if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
             raise TypeError(f"wrap as a collection must hold nn.Module classes, got {wrap!r}")
-        predicate: Callable[[nn.Module], bool] = lambda m: isinstance(m, classes)  # noqa: E731
-    elif callable(wrap):
-        predicate = wrap
-    else:
-        raise TypeError(f"wrap must be None, a set of module classes or a predicate, not {type(wrap).__name__}")
-    units: list[nn.Module] = []
-    taken: set[int] = set()
-    for name, m in model.named_modules():
-        if m is model or any(id(a) in taken for a in _ancestors(model, name)):
-            continue
-        if predicate(m):
-            units.append(m)
-            taken.add(id(m))
-    return units
-
-
-def _ancestors(model: nn.Module, name: str) -> Iterator[nn.Module]:
-    parts = name.split(".") if name else []
-    m = model
-    for part in parts[:-1]:
-        m = getattr(m, part)
-        yield m
+        return outermost_modules(model, lambda m: isinstance(m, classes))
+    if callable(wrap):
+        return outermost_modules(model, wrap)
+    raise TypeError(f"wrap must be None, a set of module classes or a predicate, not {type(wrap).__name__}")
 
 
 @dataclass(frozen=True)
@@ -345,8 +328,6 @@ def materialize_whole_(module: nn.Module, device: torch.device) -> nn.Module:
     """For engines that keep the whole model: give a meta model real storage, initialized
     exactly as the same model built directly (see shardlab.models.init)."""
     if is_meta(module):
-        from shardlab.models.init import materialize_
-
         materialize_(module, device, getattr(module, "init_seed", 0))
     return module.to(device)
 

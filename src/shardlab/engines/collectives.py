@@ -126,7 +126,8 @@ def _world(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def nbytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor's elements: what a collective counts as its payload."""
     return t.numel() * t.element_size()
 
 
@@ -136,7 +137,7 @@ def all_reduce(tensor: torch.Tensor, group=None, *, average: bool = False, async
     world = _world(group)
     issued = time.perf_counter()
     if counter is not None:
-        counter.add("all_reduce", _nbytes(tensor), world)
+        counter.add("all_reduce", nbytes(tensor), world)
     if world == 1:
         return timed(counter, "all_reduce", issued, None)
     if average:
@@ -152,7 +153,7 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, *, async_op: bool = Fa
     world = _world(group)
     issued = time.perf_counter()
     if counter is not None:
-        counter.add("broadcast", _nbytes(tensor), world)
+        counter.add("broadcast", nbytes(tensor), world)
     if world == 1:
         return timed(counter, "broadcast", issued, None)
     return timed(counter, "broadcast", issued,
@@ -166,7 +167,7 @@ def reduce(tensor: torch.Tensor, dst: int, group=None, *, average: bool = False,
     world = _world(group)
     issued = time.perf_counter()
     if counter is not None:
-        counter.add("reduce", _nbytes(tensor), world)
+        counter.add("reduce", nbytes(tensor), world)
     if world == 1:
         return timed(counter, "reduce", issued, None)
     if average:
@@ -242,7 +243,7 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, *, as
         raise ValueError(f"all_gather_into: output has {output.numel()} elements, expected {world} x {shard.numel()}")
     issued = time.perf_counter()
     if counter is not None:
-        counter.add("all_gather", _nbytes(output), world)
+        counter.add("all_gather", nbytes(output), world)
     if world == 1:
         output.copy_(shard.view_as(output))
         return timed(counter, "all_gather", issued, None)
@@ -264,7 +265,7 @@ def reduce_scatter_into(shard: torch.Tensor, full: torch.Tensor, group=None, *, 
         raise ValueError(f"reduce_scatter_into: input has {full.numel()} elements, expected {world} x {shard.numel()}")
     issued = time.perf_counter()
     if counter is not None:
-        counter.add("reduce_scatter", _nbytes(full), world)
+        counter.add("reduce_scatter", nbytes(full), world)
     if average and world > 1:
         full.div_(world)
     if world == 1:

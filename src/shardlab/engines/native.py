@@ -310,7 +310,7 @@ def _counting_allreduce_hook(counter: collectives.CommCounter, group: dist.Proce
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     def hook(_state, bucket):  # unannotated: DDP rejects the string annotations of this module
-        counter.add("all_reduce", collectives._nbytes(bucket.buffer()), world)
+        counter.add("all_reduce", collectives.nbytes(bucket.buffer()), world)
         issued = time.perf_counter()
 
         def done(fut):
@@ -333,14 +333,14 @@ def _counting_fsdp2_comms(counter: collectives.CommCounter, replicas: int) -> tu
 
     class CountingAllGather(DefaultAllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            counter.add("all_gather", collectives._nbytes(output_tensor), group.size())
+            counter.add("all_gather", collectives.nbytes(output_tensor), group.size())
             issued = time.perf_counter()
             return collectives.timed(counter, "all_gather", issued,
                                      super().__call__(output_tensor, input_tensor, group, async_op))
 
     class CountingReduceScatter(DefaultReduceScatter):
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            counter.add("reduce_scatter", collectives._nbytes(input_tensor), group.size())
+            counter.add("reduce_scatter", collectives.nbytes(input_tensor), group.size())
             issued = time.perf_counter()
             work = collectives.timed(counter, "reduce_scatter", issued,
                                      super().__call__(output_tensor, input_tensor, group, op, async_op))
@@ -349,7 +349,7 @@ def _counting_fsdp2_comms(counter: collectives.CommCounter, replicas: int) -> tu
 
     def all_reduce_hook(reduce_output: torch.Tensor) -> None:
         # called by FSDP2 (HSDP) right after its blocking all-reduce of the reduce-scattered slice
-        counter.add("all_reduce", collectives._nbytes(reduce_output), replicas)
+        counter.add("all_reduce", collectives.nbytes(reduce_output), replicas)
         if last_reduce_scatter_end[0] is not None:
             counter.add_seconds("all_reduce", time.perf_counter() - last_reduce_scatter_end[0])
             last_reduce_scatter_end[0] = None

@@ -298,7 +298,7 @@ class HFCausalLM(nn.Module):
                     value = reader.get(key)
                     self._check_shape(key, value.shape, p)
                     p.copy_(value.to(dtype=p.dtype))
-            _recompute_buffers_(m)
+            recompute_buffers_(m)
 
     def _open_reader(self) -> SafetensorsReader:
         if self._reader is None:
@@ -327,7 +327,7 @@ def _init_lora_(p: torch.Tensor, name: str, seed: int) -> None:
 
 
 @torch.no_grad()
-def _recompute_buffers_(m: nn.Module) -> None:
+def recompute_buffers_(m: nn.Module) -> None:
     """Non-persistent buffers computed at construction: rotary inverse frequencies."""
     if "RotaryEmbedding" in type(m).__name__ and hasattr(m, "inv_freq") and m.inv_freq.device.type != "meta":
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

@@ -1,0 +1,22 @@
+"""What a data source builds: the train and validation datasets and what the model and the
+loop need to know about them. Its own module so a source (data/sft.py) can return one without
+importing the registry (data/__init__.py) that imports it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Datasets:
+    train: torch.utils.data.Dataset
+    val: torch.utils.data.Dataset | None
+    vocab_size: int | None = None       # text sources
+    tokens_per_sample: int | None = None
+    info: dict[str, Any] | None = None  # goes to run_args.json (e.g. corpus hash)
+    tokenizer_dir: str | None = None    # sft: the tokenizer used (exports copy it)
+    # sft: non-padding tokens of each training sample (tokens_processed counts these, not padding)
+    real_tokens: torch.Tensor | None = None
