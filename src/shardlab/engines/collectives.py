@@ -72,6 +72,26 @@ class CommCounter:
         self.seconds.clear()
 
 
+def merged_totals(counters: list[CommCounter]) -> dict[str, dict[str, int]]:
+    """Per-kind totals of several counters (an engine counting over two groups) summed."""
+    out: dict[str, dict[str, int]] = {}
+    for c in counters:
+        for kind, totals in c.totals.items():
+            mine = out.setdefault(kind, {})
+            for k, v in totals.items():
+                mine[k] = mine.get(k, 0) + v
+    return out
+
+
+def merged_seconds(counters: list[CommCounter]) -> dict[str, float]:
+    """Per-kind seconds of several counters summed."""
+    out: dict[str, float] = {}
+    for c in counters:
+        for kind, seconds in c.seconds.items():
+            out[kind] = out.get(kind, 0.0) + seconds
+    return out
+
+
 class TimedWork(dist.Work):
     """An async collective's Work handle that adds the time from issue until its first `wait()`
     returns to the counter. A subclass of `dist.Work` (not a wrapper) because FSDP2 waits only

@@ -119,7 +119,7 @@ forward (no grad) or of the backward.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,7 +127,18 @@ import torch
 from torch import nn
 
 from shardlab.engines import _hooks, collectives
-from shardlab.engines.api import CPUOffload, Engine, MixedPrecision, ShardPiece, is_meta
+from shardlab.engines.api import (
+    Collective,
+    CPUOffload,
+    Engine,
+    LocalTensor,
+    MemoryTracking,
+    MixedPrecision,
+    ModelTraffic,
+    ShardPiece,
+    gathered_unit_traffic,
+    is_meta,
+)
 from shardlab.models.init import RANGE_READERS_ATTR, canonical_names, init_parameters_
 
 
@@ -744,14 +755,44 @@ class FSDPEngine(Engine):
             layout.append((g.shard, pieces))
         return layout
 
-    def comm_stats(self) -> dict[str, dict[str, int]]:
-        """Bytes per collective kind: all-gathers and reduce-scatters over the shard group (and
-        the wrap-time broadcasts over the whole group), all-reduces over the replica group."""
-        return {**self.counter.snapshot(), **self.replica_counter.snapshot()}
+    def comm_counters(self) -> list[collectives.CommCounter]:
+        """All-gathers and reduce-scatters over the shard group (and the wrap-time broadcasts over
+        the whole group); all-reduces over the replica group."""
+        return [self.counter, self.replica_counter]
 
-    def comm_seconds(self) -> dict[str, float]:
-        """Seconds per kind; the two counters never share a kind (the replica group only all-reduces)."""
-        return {**self.counter.seconds_snapshot(), **self.replica_counter.seconds_snapshot()}
+    # -- what the tools ask (engines/api.py) ----------------------------------------------------
+    @classmethod
+    def planned_state(cls, params: list[nn.Parameter], world: int, options: Mapping[str, Any]
+                      ) -> list[list[LocalTensor]] | None:
+        """Flat groups per unit, padded: built, not re-derived."""
+        return None
+
+    @classmethod
+    def planned_ranks(cls, world: int) -> list[int]:
+        """Padding only shrinks the last rank's slice ([Note: padding]): the first and the last tell."""
+        return sorted({0, world - 1})
+
+    @classmethod
+    def step_traffic(cls, model: ModelTraffic, options: Mapping[str, Any]) -> list[Collective]:
+        """Every unit all-gathered in forward and again in backward (not the root, kept gathered),
+        gradients reduce-scattered once per step within the shard group ([Note: hybrid sharding])."""
+        group = options.get("shard_size") or model.world
+        return gathered_unit_traffic(model, "all_gather", "reduce_scatter", group, root_kept=True)
+
+    def memory_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for g in self.groups:
+            yield "gathered_params", g.full_data       # resized to 0 when sharded
+            if g.send is not None:
+                yield "comm", g.send                   # the low-precision all-gather input (fp32: the shard)
+            if g.unsharded_grad is not None:
+                yield "unsharded_grads", g.unsharded_grad  # no_sync accumulation
+        for _g, out, full_grad, _handle in self.pending_reduces:
+            yield "unsharded_grads", full_grad         # a unit's whole gradient, kept until its reduce-scatter completes
+            yield "grads", out                         # the reduce-scatter's output: becomes shard.grad
+
+    def hook_memory_tracker(self, tracker: MemoryTracking) -> None:
+        for g in self.groups:  # each group's flat buffer is one leaf for the whole step
+            tracker.hook_incoming(g.full, "unsharded_grads")
 
     def comm_stats_by_group(self) -> dict[str, dict[str, dict[str, int]]]:
         """The same, split by the group each collective ran over: "shard" (also the wrap-time

@@ -63,7 +63,8 @@ mixed_precision: gathered parameters and compute in `param_dtype`, gradients red
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+import weakref
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -73,7 +74,18 @@ from torch import nn
 
 from shardlab.engines import _hooks
 from shardlab.engines import collectives as C
-from shardlab.engines.api import CPUOffload, Engine, MixedPrecision, ShardPiece, is_meta
+from shardlab.engines.api import (
+    Collective,
+    CPUOffload,
+    Engine,
+    LocalTensor,
+    MemoryTracking,
+    MixedPrecision,
+    ModelTraffic,
+    ShardPiece,
+    gathered_unit_traffic,
+    is_meta,
+)
 from shardlab.models.init import canonical_names, init_parameters_
 
 
@@ -169,6 +181,7 @@ class Zero3Engine(Engine):
         self._in_backward_of: dict[int, _Gather] = {}   # id(unit) -> gather whose backward runs
         self._inflight: list[tuple[Any, _Unit, _Group, torch.Tensor]] = []   # async reduces, oldest first
         self._inflight_bytes = 0
+        self._memory_trackers: weakref.WeakSet = weakref.WeakSet()   # hook_memory_tracker's, once each
 
         meta = is_meta(module)
         if not meta:
@@ -630,9 +643,57 @@ class Zero3Engine(Engine):
         """Bytes of full parameters gathered right now (0 between steps when resharding)."""
         return sum(b.untyped_storage().nbytes() for g in self._live for b in g.buffers)
 
-    def comm_stats(self) -> dict[str, dict[str, int]]:
-        return self.counter.snapshot()
+    def comm_counters(self) -> list[C.CommCounter]:
+        return [self.counter]
 
-    def comm_seconds(self) -> dict[str, float]:
-        return self.counter.seconds_snapshot()
+    # -- what the tools ask (engines/api.py) ----------------------------------------------------
+    @classmethod
+    def planned_state(cls, params: list[nn.Parameter], world: int, options: Mapping[str, Any]
+                      ) -> list[list[LocalTensor]] | None:
+        """One rank owns everything whole; over several, ownership is the engine's own choice
+        (`_make_slots`): built, not re-derived."""
+        return super().planned_state(params, world, options) if world == 1 else None
+
+    def rank_states(self) -> list[list[LocalTensor]]:
+        """Every rank's owned tensors: ownership is known on every rank."""
+        states: list[list[LocalTensor]] = [[] for _ in range(self.world_size)]
+        for s in self.slots:
+            states[s.owner].append(LocalTensor(s.numel, s.placeholder.element_size(), s.requires_grad))
+        return states
+
+    @classmethod
+    def step_traffic(cls, model: ModelTraffic, options: Mapping[str, Any]) -> list[Collective]:
+        """Every unit broadcast in forward and again in backward (the root too), gradients reduced
+        to their owners once per step, over all ranks."""
+        return gathered_unit_traffic(model, "broadcast", "reduce", model.world, root_kept=False)
+
+    def memory_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for gather in self._live:
+            for b in gather.buffers:
+                yield "gathered_params", b
+            for b in gather.grad_buffers.values():
+                yield "unsharded_grads", b             # a unit's gradients per owner, before the reduce
+        for _handle, _unit, _group, buffer in self._inflight:
+            yield "unsharded_grads", buffer            # being reduced (the owner's `.grad` views claim it later)
+        for slot in self.slots:
+            if slot.pending_grad is not None:
+                yield "unsharded_grads", slot.pending_grad
+
+    def hook_memory_tracker(self, tracker: MemoryTracking) -> None:
+        """New leaves are made at every gather: a forward pre-hook on each unit, after the
+        engine's (which gathered), hooks the gathered tensors of this forward. Once per tracker."""
+        if tracker in self._memory_trackers:
+            return
+        self._memory_trackers.add(tracker)
+        tracker_ref = weakref.ref(tracker)
+
+        def after_gather(unit: _Unit) -> None:
+            t = tracker_ref()
+            if t is not None and t.tracking and unit.bound is not None:
+                for full in unit.bound.fulls:
+                    t.hook_incoming(full, "unsharded_grads")
+
+        for unit in self.unit_list:
+            tracker.keep_handle(unit.module.register_forward_pre_hook(
+                lambda _m, *a, unit=unit: after_gather(unit), with_kwargs=True))
 
