@@ -28,10 +28,9 @@ import shardlab
 from shardlab import memory
 from shardlab import metrics as M
 from shardlab.amp import autocast, make_loss_scaler
-from shardlab.config import Config, dump_config, validate_for_world
+from shardlab.config import Config, dump_config, engine_options, validate_for_world
 from shardlab.data import GlobalBatchSampler, build_datasets, collate
-from shardlab.engines import Engine, engine_class, engine_of, is_sharded, optimizer_state_bytes
-from shardlab.engines.api import CPUOffload, MixedPrecision
+from shardlab.engines import Engine, engine_of, is_sharded, optimizer_state_bytes
 from shardlab.evaluate import evaluate
 from shardlab.models import build_model, count_parameters
 from shardlab.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionGuard
@@ -69,20 +68,6 @@ def wrap_units(cfg: Config, model: nn.Module):
         raise ValueError(f"parallel.wrap_classes: no module of class {missing} in the model; its classes include "
                          f"{sorted(found)[:12]}")
     return lambda m: type(m).__name__ in names
-
-
-def engine_options(cfg: Config) -> dict[str, Any]:
-    p = cfg.parallel
-    offered = {
-        "reshard_after_forward": p.reshard_after_forward,
-        "mixed_precision": MixedPrecision.parse(p.mixed_precision),
-        "bucket_size_bytes": int(p.bucket_size_mb * 2**20),
-        "prefetch": p.prefetch,
-        "shard_size": p.shard_size,
-        "offload": CPUOffload.parse(p.offload),
-    }
-    accepted = engine_class(p.strategy).options
-    return {k: v for k, v in offered.items() if k in accepted}
 
 
 def make_optimizer(cfg: Config, params) -> torch.optim.Optimizer:

@@ -171,4 +171,7 @@ SPEC = ModelSpec(
     rebuild=lambda kwargs, seed: GPT(GPTConfig(**kwargs), seed=seed),
     check=_check,
     synthetic=lambda section: {"vocab_size": section.vocab_size or 256},
-    max_seq_len=lambda section: gpt_config(section).block_size)
+    max_seq_len=lambda section: gpt_config(section).block_size,
+    depth=lambda section: gpt_config(section).n_layer,
+    cut_depth=lambda raw, n_layer, tmpdir: raw.update(n_layer=n_layer),
+    vocab_key="vocab_size")

@@ -440,6 +440,21 @@ def _max_seq_len(section) -> int | None:
     return raw.get("max_position_embeddings") or raw.get("n_positions")
 
 
+def _cut_depth(raw: dict[str, Any], n_layer: int, tmpdir: str) -> None:
+    """A copy of the section's config with num_hidden_layers=n_layer written into tmpdir and used
+    as model.hf_config (random init: a plan probe measures memory, which the values do not
+    change); per-layer lists such as layer_types are cut to match."""
+    from types import SimpleNamespace
+
+    config = load_hf_config(SimpleNamespace(hf_path=raw.get("hf_path"), hf_config=raw.get("hf_config")))
+    config.num_hidden_layers = n_layer
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:n_layer]
+    path = os.path.join(tmpdir, f"hf-config-{n_layer}-layers.json")
+    config.to_json_file(path)
+    raw.update(hf_path=None, hf_config=path)
+
+
 def hf_vocab_size(section) -> int | None:
     try:
         with open(config_file(section)) as f:
@@ -452,4 +467,6 @@ SPEC = ModelSpec(
     name="hf", keys=HFKeys, data_kind="tokens",
     build=_build, record=_record, rebuild=_rebuild, check=_check,
     synthetic=lambda section: {"vocab_size": hf_vocab_size(section) or 256},
-    max_seq_len=_max_seq_len)
+    max_seq_len=_max_seq_len,
+    depth=lambda section: load_hf_config(section).num_hidden_layers,
+    cut_depth=_cut_depth)

@@ -38,3 +38,18 @@ class ModelSpec:
     synthetic: Callable[[Any], dict[str, Any]] = lambda section: {}
     # the longest input it takes (token models), for the data.seq_len check; None = no limit
     max_seq_len: Callable[[Any], int | None] = lambda section: None
+    # What `shardlab plan` asks (plan/model.py). Its probes run the model cut to a few blocks:
+    # depth: model section -> its blocks (GPT's n_layer, an HF decoder's num_hidden_layers),
+    # None when it runs whole; cut_depth: (section as a dict, n, a scratch directory) -> None,
+    # the section at n blocks, in place.
+    depth: Callable[[Any], int | None] = lambda section: None
+    cut_depth: Callable[[dict[str, Any], int, str], None] | None = None
+    # The model key that fixes its vocabulary (its embedding's rows) when the data does not:
+    # plan pins it to what the real data offers, so the probe's synthetic tokens build the same
+    # model. None: the model fixes its own (an HF config's vocab_size).
+    vocab_key: str | None = None
+
+    def tokens_per_sample(self, seq_len: int) -> int:
+        """Tokens one sample holds, for FLOP and throughput counts: the sequence for a token
+        model, one per image or vector otherwise."""
+        return seq_len if self.data_kind == "tokens" else 1
