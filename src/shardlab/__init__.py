@@ -1,6 +1,6 @@
 """shardlab: sharded data-parallel training on PyTorch.
 
-    model = shardlab.parallelize(model, strategy="fsdp")   # single, ddp, zero3, fsdp, torch-ddp, torch-fsdp
+    model = shardlab.parallelize(model, strategy="fsdp")   # any key of shardlab.STRATEGIES
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with shardlab.no_sync(model): loss.backward()            # accumulate without communicating
     norm = shardlab.clip_grad_norm_(model, 1.0)              # global norm, same on every rank

@@ -21,12 +21,11 @@ examples:
   shardlab train configs/resnet-cifar10.yaml data.path=~/data --nproc 2
   shardlab train configs/gpt-tiny.yaml --print-config
 
-strategies (parallel.strategy): single, ddp, zero3, fsdp (shardlab's own, from scratch),
-  torch-ddp (DistributedDataParallel), torch-fsdp (FSDP2 fully_shard).
+strategies (parallel.strategy): {strategies} (docs/engines.md).
 Without --nproc, shardlab runs as one worker of a job started elsewhere (torchrun, srun,
 a Kubernetes pod), taking RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT or the
 SLURM_* variables from the environment; with none of them, as a single process.
-Outputs: <output.dir>/<output.run_name>/{run_args.json,metrics.json,config.yaml,tensorboard/}.
+Outputs: <output.dir>/<output.run_name>/{{run_args.json,metrics.json,config.yaml,tensorboard/}}.
 """
 
 
@@ -95,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tr = sub.add_parser("train", help="train a model on N local workers, or as one worker of a launched job",
                         description="Train a model. Config: YAML file plus dotted key=value overrides.",
-                        epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                        epilog=TRAIN_EPILOG.format(strategies=", ".join(shardlab.STRATEGIES)), formatter_class=argparse.RawDescriptionHelpFormatter)
     tr.add_argument("config", nargs="?", help="YAML config file (default: built-in defaults)")
     tr.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.steps=100")
     tr.add_argument("--nproc", type=int, default=None, metavar="N",

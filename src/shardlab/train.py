@@ -30,7 +30,7 @@ from shardlab import metrics as M
 from shardlab.amp import autocast, make_loss_scaler
 from shardlab.config import Config, dump_config, engine_options, validate_for_world
 from shardlab.data import GlobalBatchSampler, build_datasets, collate
-from shardlab.engines import Engine, engine_of, is_sharded, optimizer_state_bytes
+from shardlab.engines import Engine, engine_class, engine_of, is_sharded, optimizer_state_bytes
 from shardlab.evaluate import evaluate
 from shardlab.models import build_model, count_parameters
 from shardlab.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionGuard
@@ -336,7 +336,7 @@ def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
 def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str, Any]:
     t0 = time.perf_counter()
     rt = rt or init_runtime(cfg.parallel.backend, cfg.parallel.timeout_s,
-                            force_group=cfg.parallel.strategy != "single")
+                            force_group=engine_class(cfg.parallel.strategy).distributed)
     run = build_run(cfg, rt)
     write_run_args(run)
     logger = StepLogger(run)
@@ -496,7 +496,8 @@ def print_summary(result: dict[str, Any], out_dir: str) -> None:
 def worker_main(cfg: Config) -> int:
     """Entry point of one worker process (under shardlab's launcher, torchrun, srun or a pod).
     Exit codes: 0 done, PREEMPTED_EXIT_CODE (75) a signal was turned into a checkpoint."""
-    rt = init_runtime(cfg.parallel.backend, cfg.parallel.timeout_s, force_group=cfg.parallel.strategy != "single")
+    rt = init_runtime(cfg.parallel.backend, cfg.parallel.timeout_s,
+                      force_group=engine_class(cfg.parallel.strategy).distributed)
     clean = False
     try:
         if not cfg.output.run_name:

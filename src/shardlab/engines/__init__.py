@@ -90,7 +90,7 @@ def parallelize(model: nn.Module, strategy: str = "fsdp", wrap: Any = None, *,
     if unknown:
         raise TypeError(f"strategy {strategy!r} takes no option(s) {unknown}; "
                         f"its options are: {', '.join(cls.options) or 'none'}")
-    if strategy != "single" and not dist.is_initialized():
+    if cls.distributed and not dist.is_initialized():
         raise RuntimeError(f"strategy {strategy!r} needs torch.distributed initialized "
                            "(torch.distributed.init_process_group, or run through `shardlab train`)")
     if hasattr(model, ENGINE_ATTR):
