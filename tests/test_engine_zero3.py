@@ -128,8 +128,7 @@ def frozen_release(rank: int, world: int) -> dict:
     seen: dict = {}
 
     def record(_leaf):
-        seen["gathered"] = [sum(b.untyped_storage().nbytes() for g in engine._live if g.unit is u for b in g.buffers)
-                            for u in blocks]
+        seen["gathered"] = [engine.gathered_bytes(b) for b in model.blocks]
 
     def hook_fc2(_module, _args, _kwargs):  # runs after the engine's pre-hook, which gathered and bound
         pos = next(i for i, s in enumerate(blocks[0].slots) if s.name == "blocks.0.fc2.weight")

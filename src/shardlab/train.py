@@ -186,8 +186,8 @@ def build_run(cfg: Config, rt: Runtime) -> Run:
     engine = engine_of(model)
     if not engine.local_parameters():
         raise ValueError(f"rank {rt.rank} holds no parameter with parallel.strategy={cfg.parallel.strategy} at world "
-                         f"size {rt.world_size}: the model has fewer parameter tensors than ranks. Use fewer "
-                         "workers or parallel.strategy=fsdp, which slices every tensor.")
+                         f"size {rt.world_size} (the engine's warning above says why): use fewer workers or a "
+                         "parallel.strategy that slices every tensor.")
     opt = make_optimizer(cfg, model.parameters())
     sched = make_schedule(cfg, opt)
     scaler = make_loss_scaler(uses_fp16(cfg), rt.device, rt.distributed and rt.world_size > 1,

@@ -52,6 +52,26 @@ on the autograd engine (`_hooks.BackwardEnd`) that runs after the last node, sti
 launch (parameters unused in this step still take part, in the same order on every rank,
 so the collectives pair up), waits for everything in flight, and frees what is still
 gathered. Gathers are waited for right before their values are read.
+
+[Note: how many reductions may be in flight]
+zero3 and fsdp launch a gradient reduction asynchronously as soon as its input is complete,
+so it overlaps the backward of earlier units, and must keep that input alive until the
+reduction completes: bounding what is in flight bounds the backward peak. Each bounds it by
+what its reductions are made of, and the two choices answer each other:
+- fsdp reduce-scatters a unit's whole flat gradient in one collective per group, once the unit
+  is done: the thing in flight is a unit, so it counts units (MAX_UNITS_REDUCING = 1: a new
+  unit's reduce-scatter waits for the previous unit's). A byte cap set by the largest unit (a
+  GPT's embedding) would let many small blocks pile up; a count of units holds the peak to one
+  unit's gradient in flight whatever the sizes (fsdp.py's Note has the measurements).
+- zero3 reduces each owner's piece of a unit as soon as that owner's tensors are in: a unit
+  leaves as up to N reduces of very different sizes (a whole embedding owned by one rank, a
+  bias by another), launched at different moments and interleaved with the next unit's. No
+  unit is ever "in flight" as one thing, and counting pieces would let a bias-sized piece
+  stand for a unit's worth of bytes; so it counts bytes, waiting for the oldest reduce once
+  the buffers in flight exceed twice the largest unit's parameter bytes (`max_inflight_bytes`).
+  fsdp's objection applies to it: with a large root unit the cap admits several blocks'
+  gradients at once. It is kept as measured (docs/memory.md's zero3 peaks are with it); a cap
+  in bytes per block, not per largest unit, is the tighter bound it leaves open.
 """
 
 from __future__ import annotations
