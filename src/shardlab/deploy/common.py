@@ -6,10 +6,12 @@ request leaves the output directory untouched.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shlex
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +22,37 @@ RESOLVED_CONFIG_NAME = "shardlab-config.yaml"
 # Kubernetes object names (RFC 1123 labels) are the strictest names we emit; Slurm job
 # names are free text, but keeping one rule for both keeps rendered files comparable.
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class DeployTarget:
+    """One `shardlab render/submit` target (the registry: shardlab.deploy.DEPLOY_TARGETS).
+
+    add_arguments: its options, beside the common ones (`add_common_arguments`);
+    render: (parsed args, the common request fields) -> (written files, how to submit them);
+    submit: (parsed args, output directory) -> exit code, for targets that can be submitted,
+    with submit_arguments for the options only submitting takes."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    render: Callable[[argparse.Namespace, dict], tuple[list[Path], str]]
+    submit: Callable[[argparse.Namespace, Path], int] | None = None
+    submit_arguments: Callable[[argparse.ArgumentParser], None] = lambda p: None
+
+
+def add_common_arguments(p: argparse.ArgumentParser, target: str) -> None:
+    p.add_argument("config", metavar="CONFIG.yaml", help="shardlab config file")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.steps=100")
+    p.add_argument("--nodes", type=int, default=1, help="machines (default 1)")
+    p.add_argument("--gpus-per-node", type=int, default=1,
+                   help="GPUs per machine; 0 = CPU workers with gloo (slurm, k8s) (default 1)")
+    p.add_argument("--out", type=Path, default=None, help=f"output directory (default deploy/{target})")
+    p.add_argument("--max-restarts", type=int, default=3, help="torchrun agent restarts before giving up (default 3)")
+
+
+def out_dir(args: argparse.Namespace) -> Path:
+    return args.out if args.out is not None else Path("deploy") / args.target
 
 
 @dataclass
