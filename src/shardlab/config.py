@@ -19,8 +19,11 @@ from typing import Any, Optional
 import yaml
 
 from shardlab.data import DATA_SOURCES
+from shardlab.data.cifar import find_cifar_dir
+from shardlab.data.text import text_files
 from shardlab.engines import STRATEGIES, engine_class
 from shardlab.engines.api import CPUOffload, MixedPrecision
+from shardlab.engines.collectives import resolve_shard_size
 from shardlab.errors import ConfigError
 from shardlab.models import MODELS
 
@@ -356,9 +359,6 @@ def validate(cfg: Config) -> None:
 
 
 def _validate_data(cfg: Config, spec: Any) -> None:
-    from shardlab.data.cifar import find_cifar_dir
-    from shardlab.data.text import text_files
-
     m, d = cfg.model, cfg.data
     _choice("data.source", d.source, DATA_CHOICES)
     if d.source == "text":
@@ -490,8 +490,6 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
         _check(world_size == 1, f"parallel.strategy={cfg.parallel.strategy} runs one process, but {world_size} workers "
                f"were asked for; use --nproc 1 or a distributed strategy ({', '.join(distributed)})")
     if "shard_size" in engine.options:
-        from shardlab.engines.collectives import resolve_shard_size
-
         try:
             resolve_shard_size(cfg.parallel.shard_size, world_size)
         except ValueError as e:

@@ -119,7 +119,7 @@ class _Watch(TorchDispatchMode):
         super().__init__()
         self.tracker = tracker
         self.fresh: dict[Any, bool] = {}   # operator -> its outputs are new storages
-        try:
+        try:  # deferred: torch.distributed.tensor costs 0.5 s to import, and only FSDP2 makes DTensors
             from torch.distributed.tensor import DTensor
 
             self.subclasses: tuple[type, ...] = (DTensor,)

@@ -23,6 +23,7 @@ from shardlab.checkpoint.format import (
 )
 from shardlab.checkpoint.integrity import SafeReader, check_file_hashes
 from shardlab.checkpoint.planners import TensorOnlyLoadPlanner
+from shardlab.models import rebuild_model
 
 __all__ = ["verify_checkpoint", "list_checkpoints", "resolve_checkpoint", "read_tensors", "read_model_state",
            "build_model_from_record"]
@@ -100,8 +101,6 @@ def read_model_state(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]
 # ============================================================================ model description
 def build_model_from_record(record: dict[str, Any], device: str | torch.device = "cpu") -> nn.Module:
     """The checkpointed architecture (shardlab.models.rebuild_model), without the training data."""
-    from shardlab.models import rebuild_model
-
     if "gpt_config" in record:  # manifests written before the model registry
         record = {**record, "kwargs": record["gpt_config"]}
     return rebuild_model(record, device)

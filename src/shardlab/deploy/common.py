@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardlab import config as shardlab_config
 from shardlab.errors import RenderError
 
 RESOLVED_CONFIG_NAME = "shardlab-config.yaml"
@@ -92,11 +93,6 @@ def with_defaults(overrides: list[str], defaults: dict[str, str]) -> list[str]:
 
 def resolve_config(config_path: str | None, overrides: list[str], world_size: int) -> ResolvedRun:
     """Load, override and validate the config for `world_size` ranks; raise RenderError."""
-    try:
-        from shardlab import config as shardlab_config
-    except ImportError as e:  # the lead's module; say so instead of a bare traceback
-        raise RenderError(f"shardlab.config is not available ({e}); cannot resolve the config") from e
-
     if config_path is not None and not os.path.isfile(config_path):
         raise RenderError(f"config file {config_path!r} does not exist")
     try:

@@ -531,8 +531,6 @@ TARGET = DeployTarget("k8s", "an Indexed Job + headless Service (kustomize base 
 
 
 def _main(argv: list[str] | None = None) -> int:
-    import argparse
-
     p = argparse.ArgumentParser(prog="python -m shardlab.deploy.k8s")
     p.add_argument("command", choices=["write-infra"])
     p.add_argument("--dir", default="infra/kubernetes")

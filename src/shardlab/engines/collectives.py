@@ -25,6 +25,7 @@ not transfer times (docs/benchmarks.md).
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -305,8 +306,6 @@ def ranks_per_node() -> int | None:
     """The ranks on this node, from the launcher's environment: torchrun's LOCAL_WORLD_SIZE, or
     Slurm's SLURM_NTASKS_PER_NODE when srun starts the workers itself (no torchrun: RANK unset,
     as runtime.env_world reads it); None when neither says."""
-    import os
-
     env = os.environ
     candidates = [env.get("LOCAL_WORLD_SIZE", "")]
     if "RANK" not in env and "SLURM_PROCID" in env:

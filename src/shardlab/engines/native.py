@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardlab.engines import collectives
 from shardlab.engines.api import (
@@ -111,17 +113,16 @@ class TorchFSDPEngine(Engine):
     def __init__(self, module: nn.Module, *, reshard_after_forward: bool | int = True,
                  mixed_precision: Any = None, shard_size: int | None = None, offload: Any = None, **kw: Any):
         super().__init__(module, **kw)
-        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+        # deferred here and below: torch.distributed.fsdp (and .tensor) cost 0.5 s to import; only
+        # torch-fsdp needs them, and every engine class is imported to read its options
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-        from shardlab.engines.collectives import hybrid_groups
 
         # A meta model is sharded first and given storage afterwards: see
         # [Note: torch-fsdp from the meta device] at _materialize_sharded_.
         meta = is_meta(module)
         if not meta:
             materialize_whole_(module, self.device)
-        self.hybrid = hybrid_groups(self.group, shard_size)
+        self.hybrid = collectives.hybrid_groups(self.group, shard_size)
         if self.hybrid.replicas > 1:
             ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
             layout = torch.tensor(ranks).view(self.hybrid.replicas, self.hybrid.shard_size)
@@ -385,8 +386,6 @@ def _counting_allreduce_hook(counter: collectives.CommCounter, group: dist.Proce
     """A DDP communication hook: count the bucket, then DDP's default all-reduce hook, timed
     until its future completes. It closes over the counter, not the engine: DDP's reducer
     holds it from C++."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
     def hook(_state, bucket):  # unannotated: DDP rejects the string annotations of this module
         counter.add("all_reduce", collectives.nbytes(bucket.buffer()), world)
         issued = time.perf_counter()

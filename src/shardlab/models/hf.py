@@ -37,13 +37,16 @@ import math
 import os
 import zlib
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch import nn
 
 from shardlab.errors import ConfigError
+from shardlab.models.init import init_parameters_
 from shardlab.models.spec import ModelSpec
 
 IGNORE_INDEX = -100
@@ -53,7 +56,7 @@ SINGLE_FILE = "model.safetensors"
 
 
 def require_transformers():
-    try:
+    try:  # deferred: transformers costs 0.8 s to import and is an optional extra (shardlab[hf])
         import transformers
     except ImportError as e:  # pragma: no cover - the extra is installed by make setup
         raise RuntimeError("model.name=hf needs the `transformers` package: pip install 'shardlab[hf]'") from e
@@ -70,8 +73,6 @@ def weight_files(hf_path: str) -> dict[str, str]:
         return {k: os.path.join(hf_path, v) for k, v in weight_map.items()}
     single = os.path.join(hf_path, SINGLE_FILE)
     if os.path.isfile(single):
-        from safetensors import safe_open
-
         with safe_open(single, framework="pt") as f:
             return {k: single for k in f.keys()}
     raise FileNotFoundError(f"model.hf_path {hf_path!r}: neither {INDEX_FILE} nor {SINGLE_FILE} there; "
@@ -90,8 +91,6 @@ class SafetensorsReader:
 
     def _handle(self, path: str):
         if path not in self._open:
-            from safetensors import safe_open
-
             self._open[path] = safe_open(path, framework="pt")
         return self._open[path]
 
@@ -180,8 +179,6 @@ class HFCausalLM(nn.Module):
         self.model = model
         self._reader: SafetensorsReader | None = None
         if not any(t.device.type == "meta" for t in self.parameters()):
-            from shardlab.models.init import init_parameters_
-
             init_parameters_(self, seed)
 
     # the pieces the rest of shardlab asks for
@@ -330,7 +327,7 @@ def _init_lora_(p: torch.Tensor, name: str, seed: int) -> None:
 def recompute_buffers_(m: nn.Module) -> None:
     """Non-persistent buffers computed at construction: rotary inverse frequencies."""
     if "RotaryEmbedding" in type(m).__name__ and hasattr(m, "inv_freq") and m.inv_freq.device.type != "meta":
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # deferred: see require_transformers
 
         fns = {"default": getattr(m, "compute_default_rope_parameters", None), **ROPE_INIT_FUNCTIONS}
         inv_freq, scaling = fns[m.rope_type](m.config)
@@ -341,7 +338,7 @@ def recompute_buffers_(m: nn.Module) -> None:
 
 
 def _add_lora(model: nn.Module, lora: dict[str, Any]) -> nn.Module:
-    try:
+    try:  # deferred: peft costs 3 s to import and is an optional extra (shardlab[hf])
         from peft import LoraConfig, get_peft_model
     except ImportError as e:  # pragma: no cover
         raise RuntimeError("model.lora needs the `peft` package: pip install 'shardlab[hf]'") from e
@@ -444,8 +441,6 @@ def _cut_depth(raw: dict[str, Any], n_layer: int, tmpdir: str) -> None:
     """A copy of the section's config with num_hidden_layers=n_layer written into tmpdir and used
     as model.hf_config (random init: a plan probe measures memory, which the values do not
     change); per-layer lists such as layer_types are cut to match."""
-    from types import SimpleNamespace
-
     config = load_hf_config(SimpleNamespace(hf_path=raw.get("hf_path"), hf_config=raw.get("hf_config")))
     config.num_hidden_layers = n_layer
     if isinstance(getattr(config, "layer_types", None), list):

@@ -137,8 +137,6 @@ def model_state(cfg, engine: str, nproc: int) -> dict[str, int]:
 def _built_state_child(raw: dict, engine: str, nproc: int) -> dict[str, int]:
     """`engine` built on the meta device on a fake N-rank group, at the ranks it names
     (`planned_ranks`), each telling what it knows of the ranks' local tensors (`rank_states`)."""
-    import torch.distributed as dist
-
 
     cfg = config_from_dict(raw)
     states: list[list[LocalTensor]] = []
