@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from shardlab.config import STRATEGY_CHOICES, ConfigError, load_config, strategies_taking
+from shardlab.config import ConfigError, load_config, strategies_taking
 from shardlab.engines import STRATEGIES, engine_class
 from shardlab.engines.collectives import resolve_shard_size
 from shardlab.models import GPT_PRESETS
@@ -440,9 +440,9 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], lis
     if args.strategies is None:
         args.strategies = ",".join(s for s in STRATEGIES if engine_class(s).distributed)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    bad = [s for s in strategies if s not in STRATEGY_CHOICES]
+    bad = [s for s in strategies if s not in STRATEGIES]
     if bad or not strategies:
-        raise ValueError(f"unknown strategies {bad}; valid: {', '.join(STRATEGY_CHOICES)}")
+        raise ValueError(f"unknown strategies {bad}; valid: {', '.join(STRATEGIES)}")
     try:
         worlds = [int(n) for n in str(args.nproc).split(",")]
     except ValueError:

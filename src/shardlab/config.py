@@ -30,13 +30,14 @@ from shardlab.models import MODELS
 
 @dataclass
 class _ModelName:
-    name: str = "gpt"                      # a key of shardlab.models.MODELS: gpt | resnet | mlp
+    name: str = "gpt"                      # a key of shardlab.models.MODELS
 
 
 # The `model:` section: the name, then every registered model's own keys (each model file
 # declares them in its ModelSpec.keys), so the YAML keys stay flat (model.preset,
 # model.resnet_width, ...) and a new model adds its keys without touching this file.
-ModelConfig = dataclass(type("ModelConfig", (*reversed([spec.keys for spec in MODELS.values()]), _ModelName),
+ModelConfig = dataclass(type("ModelConfig", (*reversed(list(dict.fromkeys(spec.keys for spec in MODELS.values()))),
+                                             _ModelName),
                              {"__module__": __name__, "__doc__": "model.name plus every model's keys"}))
 
 
@@ -151,10 +152,9 @@ class Config:
 _ALIASES = {("checkpoint", "async"): "async_save"}
 _ALIASES_BACK = {(sec, fld): key for (sec, key), fld in _ALIASES.items()}
 
-# The choices come from the registries, so a new engine, model or data source needs no edit here.
-STRATEGY_CHOICES = tuple(STRATEGIES)
-MODEL_CHOICES = tuple(MODELS)
-DATA_CHOICES = tuple(DATA_SOURCES)
+# The choices come from the registries, read when a config is checked (so an engine or model
+# registered after this module was imported, by a plugin or a test, is a valid choice too): a new
+# engine, model or data source needs no edit here.
 
 
 def strategies_taking(option: str) -> tuple[str, ...]:
@@ -348,7 +348,7 @@ def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
 def validate(cfg: Config) -> None:
     """Checks that need no knowledge of the world size, section by section."""
     _check(cfg.seed >= 0, f"seed must be >= 0, got {cfg.seed}")
-    _choice("model.name", cfg.model.name, MODEL_CHOICES)
+    _choice("model.name", cfg.model.name, tuple(MODELS))
     spec = MODELS[cfg.model.name]
     spec.check(cfg.model)  # the model's own keys
     _validate_data(cfg, spec)
@@ -360,7 +360,7 @@ def validate(cfg: Config) -> None:
 
 def _validate_data(cfg: Config, spec: Any) -> None:
     m, d = cfg.model, cfg.data
-    _choice("data.source", d.source, DATA_CHOICES)
+    _choice("data.source", d.source, tuple(DATA_SOURCES))
     if d.source == "text":
         _check(d.path is not None, "data.source=text needs data.path (a file, directory or glob of text files)")
         _check(bool(text_files(d.path)), f"data.path {d.path!r}: no such file, directory or glob match; "
@@ -420,7 +420,7 @@ def _validate_train(cfg: Config, spec: Any) -> None:
 
 def _validate_parallel(p: ParallelConfig) -> None:
     """The engine's options are checked against the options its class takes."""
-    _choice("parallel.strategy", p.strategy, STRATEGY_CHOICES)
+    _choice("parallel.strategy", p.strategy, tuple(STRATEGIES))
     _choice("parallel.mixed_precision", p.mixed_precision, ("fp32", "bf16", "fp16"))
     _choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
     _check(p.bucket_size_mb > 0, f"parallel.bucket_size_mb must be > 0, got {p.bucket_size_mb}")

@@ -15,17 +15,23 @@ from typing import Any
 
 from torch import nn
 
+
+@dataclass
+class NoKeys:
+    """The keys of a model that takes none of its own under `model:`."""
+
+
 # What a model consumes, which decides the data sources it accepts and the synthetic data
 # it gets: "tokens" (causal LM on token windows), "images" (3x32x32, class labels),
 # "vectors" (feature vectors, class labels).
 DATA_KINDS = ("tokens", "images", "vectors")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     name: str
-    keys: type                                    # dataclass: this model's keys under `model:`
     data_kind: str                                # one of DATA_KINDS
+    keys: type = NoKeys                           # dataclass: this model's keys under `model:`
     # (model section, seed, vocab size the data offers or None) -> module, built on the current
     # default device (callers use `with torch.device("meta")` for sharded engines).
     build: Callable[[Any, int, int | None], nn.Module]
