@@ -69,15 +69,11 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _prepare_data(cfg) -> None:
-    """Work every worker would repeat (building the embedded corpus) is done once, before they start."""
-    if cfg.data.source == "builtin":
-        from shardlab.data.corpus import corpus_path
+    """Work every worker would repeat (building the embedded corpus, tokenizing SFT data) is done
+    once, before they start: the source's `prepare`."""
+    from shardlab.data import DATA_SOURCES
 
-        corpus_path()
-    if cfg.data.source == "sft":  # read, check (errors name file and line), tokenize and cache once
-        from shardlab.data.sft import prepare
-
-        prepare(cfg)
+    DATA_SOURCES[cfg.data.source].prepare(cfg)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,8 +19,6 @@ from typing import Any, Optional
 import yaml
 
 from shardlab.data import DATA_SOURCES
-from shardlab.data.cifar import find_cifar_dir
-from shardlab.data.text import text_files
 from shardlab.engines import STRATEGIES, engine_class
 from shardlab.engines.api import CPUOffload, MixedPrecision
 from shardlab.engines.collectives import resolve_shard_size
@@ -361,27 +359,19 @@ def validate(cfg: Config) -> None:
 def _validate_data(cfg: Config, spec: Any) -> None:
     m, d = cfg.model, cfg.data
     _choice("data.source", d.source, tuple(DATA_SOURCES))
-    if d.source == "text":
-        _check(d.path is not None, "data.source=text needs data.path (a file, directory or glob of text files)")
-        _check(bool(text_files(d.path)), f"data.path {d.path!r}: no such file, directory or glob match; "
-               "point it at existing text files")
-    if d.source == "cifar10":
-        _check(d.path is not None, "data.source=cifar10 needs data.path (the folder holding cifar-10-batches-py)")
-        _check(find_cifar_dir(d.path) is not None, f"data.path {d.path!r}: no cifar-10-batches-py folder with "
-               "data_batch_1 there; download CIFAR-10 (python version) and point data.path at it")
-    kind = DATA_SOURCES[d.source]  # what the source yields; synthetic (None) yields what the model takes
+    source = DATA_SOURCES[d.source]
+    source.check(cfg)  # the source's own keys
+    kind = source.kind  # what the source yields; None (synthetic) yields what the model takes
     if kind is not None and spec.data_kind != kind:
         fits = [name for name, other in MODELS.items() if other.data_kind == kind]
         _check(False, f"data.source={d.source} gives {kind}, but model.name={m.name} takes {spec.data_kind}; "
                f"use model.name={' or '.join(fits)}, or data.source=synthetic")
-    if d.source == "sft":
-        _check(d.path is None or os.path.isfile(d.path), f"data.path {d.path!r}: no such file; give a JSON or "
-               "JSONL file of alpaca or chat records (or null for the embedded instruction set)")
     if d.tokenizer_path is not None:
         _check(os.path.isfile(os.path.join(d.tokenizer_path, "tokenizer.json")),
                f"data.tokenizer_path {d.tokenizer_path!r}: no tokenizer.json in that directory; point it at a "
                "local tokenizer directory (or null for model.hf_path's, else one trained at run time)")
-    _check(not d.packing or d.source == "sft", "data.packing applies to data.source=sft only")
+    packs = [name for name, s in DATA_SOURCES.items() if s.packing]
+    _check(not d.packing or source.packing, f"data.packing applies to data.source={' or '.join(packs)} only")
     if d.tokenizer is not None:
         _check(os.path.isfile(os.path.join(d.tokenizer, "tokenizer.json")),
                f"data.tokenizer {d.tokenizer!r}: no tokenizer.json in that directory")

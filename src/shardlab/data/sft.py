@@ -36,6 +36,8 @@ from typing import Any
 import torch
 
 from shardlab.data.datasets import Datasets
+from shardlab.data.source import DataSource
+from shardlab.errors import ConfigError
 
 IGNORE = -100
 FORMAT_VERSION = 1
@@ -399,3 +401,15 @@ def build(cfg):
     info = {**blob["info"], "cache": str(path)}
     return Datasets(train, val, vocab_size=tok.vocab_size, tokens_per_sample=None, info=info,
                     tokenizer_dir=blob["tokenizer_dir"], real_tokens=train.real)
+
+
+# -- the source (shardlab.data.DATA_SOURCES) ---------------------------------------------------------
+def _check(cfg) -> None:
+    d = cfg.data
+    if d.path is not None and not os.path.isfile(d.path):
+        raise ConfigError(f"data.path {d.path!r}: no such file; give a JSON or JSONL file of alpaca or chat records "
+                          "(or null for the embedded instruction set)")
+
+
+# prepare: read, check (errors name file and line), tokenize and cache once, before the workers
+SOURCE = DataSource(name="sft", kind="tokens", build=build, check=_check, prepare=prepare, packing=True)

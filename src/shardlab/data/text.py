@@ -1,12 +1,19 @@
 """Text as fixed windows of token ids: byte-level by default (vocab 256), or a tokenizer
-loaded from a local directory (tokenizer.json, via the `tokenizers` package) when given."""
+loaded from a local directory (tokenizer.json, via the `tokenizers` package) when given.
+The sources data.source=builtin (the embedded corpus) and data.source=text (your files)."""
 
 from __future__ import annotations
 
 import glob
 import os
+from typing import Any
 
 import torch
+
+from shardlab.data import corpus
+from shardlab.data.datasets import Datasets
+from shardlab.data.source import DataSource
+from shardlab.errors import ConfigError
 
 
 def text_files(path: str) -> list[str]:
@@ -32,12 +39,10 @@ class Tokenizer:
     def __init__(self, directory: str | None = None):
         self._tok = None
         if directory is not None:
-            try:
+            try:  # deferred: an optional package, needed only with data.tokenizer
                 from tokenizers import Tokenizer as HFTokenizer
             except ImportError as e:
                 raise RuntimeError("data.tokenizer needs the `tokenizers` package: pip install tokenizers") from e
-            import os
-
             self._tok = HFTokenizer.from_file(os.path.join(directory, "tokenizer.json"))
 
     @property
@@ -77,3 +82,40 @@ def split_tokens(tokens: torch.Tensor, val_fraction: float, seq_len: int) -> tup
     n_val = int(tokens.numel() * val_fraction)
     n_val = max(n_val, seq_len + 1) if val_fraction > 0 else 0
     return tokens[: tokens.numel() - n_val], tokens[tokens.numel() - n_val:]
+
+
+# -- the sources (shardlab.data.DATA_SOURCES) --------------------------------------------------------
+def _build(cfg) -> Datasets:
+    d = cfg.data
+    tok = Tokenizer(d.tokenizer)
+    info: dict[str, Any] = {}
+    if d.source == "builtin":
+        path = corpus.corpus_path()
+        raw = path.read_text(encoding="utf-8")
+        info = {"corpus": "python stdlib docstrings", "corpus_path": str(path),
+                "corpus_sha256": corpus.corpus_sha256(path), "corpus_bytes": path.stat().st_size}
+    else:
+        raw = read_text_files(d.path)
+    tokens = tok.encode(raw)
+    train_t, val_t = split_tokens(tokens, d.val_fraction, d.seq_len)
+    info["tokens"] = int(tokens.numel())
+    return Datasets(TokenWindows(train_t, d.seq_len),
+                    TokenWindows(val_t, d.seq_len) if val_t.numel() > d.seq_len else None,
+                    vocab_size=tok.vocab_size, tokens_per_sample=d.seq_len, info=info)
+
+
+def _check_text(cfg) -> None:
+    d = cfg.data
+    if d.path is None:
+        raise ConfigError("data.source=text needs data.path (a file, directory or glob of text files)")
+    if not text_files(d.path):
+        raise ConfigError(f"data.path {d.path!r}: no such file, directory or glob match; point it at existing text files")
+
+
+def _vocab_size(cfg) -> int:
+    return Tokenizer(cfg.data.tokenizer).vocab_size
+
+
+BUILTIN = DataSource(name="builtin", kind="tokens", build=_build, prepare=lambda cfg: corpus.corpus_path(),
+                     vocab_size=_vocab_size)
+TEXT = DataSource(name="text", kind="tokens", build=_build, check=_check_text, vocab_size=_vocab_size)

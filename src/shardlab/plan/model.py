@@ -21,6 +21,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import shardlab
 from shardlab.config import config_from_dict, engine_options, strategies_taking
+from shardlab.data import DATA_SOURCES
 from shardlab.engines import engine_class
 from shardlab.engines.api import LocalTensor
 from shardlab.models import MODELS, build_model, count_parameters
@@ -37,11 +38,7 @@ def vocab_size(cfg) -> int | None:
     own = getattr(cfg.model, spec.vocab_key)
     if own:
         return own
-    if cfg.data.source in ("builtin", "text"):
-        from shardlab.data.text import Tokenizer  # deferred: only these sources have a tokenizer to ask
-
-        return Tokenizer(cfg.data.tokenizer).vocab_size
-    return spec.synthetic(cfg.model).get("vocab_size")
+    return DATA_SOURCES[cfg.data.source].vocab_size(cfg) or spec.synthetic(cfg.model).get("vocab_size")
 
 
 def meta_model(cfg):
