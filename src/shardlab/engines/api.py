@@ -283,7 +283,7 @@ class Engine:
     #: False when every rank holds the whole gradient (replicated engines).
     grads_sharded: ClassVar[bool] = False
     #: option names this engine accepts, for a clear error on a misspelt one. The config keys
-    #: `parallel.<name>` reach it through them (train.engine_options), and config refuses a
+    #: `parallel.<name>` reach it through them (config.engine_options), and config refuses a
     #: key the strategy does not take (shard_size, offload) by asking them too.
     options: ClassVar[tuple[str, ...]] = ()
     #: False for an engine that runs in one process without torch.distributed (`single`): no

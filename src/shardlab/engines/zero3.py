@@ -45,9 +45,9 @@ Limits
 ------
 A rank that owns no tensor (fewer tensors than ranks) has an empty `parameters()`, which
 `torch.optim` refuses: build no optimizer there. With fewer trainable tensors than ranks some
-ranks own only frozen ones. The engine warns of either when it is built. Units or parameters used on some ranks
-and not others (data-dependent control flow) make the ranks' collectives differ, as with
-any FSDP. A parameter no rank used in a backward gets a zero gradient, not None.
+ranks own only frozen ones. The engine warns of either when it is built. Units or parameters
+used on some ranks and not others (data-dependent control flow) make the ranks' collectives
+differ, as with any FSDP. A parameter no rank used in a backward gets a zero gradient, not None.
 
 Options
 -------
