@@ -8,7 +8,9 @@ check) and `summarize` (metrics.json). `train` strings them together.
 One step = one global batch = world_size x accumulation x micro_batch_size samples:
   for each micro batch: forward and backward, inside no_sync for all but the last
   unscale (fp16), clip the global gradient norm, optimizer step, LR schedule step
-  the logged loss is the global mean over all ranks' samples (one tiny all-reduce)
+  each micro batch's loss weighs by its share of the global batch's target tokens (counted
+  before the forward passes, one all-reduce: [Note: token-weighted loss] in loss.py); the
+  logged loss is the mean over every target token of the global batch (one tiny all-reduce)
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from shardlab.data import GlobalBatchSampler, build_datasets, collate
 from shardlab.engines import Engine, engine_class, engine_of, is_sharded, optimizer_state_bytes
 from shardlab.engines.api import CPUOffload, MixedPrecision
 from shardlab.evaluate import evaluate
+from shardlab.loss import token_weights
 from shardlab.models import build_model, count_parameters
 from shardlab.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionGuard
 from shardlab.runtime import Runtime, all_gather_object, hostname, init_runtime, seed_everything, shutdown
@@ -244,7 +247,7 @@ def write_run_args(run: Run) -> None:
 # -- one step ---------------------------------------------------------------------------------------
 @dataclass
 class StepResult:
-    loss: float           # global mean loss of the step
+    loss: float           # the step's loss: mean over every target token of the global batch
     grad_norm: float      # global gradient norm before clipping (inf/nan on an fp16 overflow)
     skipped: bool         # fp16 overflow: the optimizer did not step
 
@@ -257,18 +260,22 @@ def train_step(run: Run, tracker: memory.LiveMemoryTracker | None = None) -> Ste
     phase = tracker.phase if tracker is not None else memory.phase_range
     model, opt, scaler = run.model, run.opt, run.scaler
     idx = run.sampler.rank_indices(run.state.step, rt.rank, rt.world_size)
-    local_loss = torch.zeros((), device=rt.device)
-    for i in range(run.accumulation):
-        x, y = collate(run.data.train, idx[i * t.micro_batch_size:(i + 1) * t.micro_batch_size])
+    mb = t.micro_batch_size
+    batches = [collate(run.data.train, idx[i * mb:(i + 1) * mb]) for i in range(run.accumulation)]
+    # each micro batch weighs by its target tokens in the global batch: [Note: token-weighted loss]
+    weights = token_weights([y for _, y in batches], rt.world_size, rt.device, rt.distributed)
+    local_loss = None
+    for i, (x, y) in enumerate(batches):
         x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
         last = i == run.accumulation - 1
         # backward must run inside no_sync too: the engines read the flag while backward runs.
         with contextlib.nullcontext() if last else shardlab.no_sync(model):
             with phase("forward"), autocast(t.precision, rt.device):
-                loss = model(x, y) / run.accumulation
+                loss = weights.scale(model(x, y), i)
             with phase("backward"):
                 (scaler.scale(loss) if scaler is not None else loss).backward()
-        local_loss += loss.detach().float()
+        term = loss.detach().to(torch.promote_types(loss.dtype, torch.float32))
+        local_loss = term if local_loss is None else local_loss + term
     with phase("optimizer"):
         if scaler is not None:
             scaler.unscale_(opt)  # before clipping: the norm is of the true gradients
@@ -396,12 +403,12 @@ def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str,
             state.skipped_steps += r.skipped
             logger.log(r, timer.times[-1])
             if t.eval_every and state.step % t.eval_every == 0 and state.step < t.steps:
-                val_losses[state.step] = evaluate(run.model, run.data.val, cfg, rt, cfg.seed + 1)
+                val_losses[state.step] = evaluate(run.model, run.data.val, cfg, rt)
                 logger.scalar("val/loss", val_losses[state.step], state.step)
             run.save_if_due()
         train_comm = _comm_since(comm_before_loop, run.engine.comm_stats())  # before the final eval's traffic
         run.save_if_due(final=True)
-        val_losses[state.step] = evaluate(run.model, run.data.val, cfg, rt, cfg.seed + 1)
+        val_losses[state.step] = evaluate(run.model, run.data.val, cfg, rt)
         if cfg.export.format == "hf":  # every rank gathers, rank 0 writes (export_hf.py)
             from shardlab.export_hf import export_at_end
 
