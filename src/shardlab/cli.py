@@ -52,25 +52,27 @@ def _train(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    from shardlab.train import default_run_name, worker_main
+
+    if args.nproc is None and in_launched_worker():
+        return worker_main(cfg)  # one of N: the workers prepare the data together (data/sft.py)
+    if not cfg.output.run_name:
+        cfg.output.run_name = default_run_name(cfg)
+    try:
+        _prepare_data(cfg)
+    except ValueError as e:  # bad data: said before any worker starts
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.nproc is not None:
         from shardlab.launcher import launch_local
-        from shardlab.train import default_run_name
 
-        if not cfg.output.run_name:
-            cfg.output.run_name = default_run_name(cfg)
-        try:
-            _prepare_data(cfg)
-        except ValueError as e:  # bad data: said before any worker starts
-            print(f"error: {e}", file=sys.stderr)
-            return 2
         return launch_local(cfg, args.nproc, args.max_restarts)
-    from shardlab.train import worker_main
-
     return worker_main(cfg)
 
 
 def _prepare_data(cfg) -> None:
-    """Work every worker would repeat (building the embedded corpus) is done once, before they start."""
+    """Work every worker would repeat (building the embedded corpus, tokenizing SFT data) is done
+    once, before they start, and its errors are said there."""
     if cfg.data.source == "builtin":
         from shardlab.data.corpus import corpus_path
 

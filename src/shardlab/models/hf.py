@@ -408,6 +408,51 @@ def _check(section) -> None:
         raise ConfigError(f"model.lora.rank must be >= 0 (0 = full fine-tuning), got {lo.rank}")
     if lo.rank and (lo.alpha <= 0 or not 0 <= lo.dropout < 1):
         raise ConfigError("model.lora.alpha must be > 0 and model.lora.dropout in [0, 1)")
+    if lo.rank:
+        problem = lora_target_problem(section, raw["model_type"])
+        if problem:
+            raise ConfigError(problem)
+
+
+def lora_layer_names(section) -> dict[str, list[str]]:
+    """Last name component -> full names of the modules LoRA can adapt (Linear, GPT-2's Conv1D,
+    Embedding, Conv*d), from the architecture built on the meta device (no memory, no weights)."""
+    transformers = require_transformers()
+    from transformers.pytorch_utils import Conv1D
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(load_hf_config(section))
+    kinds = (nn.Linear, Conv1D, nn.Embedding, nn.Conv1d, nn.Conv2d)
+    out: dict[str, list[str]] = {}
+    for name, m in model.named_modules():
+        if name and isinstance(m, kinds):
+            out.setdefault(name.rsplit(".", 1)[-1], []).append(name)
+    return out
+
+
+def lora_target_problem(section, model_type: str) -> str | None:
+    """What is wrong with model.lora.target_modules for this architecture (None: nothing), found
+    before any worker starts; peft would fail with a traceback, or silently skip a bad name."""
+    targets = section.lora.target_modules
+    if targets is None:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
+
+        if model_type in defaults:
+            return None
+    names = lora_layer_names(section)
+    linear = sorted(names)
+    if targets is None:
+        return (f"model.lora.target_modules=null: peft has no default LoRA targets for model_type {model_type!r}; "
+                f"name them, e.g. model.lora.target_modules=[{', '.join(linear[:2])}] (the layers LoRA can adapt in "
+                f"this model: {', '.join(linear)})")
+    full = {n for group in names.values() for n in group}
+    unknown = [t for t in targets if t not in names and t not in full
+               and not any(n.endswith("." + t) for n in full)]
+    if unknown:
+        return (f"model.lora.target_modules: {unknown} match{'es' if len(unknown) == 1 else ''} no layer of this "
+                f"{model_type} model that LoRA can adapt; its Linear (and Conv1D, Embedding) layers: "
+                f"{', '.join(linear)}")
+    return None
 
 
 def _build(section, seed: int, vocab_size: int | None) -> HFCausalLM:
