@@ -312,3 +312,70 @@ def test_weights_without_tokenizer_and_vocab_mismatch(pretrained_dir, tokenizer,
         err = capsys.readouterr().err
         assert f"has {tokenizer.vocab_size} tokens, but the model in model.hf_path" in err and "has 50" in err
         assert "Traceback" not in err
+
+
+# -- a LoRA run on a pretrained directory: export, generate, eval ---------------------------------
+@pytest.fixture(scope="module")
+def pretrained_with_tokenizer(tokenizer, tmp_path_factory):
+    from transformers import MistralConfig
+
+    from shardlab.models.hf import HFCausalLM
+
+    d = tmp_path_factory.mktemp("pretrained-tok")
+    cfg = MistralConfig(vocab_size=tokenizer.vocab_size, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    HFCausalLM(cfg, seed=2).hf_model.save_pretrained(d)
+    tokenizer.save(str(d))
+    return d
+
+
+def test_lora_adapter_export_names_its_base_and_generate_eval_read_it(pretrained_with_tokenizer, tmp_path, capsys,
+                                                                      monkeypatch):
+    """LoRA on a pretrained directory, one process: no FutureWarning; the summary and metrics count
+    trainable parameters; the adapter names its base (peft's AutoPeftModel loads it); `shardlab
+    generate` and `eval` take the run directory, the adapter directory and a merged export alike."""
+    import warnings
+
+    from peft import AutoPeftModelForCausalLM
+
+    from shardlab.cli import main
+    from shardlab.export import load_model
+
+    monkeypatch.setenv("SHARDLAB_CACHE", str(tmp_path / "cache"))
+    pre = pretrained_with_tokenizer
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["train", "configs/sft-mistral-tiny.yaml", "parallel.strategy=single", "model.hf_config=null",
+                     f"model.hf_path={pre}", "model.lora.rank=2", "data.seq_len=48", "train.steps=2",
+                     "train.global_batch_size=4", "train.micro_batch_size=2", "checkpoint.every_steps=2",
+                     "export.lora=adapter", f"output.dir={tmp_path}", "output.run_name=lora", "output.progress=false",
+                     "output.tensorboard=false", "train.memory_tracking=none"]) == 0
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)]
+    run = tmp_path / "lora"
+    out = capsys.readouterr().out
+    assert "parameters (trainable)" in out and out.startswith("data: ")
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert 0 < metrics["num_trainable_parameters"] < metrics["num_parameters"] / 5
+    assert json.loads((run / "hf" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(pre)
+    ids = torch.randint(0, 50, (1, 9))
+    want = load_model(str(run))[0](ids)
+    peft_model = AutoPeftModelForCausalLM.from_pretrained(run / "hf").eval()
+    torch.testing.assert_close(peft_model(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+    assert main(["export", str(run), "--format", "hf", "--lora", "merged", "--out", str(tmp_path / "merged")]) == 0
+    capsys.readouterr()
+    answers, losses = [], []
+    for source in (run, run / "hf", tmp_path / "merged"):
+        assert main(["generate", str(source), "--prompt", "What does json.dumps do?", "--chat", "--temperature", "0",
+                     "--max-new-tokens", "6"]) == 0
+        answers.append(capsys.readouterr().out)
+        assert main(["eval", str(source)]) == 0
+        losses.append(json.loads(capsys.readouterr().out)["val_loss"])
+    assert answers[0] == answers[1] == answers[2] and answers[0].strip()
+    assert losses == pytest.approx([metrics["val_loss"]] * 3, rel=1e-5)
+
+
+def test_eval_without_a_run_config_asks_for_one(pretrained_with_tokenizer, capsys):
+    from shardlab.cli import main
+
+    assert main(["eval", str(pretrained_with_tokenizer)]) == 1
+    assert "give --config CONFIG.yaml" in capsys.readouterr().err

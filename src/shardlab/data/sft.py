@@ -236,6 +236,12 @@ class SFTTokenizer:
             ids, labels = [self.bos_id, *ids], [IGNORE, *labels]
         return ids, labels
 
+    def prompt_ids(self, instruction: str) -> list[int]:
+        """What a model fine-tuned on this template reads before its answer to `instruction`: the
+        ids of a one-turn example up to its first trained token (`shardlab generate --chat`)."""
+        ids, labels = self.encode_example({"instruction": instruction, "input": "", "output": "."})
+        return ids[:next(i for i, label in enumerate(labels) if label != IGNORE)]
+
 
 def _alpaca_as_messages(ex: dict[str, Any]) -> list[dict[str, str]] | None:
     if "instruction" not in ex:

@@ -35,6 +35,7 @@ import functools
 import json
 import math
 import os
+import warnings
 import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
@@ -346,7 +347,12 @@ def _add_lora(model: nn.Module, lora: dict[str, Any]) -> nn.Module:
         raise RuntimeError("model.lora needs the `peft` package: pip install 'shardlab[hf]'") from e
     config = LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
                         target_modules=lora.get("target_modules"), task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # peft's PeftModel.__init__ reads transformers' deprecated `is_gradient_checkpointing`
+        # (FutureWarning, transformers 5): that one warning of that one call, nothing else
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 # -- registry entry (shardlab.models.MODELS) -------------------------------------------------------
