@@ -1,6 +1,7 @@
 """The `shardlab` command.
 
-  shardlab train [CONFIG.yaml] [key=value ...] [--nproc N] [--max-restarts R] [--print-config]
+  shardlab train [CONFIG.yaml|NAME] [key=value ...] [--nproc N] [--max-restarts R] [--print-config]
+  shardlab configs [NAME]                                    the shipped example configs (NAME: print one)
   shardlab bench [CONFIG.yaml] [key=value ...] [--nproc 1,2,4]  measure every engine side by side
   shardlab plan CONFIG.yaml [key=value ...] --gpu T4 --nproc N [--nodes K]  predict peak memory and step time
   shardlab render {slurm,k8s,accelerate} CONFIG.yaml ...    write a job for a cluster
@@ -17,6 +18,7 @@ import sys
 TRAIN_EPILOG = """\
 examples:
   shardlab train configs/gpt-tiny.yaml --nproc 2
+  shardlab train sft-mistral-tiny --nproc 2        (a shipped config by name: `shardlab configs`)
   shardlab train configs/gpt-tiny.yaml --nproc 4 parallel.strategy=zero3 train.steps=50
   shardlab train configs/resnet-cifar10.yaml data.path=~/data --nproc 2
   shardlab train configs/gpt-tiny.yaml --print-config
@@ -27,6 +29,8 @@ Without --nproc, shardlab runs as one worker of a job started elsewhere (torchru
 a Kubernetes pod), taking RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT or the
 SLURM_* variables from the environment; with none of them, as a single process.
 Outputs: <output.dir>/<output.run_name>/{run_args.json,metrics.json,config.yaml,tensorboard/}.
+The default run name is <model>-<strategy>-<hash of the config>: the same command continues the
+same run from its latest checkpoint (and so does `shardlab train <run dir>/config.yaml`).
 """
 
 
@@ -83,6 +87,26 @@ def _prepare_data(cfg) -> None:
         prepare(cfg)
 
 
+def _configs(args: argparse.Namespace) -> int:
+    """`shardlab configs`: the shipped example configs; with a NAME, that config's YAML."""
+    from shardlab.shipped import config_path, describe, shipped_configs
+
+    if args.name:
+        path = config_path(args.name)
+        if path is None:
+            print(f"error: no shipped config {args.name!r}; shipped: {', '.join(shipped_configs())}", file=sys.stderr)
+            return 2
+        with open(path) as f:
+            print(f.read(), end="")
+        return 0
+    configs = shipped_configs()
+    width = max(map(len, configs))
+    for name, path in configs.items():
+        print(f"{name:<{width}}  {describe(path)}")
+    print(f"\nshardlab train NAME [key=value ...]; `shardlab configs NAME > my.yaml` copies one ({path.parent})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     import shardlab
 
@@ -98,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("train", help="train a model on N local workers, or as one worker of a launched job",
                         description="Train a model. Config: YAML file plus dotted key=value overrides.",
                         epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    tr.add_argument("config", nargs="?", help="YAML config file (default: built-in defaults)")
+    tr.add_argument("config", nargs="?", help="YAML config file, or a shipped config's name (`shardlab configs`); "
+                                              "default: built-in defaults")
     tr.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.steps=100")
     tr.add_argument("--nproc", type=int, default=None, metavar="N",
                     help="start N local worker processes through torchrun's elastic agent")
@@ -106,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --nproc: restart the worker group up to R times when a worker fails")
     tr.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     tr.set_defaults(func=_train)
+
+    co = sub.add_parser("configs", help="list the example configs shipped with shardlab, or print one",
+                        description="The example configs shipped inside the package; `shardlab train NAME` "
+                                    "runs one.")
+    co.add_argument("name", nargs="?", metavar="NAME", help="print this config's YAML")
+    co.set_defaults(func=_configs)
 
     from shardlab import bench
 

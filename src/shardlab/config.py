@@ -181,8 +181,12 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     """Load YAML (or defaults when path is None), apply `a.b=value` overrides, validate."""
     raw: dict[str, Any] = {}
     if path is not None:
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file {path!r} not found; give a path to a YAML file (see configs/)")
+        from shardlab.shipped import config_path, shipped_configs
+
+        if config_path(path) is None:
+            raise ConfigError(f"config file {path!r} not found; give a path to a YAML file or the name of a "
+                              f"shipped config ({', '.join(shipped_configs())}; `shardlab configs` lists them)")
+        path = config_path(path)
         with open(path) as f:
             text = f.read()
         try:

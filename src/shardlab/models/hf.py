@@ -367,7 +367,11 @@ class HFKeys:
 
 
 def config_file(section) -> str:
-    path = section.hf_path or section.hf_config
+    """The config JSON: model.hf_path's config.json, or model.hf_config (a file, a directory with
+    config.json, or the name of a shipped one: shardlab/configs/hf/, e.g. mistral-tiny)."""
+    from shardlab.shipped import hf_config_path
+
+    path = section.hf_path or hf_config_path(section.hf_config) or section.hf_config
     return os.path.join(path, "config.json") if os.path.isdir(path) else path
 
 
@@ -397,8 +401,10 @@ def _check(section) -> None:
             raise ConfigError(f"model.hf_path {section.hf_path!r}: no {SINGLE_FILE} or {INDEX_FILE}; save the model "
                               "in safetensors (save_pretrained(..., safe_serialization=True))")
     elif not os.path.isfile(config_file(section)):
-        raise ConfigError(f"model.hf_config {section.hf_config!r}: no such file; give a config JSON "
-                          "(e.g. configs/hf/mistral-tiny.json) or a directory with config.json")
+        from shardlab.shipped import shipped_hf_configs
+
+        raise ConfigError(f"model.hf_config {section.hf_config!r}: no such file; give a config JSON, a directory "
+                          f"with config.json, or a shipped one's name ({', '.join(shipped_hf_configs())})")
     try:
         with open(config_file(section)) as f:
             raw = json.load(f)
