@@ -250,3 +250,23 @@ def test_pretraining_unchanged_single_process(tmp_path, monkeypatch):
 def test_pretraining_unchanged_two_ranks(layout_runs):
     for result in layout_runs[2]["pretraining"].values():
         _assert_pretraining_unchanged(result)
+
+
+def test_validation_smaller_than_a_global_batch_is_evaluated(sft_files, monkeypatch):
+    """7 validation rows, a global batch of 12: the validation loss is the token mean of all 7
+    (before, it was silently None)."""
+    monkeypatch.setenv("SHARDLAB_CACHE", f"{sft_files}/cache")
+    from shardlab.data import build_datasets, collate
+    from shardlab.evaluate import evaluate
+    from shardlab.models import build_model
+    from shardlab.runtime import Runtime
+
+    cfg = load_config(None, _overrides(sft_files, "single", 2))
+    data = build_datasets(cfg)
+    assert 0 < len(data.val) < GLOBAL
+    model = build_model(cfg.model, seed=cfg.seed, vocab_size=data.vocab_size, device="cpu")
+    x, y = collate(data.val, torch.arange(len(data.val)))
+    with torch.no_grad():
+        want = model(x, y).item()  # the mean over every target token of the split
+    got = evaluate(model, data.val, cfg, Runtime(0, 0, 1, torch.device("cpu"), None))
+    assert got == pytest.approx(want, rel=1e-12)
