@@ -181,8 +181,12 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     """Load YAML (or defaults when path is None), apply `a.b=value` overrides, validate."""
     raw: dict[str, Any] = {}
     if path is not None:
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file {path!r} not found; give a path to a YAML file (see configs/)")
+        from shardlab.shipped import config_path, shipped_configs
+
+        if config_path(path) is None:
+            raise ConfigError(f"config file {path!r} not found; give a path to a YAML file or the name of a "
+                              f"shipped config ({', '.join(shipped_configs())}; `shardlab configs` lists them)")
+        path = config_path(path)
         with open(path) as f:
             text = f.read()
         try:
@@ -341,6 +345,17 @@ def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     _check(value in choices, f"{key}: unknown value {value!r}; valid: {', '.join(choices)}")
 
 
+def _check_sft(cfg: Config) -> None:
+    """data.source=sft: the data file exists; pretrained weights come with their tokenizer."""
+    from shardlab.data.sft import tokenizer_problem
+
+    d = cfg.data
+    _check(d.path is None or os.path.isfile(d.path), f"data.path {d.path!r}: no such file; give a JSON or "
+           "JSONL file of alpaca or chat records (or null for the embedded instruction set)")
+    problem = tokenizer_problem(cfg)
+    _check(problem is None, str(problem))
+
+
 def validate(cfg: Config) -> None:
     """Checks that need no knowledge of the world size."""
     from shardlab.data.cifar import find_cifar_dir
@@ -367,8 +382,7 @@ def validate(cfg: Config) -> None:
         _check(False, f"data.source={d.source} gives {kind}, but model.name={m.name} takes {spec.data_kind}; "
                f"use model.name={' or '.join(fits)}, or data.source=synthetic")
     if d.source == "sft":
-        _check(d.path is None or os.path.isfile(d.path), f"data.path {d.path!r}: no such file; give a JSON or "
-               "JSONL file of alpaca or chat records (or null for the embedded instruction set)")
+        _check_sft(cfg)
     if d.tokenizer_path is not None:
         _check(os.path.isfile(os.path.join(d.tokenizer_path, "tokenizer.json")),
                f"data.tokenizer_path {d.tokenizer_path!r}: no tokenizer.json in that directory; point it at a "

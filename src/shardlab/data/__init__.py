@@ -7,7 +7,7 @@ reads at each step (disjoint slices of one global batch).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +31,9 @@ class Datasets:
     tokenizer_dir: str | None = None    # sft: the tokenizer used (exports copy it)
     # sft: non-padding tokens of each training sample (tokens_processed counts these, not padding)
     real_tokens: torch.Tensor | None = None
+    # what happened to the data (examples read, dropped, truncated, rows, target tokens, warnings):
+    # rank 0 prints these lines at the start of a run
+    report: list[str] = field(default_factory=list)
 
 
 def build_datasets(cfg) -> Datasets:

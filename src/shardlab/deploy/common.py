@@ -6,7 +6,6 @@ request leaves the output directory untouched.
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import stat
@@ -66,8 +65,11 @@ def resolve_config(config_path: str | None, overrides: list[str], world_size: in
     except ImportError as e:  # the lead's module; say so instead of a bare traceback
         raise RenderError(f"shardlab.config is not available ({e}); cannot resolve the config") from e
 
-    if config_path is not None and not os.path.isfile(config_path):
-        raise RenderError(f"config file {config_path!r} does not exist")
+    from shardlab.shipped import config_path as shipped_or_file
+
+    if config_path is not None and shipped_or_file(config_path) is None:
+        raise RenderError(f"config file {config_path!r} does not exist (nor is it a shipped config's name: "
+                          "`shardlab configs`)")
     try:
         cfg = shardlab_config.load_config(config_path, list(overrides))
         shardlab_config.validate_for_world(cfg, world_size)
