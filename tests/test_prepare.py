@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from shardlab.config import load_config
-from shardlab.data import build_datasets
+from shardlab.data import build_datasets, shards
 from shardlab.data.prepare import prepare
 from shardlab.data.shards import DataError, TokenShards, read_manifest, verify_data_dir
 from shardlab.data.tokens import check
@@ -62,10 +62,11 @@ def as_jsonl(tmp, docs) -> str:
 @pytest.fixture(scope="module")
 def bpe_dir(tmp_path_factory) -> str:
     pytest.importorskip("tokenizers")
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(DOCS, trainer=trainer)
@@ -109,15 +110,25 @@ def importlib_ok(name: str) -> bool:
         return False
 
 
-def test_workers_and_shard_size_do_not_change_the_tokens(tmp_path):
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+def test_workers_and_shard_size_do_not_change_the_tokens(tmp_path, tokenizer, request):
+    tok = None if tokenizer == "bytes" else request.getfixturevalue("bpe_dir")
     big = tmp_path / "big.txt"  # one document of several pieces, cut inside lines without newlines too
-    big.write_text(words(3_000_000, 1) + "x" * 200_000 + "é" * 300_000 + words(500_000, 2), encoding="utf-8")
+    text = words(1_200_000, 1) + "x" * 200_000 + "é" * 300_000 + words(500_000, 2)
+    big.write_text(text, encoding="utf-8")
     src = [str(big), as_jsonl(tmp_path, DOCS)]
-    one = prepare(src, str(tmp_path / "one"), workers=1, shard_mb=64, val_fraction=0.3, field="body")
-    two = prepare(src, str(tmp_path / "two"), workers=2, shard_mb=1, val_fraction=0.3, field="body")
-    assert len(read_manifest(two).split("train")["shards"]) > 3
+    kw = {"tokenizer": tok, "val_fraction": 0.3, "field": "body"}
+    one = prepare(src, str(tmp_path / "one"), workers=1, shard_mb=64, **kw)
+    two = prepare(src, str(tmp_path / "two"), workers=2, shard_mb=0.2 if tok else 1, **kw)
+    assert len(read_manifest(two).split("train")["shards"]) >= 3
     assert stream(one) == stream(two) and stream(one, "val") == stream(two, "val")
-    assert bytes(stream(one)[0][:big.stat().st_size]) == big.read_bytes()  # bytes: the file itself
+    tokens, ends = stream(one)
+    if tok is None:
+        assert bytes(tokens[:ends[0] - 1]) == big.read_bytes()  # bytes: the file itself
+    else:  # the pieces and segments it was encoded in lose nothing
+        from tokenizers import Tokenizer
+
+        assert Tokenizer.from_file(os.path.join(tok, "tokenizer.json")).decode(tokens[:ends[0] - 1]) == text
     assert read_manifest(one).raw["inputs"][0]["sha256"] == read_manifest(two).raw["inputs"][0]["sha256"]
 
 
@@ -208,3 +219,27 @@ def test_cli_refuses_bad_data_before_any_worker_starts(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "fewer than one global batch" in out.stderr, out.stderr[-2000:]
     assert "rank" not in out.stderr.lower()  # said once, by the launcher, not by workers
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssFile from /proc")
+def test_random_windows_do_not_grow_rss(tmp_path, monkeypatch):
+    """[Note: constant RSS] in data/shards.py: without handing pages back, these reads map
+    (and count in RSS) most of the 32 MiB of shards; with it, RssFile stays flat."""
+    def rss_file_mib() -> float:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("RssFile")) / 1024
+
+    (tmp_path / "c.txt").write_text(words(16 << 20, 5))
+    d = build_datasets(_cfg(prepare([str(tmp_path / "c.txt")], str(tmp_path / "out"), shard_mb=8)))
+    rng = random.Random(0)
+
+    def grown(release: bool) -> float:
+        monkeypatch.setattr(shards, "_DONTNEED", shards._DONTNEED if release else None)
+        d.train[0]  # the first read maps code pages of its own
+        before = rss_file_mib()
+        for _ in range(3000):
+            d.train[rng.randrange(len(d.train))]
+        return rss_file_mib() - before
+
+    assert grown(release=True) < 2
+    assert grown(release=False) > 16  # what the release avoids (measured 20-32 MiB)

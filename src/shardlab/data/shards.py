@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,8 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
 INDEX_DTYPE = np.dtype("<i8")
+_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
+RELEASE_BLOCK = 2 << 20  # see [Note: constant RSS]
 
 
 class DataError(ValueError):
@@ -73,7 +76,7 @@ class Manifest:
 
     @property
     def dtype(self) -> np.dtype:
-        return np.dtype(self.raw["dtype"])
+        return np.dtype(self.raw["dtype"]).newbyteorder("<")
 
     def split(self, name: str) -> dict[str, Any]:
         return self.raw["splits"][name]
@@ -162,7 +165,19 @@ def verify_data_dir(m: Manifest, full: bool | None = None) -> str:
 class TokenShards:
     """One split's shards as one read-only token stream. Shards are memory-mapped on first
     use (in whichever process reads: a DataLoader worker maps its own), so no rank copies the
-    corpus: every rank on a host shares the page cache's copy."""
+    corpus: every rank on a host shares the page cache's copy.
+
+    [Note: constant RSS] A page of a file mapping that a process has touched counts in its RSS
+    (as RssFile) until unmapped, although it is the page cache's, shared and reclaimable. Random
+    windows touch pages all over the corpus: measured here, 2000 random 258-byte reads of a
+    256 MiB map grew RssFile by 256 MiB, so a long run's RSS would grow to the corpus's size.
+    After copying a window out, `read` therefore hands the mapping's pages around it back
+    (madvise MADV_DONTNEED: the mapping stays, the page cache keeps the data). The block handed
+    back is the 2 MiB-aligned one holding the window, because the kernel maps page-cache folios
+    of up to 2 MiB whole: releasing only the window's 4 KiB pages still grew RssFile by 20 MiB
+    in 3000 reads of 32 MiB; the 2 MiB block kept it flat (+0.06 MiB), at 24 us a read instead
+    of 4 (Linux 6.18, 2026-11-23; a gpt-tiny step is ~100 ms).
+    """
 
     def __init__(self, m: Manifest, split: str):
         shards = [s for s in m.split(split)["shards"] if s["tokens"] > 0]
@@ -170,24 +185,34 @@ class TokenShards:
         self.dtype = m.dtype
         self.starts = np.cumsum([0] + [s["tokens"] for s in shards])  # global offset of each shard
         self.num_tokens = int(self.starts[-1])
-        self._maps: list[np.memmap] | None = None
+        self._maps: list[mmap.mmap] | None = None
 
     def __getstate__(self) -> dict[str, Any]:  # a spawned DataLoader worker maps the files itself
         return {**self.__dict__, "_maps": None}
 
-    def _mapped(self) -> list[np.memmap]:
+    def _mapped(self) -> list[mmap.mmap]:
         if self._maps is None:
-            self._maps = [np.memmap(p, dtype=self.dtype, mode="r") for p in self.paths]
+            self._maps = []
+            for p in self.paths:
+                with open(p, "rb") as f:
+                    self._maps.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
         return self._maps
+
+    def _release(self, mm: mmap.mmap, lo: int, hi: int) -> None:
+        if _DONTNEED is not None:
+            lo = lo // RELEASE_BLOCK * RELEASE_BLOCK
+            mm.madvise(_DONTNEED, lo, min(len(mm), -(-hi // RELEASE_BLOCK) * RELEASE_BLOCK) - lo)
 
     def read(self, start: int, count: int) -> np.ndarray:
         """Tokens [start, start + count) of the stream as int64 (a copy of only those tokens)."""
         maps, out, at = self._mapped(), np.empty(count, dtype=np.int64), 0
         k = int(np.searchsorted(self.starts, start, side="right")) - 1
+        size = self.dtype.itemsize
         while at < count:
             lo = start + at - int(self.starts[k])
-            piece = maps[k][lo:lo + count - at]
-            out[at:at + len(piece)] = piece
-            at += len(piece)
+            n = min(count - at, int(self.starts[k + 1] - self.starts[k]) - lo)
+            out[at:at + n] = np.frombuffer(maps[k], dtype=self.dtype, count=n, offset=lo * size)
+            self._release(maps[k], lo * size, (lo + n) * size)
+            at += n
             k += 1
         return out
