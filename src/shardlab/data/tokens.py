@@ -39,10 +39,11 @@ def _inputs_of(cfg) -> tuple[list[str], str | None, dict[str, Any]]:
     """builtin/text: what to prepare (specs, forced format) and what run_args.json says of it."""
     d = cfg.data
     if d.source == "builtin":
-        from shardlab.data.corpus import corpus_jsonl_path
+        from shardlab.data.corpus import corpus_jsonl_path, corpus_sha256
 
         path = corpus_jsonl_path()
-        return [str(path)], None, {"corpus": "python stdlib docstrings", "corpus_path": str(path)}
+        return [str(path)], None, {"corpus": "python stdlib docstrings", "corpus_path": str(path),
+                                   "corpus_sha256": corpus_sha256(path)}
     return [d.path], "text", {}
 
 
