@@ -150,6 +150,8 @@ class _Part:
 def _parts(job: Job, piece: Piece, counter: ReplacementCounter, corpus_start: bool) -> Iterator[_Part]:
     inp = job.inputs[piece.input]
     if inp.format == "text":  # one document: its key is the file's first bytes, whichever piece this is
+        if inp.bytes == 0:
+            return  # an empty file is skipped, as an empty record is
         with open(inp.path, "rb") as f:
             key = f.read(KEY_BYTES)
         val = held_out(key, job.val_fraction) and piece.input != 0
@@ -255,8 +257,7 @@ def _pool(workers: int):
 
 
 def _results(job: Job, tasks: list[tuple[str, Any]], workers: int) -> Iterator[tuple[str, Any]]:
-    if workers <= 1:
-        _init_worker()
+    if workers <= 1:  # here, in this process (the command sets RAYON_NUM_THREADS as a worker would)
         yield from (_task(job, t) for t in tasks)
         return
     with _pool(workers) as pool:
@@ -389,6 +390,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
+    _init_worker()  # --workers 1 encodes in this process: one core too
     try:
         out = prepare(args.inputs, args.out, tokenizer=args.tokenizer, field=args.field, workers=args.workers,
                       val_fraction=args.val_fraction, shard_mb=args.shard_mb)
