@@ -87,3 +87,23 @@ def test_cifar_loader_refuses_arbitrary_pickles(tmp_path):
     path.write_bytes(pickle.dumps({b"data": _Evil(), b"labels": [1]}))
     with pytest.raises(pickle.UnpicklingError, match="refusing"):
         load_batch(str(path))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 17, 64, 1000, 4097, 65_537])
+def test_the_permutation_is_a_bijection_without_a_table(n):
+    from shardlab.data.sampler import FeistelPermutation
+
+    perm = FeistelPermutation(n, key=7)(torch.arange(n))
+    assert sorted(perm.tolist()) == list(range(n))
+    if n >= 1000:  # shuffled, and differently for another key
+        assert (perm == torch.arange(n)).float().mean() < 0.01
+        assert not torch.equal(perm, FeistelPermutation(n, key=8)(torch.arange(n)))
+
+
+def test_a_step_of_a_huge_dataset_costs_only_its_batch():
+    import time
+
+    s = GlobalBatchSampler(num_samples=10**12, global_batch_size=64, seed=1)
+    t0 = time.perf_counter()
+    idx = s.global_indices(123_456_789)
+    assert time.perf_counter() - t0 < 0.5 and len(set(idx.tolist())) == 64 and int(idx.max()) < 10**12
