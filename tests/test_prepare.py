@@ -193,7 +193,7 @@ def test_a_tampered_shard_is_refused(tmp_path):
 
 def test_prepare_killed_leaves_nothing_training_accepts(tmp_path):
     corpus = tmp_path / "c.txt"
-    corpus.write_text(words(24 << 20, 3))
+    corpus.write_text(words(1 << 20, 3) * 64)  # 64 MiB: the kill lands well before the end
     out = tmp_path / "data"
     proc = subprocess.Popen([sys.executable, "-m", "shardlab", "prepare", str(corpus), "--out", str(out),
                              "--workers", "1", "--shard-mb", "0.25"], stdout=subprocess.DEVNULL,
@@ -229,7 +229,7 @@ def test_random_windows_do_not_grow_rss(tmp_path, monkeypatch):
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) for line in f if line.startswith("RssFile")) / 1024
 
-    (tmp_path / "c.txt").write_text(words(16 << 20, 5))
+    (tmp_path / "c.txt").write_text("".join(f"{i}\n" + words(1 << 20, i) for i in range(16)))
     d = build_datasets(_cfg(prepare([str(tmp_path / "c.txt")], str(tmp_path / "out"), shard_mb=8)))
     rng = random.Random(0)
 
@@ -243,3 +243,25 @@ def test_random_windows_do_not_grow_rss(tmp_path, monkeypatch):
 
     assert grown(release=True) < 2
     assert grown(release=False) > 16  # what the release avoids (measured 20-32 MiB)
+
+
+def test_end_of_document_token_of_a_model_directory(tmp_path, bpe_dir):
+    from shardlab.data.text import Tokenizer
+
+    model_dir = tmp_path / "hf-model"  # an HF model directory: tokenizer.json beside tokenizer_config.json
+    model_dir.mkdir()
+    (model_dir / "tokenizer.json").write_text(open(os.path.join(bpe_dir, "tokenizer.json")).read())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|endoftext|>"}}))
+    tok = Tokenizer(str(model_dir))
+    assert tok.eod_id == tok._tok.token_to_id("<|endoftext|>")
+    assert tok.identity()["eod_token"] == "<|endoftext|>" and tok.identity()["vocab_size"] == 300
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers, trainers
+
+    bare = HFTokenizer(models.BPE())  # no special token at all
+    bare.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bare.train_from_iterator(DOCS, trainer=trainers.BpeTrainer(vocab_size=280, show_progress=False))
+    bare.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<missing>"}))
+    with pytest.raises(ValueError, match="no end-of-document token"):
+        Tokenizer(str(model_dir)).identity()
