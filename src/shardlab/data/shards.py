@@ -38,6 +38,7 @@ MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
 INDEX_DTYPE = np.dtype("<i8")
 _DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
+_WILLNEED = getattr(mmap, "MADV_WILLNEED", None)
 RELEASE_BLOCK = 2 << 20  # see [Note: constant RSS]
 
 
@@ -203,16 +204,31 @@ class TokenShards:
             lo = lo // RELEASE_BLOCK * RELEASE_BLOCK
             mm.madvise(_DONTNEED, lo, min(len(mm), -(-hi // RELEASE_BLOCK) * RELEASE_BLOCK) - lo)
 
-    def read(self, start: int, count: int) -> np.ndarray:
-        """Tokens [start, start + count) of the stream as int64 (a copy of only those tokens)."""
-        maps, out, at = self._mapped(), np.empty(count, dtype=np.int64), 0
-        k = int(np.searchsorted(self.starts, start, side="right")) - 1
-        size = self.dtype.itemsize
+    def _spans(self, start: int, count: int):
+        """(shard, first token, tokens) of each shard piece that tokens [start, start + count) cover."""
+        k, at = int(np.searchsorted(self.starts, start, side="right")) - 1, 0
         while at < count:
             lo = start + at - int(self.starts[k])
             n = min(count - at, int(self.starts[k + 1] - self.starts[k]) - lo)
+            yield k, lo, n
+            at += n
+            k += 1
+
+    def will_need(self, start: int, count: int) -> None:
+        """Ask the kernel to read tokens [start, start + count) into the page cache in the
+        background (madvise MADV_WILLNEED: asynchronous readahead; maps nothing, costs no RSS)."""
+        if _WILLNEED is None:
+            return
+        maps, size = self._mapped(), self.dtype.itemsize
+        for k, lo, n in self._spans(start, count):
+            first = lo * size // mmap.PAGESIZE * mmap.PAGESIZE
+            maps[k].madvise(_WILLNEED, first, (lo + n) * size - first)
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        """Tokens [start, start + count) of the stream as int64 (a copy of only those tokens)."""
+        maps, out, at, size = self._mapped(), np.empty(count, dtype=np.int64), 0, self.dtype.itemsize
+        for k, lo, n in self._spans(start, count):
             out[at:at + n] = np.frombuffer(maps[k], dtype=self.dtype, count=n, offset=lo * size)
             self._release(maps[k], lo * size, (lo + n) * size)
             at += n
-            k += 1
         return out

@@ -34,6 +34,11 @@ class ShardWindows(torch.utils.data.Dataset):
         chunk = torch.from_numpy(self.stream.read(int(i) * self.seq_len, self.seq_len + 1))
         return chunk[:-1], chunk[1:]
 
+    def will_need(self, indices: list[int]) -> None:
+        """Start reading these samples' pages from storage now (StepBatches: the next step's)."""
+        for i in indices:
+            self.stream.will_need(int(i) * self.seq_len, self.seq_len + 1)
+
 
 def _inputs_of(cfg) -> tuple[list[str], str | None, dict[str, Any]]:
     """builtin/text: what to prepare (specs, forced format) and what run_args.json says of it."""
