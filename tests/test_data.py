@@ -107,3 +107,28 @@ def test_a_step_of_a_huge_dataset_costs_only_its_batch():
     t0 = time.perf_counter()
     idx = s.global_indices(123_456_789)
     assert time.perf_counter() - t0 < 0.5 and len(set(idx.tolist())) == 64 and int(idx.max()) < 10**12
+
+
+def test_the_loader_follows_the_sampler_and_reads_the_next_step_ahead():
+    from shardlab.data.loader import StepBatches
+
+    class Recorder(torch.utils.data.Dataset):
+        def __init__(self):
+            self.hinted: list[list[int]] = []
+
+        def __len__(self):
+            return 40
+
+        def __getitem__(self, i):
+            return torch.tensor([i]), torch.tensor([i])
+
+        def will_need(self, indices):
+            self.hinted.append(indices)
+
+    ds, s = Recorder(), GlobalBatchSampler(40, 8, seed=3)
+    b = StepBatches(ds, s, rank=1, world_size=2, micro_batch_size=2, end_step=10, device=torch.device("cpu"))
+    for step in (0, 1, 7, 2):  # a jump (a resume, a probe) starts a loader at that step
+        got = torch.cat([b.next(step)[0].flatten() for _ in range(2)])
+        assert torch.equal(got, s.rank_indices(step, 1, 2))
+        assert ds.hinted[-1] == s.rank_indices(step + 1, 1, 2).tolist()
+    assert set(b.wait_s) == {0, 1, 7, 2}
