@@ -153,7 +153,8 @@ codecs.register_error(ReplacementCounter.NAME, ReplacementCounter._handle)
 # -- reading documents ----------------------------------------------------------------------------
 def read_piece(inp: Input, piece: Piece, field: str, counter: ReplacementCounter) -> Iterator[tuple[str, bytes]]:
     """The piece's documents (or, for text, its one document part) as (text, raw UTF-8 bytes
-    when the text decoded without replacement, else b"")."""
+    when the text decoded without replacement, else b""). text is None for ASCII bytes, which
+    need no decoding to be valid UTF-8 (a byte-level prepare then never builds the string)."""
     if inp.format in ("text", "jsonl"):
         with open(inp.path, "rb") as f:
             a = _cut(f, piece.start, inp.bytes, inp.format == "jsonl")
@@ -161,6 +162,9 @@ def read_piece(inp: Input, piece: Piece, field: str, counter: ReplacementCounter
             f.seek(a)
             raw = f.read(max(0, b - a))
         if inp.format == "text":
+            if raw and raw.isascii():
+                yield None, raw
+                return
             before = counter.count
             text = counter.decode(raw)
             yield text, raw if counter.count == before else b""

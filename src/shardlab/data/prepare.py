@@ -141,7 +141,7 @@ def held_out(key: bytes, val_fraction: float) -> bool:
 class _Part:
     """Text of one document, or of one piece of a text file's document."""
 
-    text: str
+    text: str | None  # None: ASCII, `raw` is the text (see inputs.read_piece)
     raw: bytes
     val: bool
     ends: bool  # the document ends here: its end-of-document token follows
@@ -177,15 +177,15 @@ def run_unit(job: Job, unit: int, pieces: list[Piece]) -> dict[str, Any]:
     def flush() -> None:
         nonlocal val_tokens, documents
         for part, ids in zip(batch, tok.encode_batch([p.text for p in batch], [p.raw for p in batch])):
-            ids = np.concatenate([ids, eod]) if part.ends else ids
             if part.val:
-                val.append(ids.astype(dtype))
-                val_tokens += len(ids)
+                val.append(np.concatenate([ids, eod]).astype(dtype) if part.ends else ids.astype(dtype))
+                val_tokens += len(ids) + part.ends
                 if part.ends:
                     val_ends.append(val_tokens)
             else:
                 train.write(ids)
                 if part.ends:
+                    train.write(eod)
                     train.end_document()
             documents += part.ends
         batch.clear()
@@ -193,11 +193,14 @@ def run_unit(job: Job, unit: int, pieces: list[Piece]) -> dict[str, Any]:
     size = 0
     for piece in pieces:
         for part in _parts(job, piece, counter, unit == 0 and piece is pieces[0]):
-            cuts = segments(part.text) if tok.directory is not None else [part.text]
+            if tok.directory is None:
+                cuts = [part.text]
+            else:
+                cuts = segments(part.text if part.text is not None else part.raw.decode("ascii"))
             for k, text in enumerate(cuts):
                 ends = part.ends and k == len(cuts) - 1
                 batch.append(_Part(text, part.raw if len(cuts) == 1 else b"", part.val, ends))
-            size += len(part.text)
+            size += len(part.raw) or len(part.text)
             if size >= ENCODE_BATCH_BYTES:
                 flush()
                 size = 0

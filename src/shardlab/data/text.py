@@ -85,13 +85,14 @@ class Tokenizer:
         return {"kind": "tokenizers", "path": os.path.abspath(self.directory), "vocab_size": self.vocab_size,
                 "eod_id": self.eod_id, "eod_token": self._tok.id_to_token(self.eod_id), "sha256": h.hexdigest()}
 
-    def encode_batch(self, texts: list[str], raws: list[bytes] | None = None) -> list[np.ndarray]:
-        """Token ids of each text (no special tokens added), as uint32 arrays. raws[i], when
-        not empty, is texts[i] already encoded as UTF-8 (bytes: used as is)."""
+    def encode_batch(self, texts: list[str | None], raws: list[bytes] | None = None) -> list[np.ndarray]:
+        """Token ids of each text (no special tokens added): uint8 arrays for bytes, uint32 for
+        a tokenizer. raws[i], when not empty, is texts[i] already encoded as UTF-8 (bytes: used
+        as is, without a copy; texts[i] may then be None)."""
         if self._tok is None:
             raws = raws or [b""] * len(texts)
-            return [np.frombuffer(r or t.encode("utf-8"), dtype=np.uint8).astype(np.uint32)
-                    for t, r in zip(texts, raws)]
+            return [np.frombuffer(r or t.encode("utf-8"), dtype=np.uint8) for t, r in zip(texts, raws)]
+        texts = [t if t is not None else r.decode("utf-8") for t, r in zip(texts, raws or [b""] * len(texts))]
         encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)  # fast: no offsets
         return [np.asarray(e.ids, dtype=np.uint32) for e in encode(texts, add_special_tokens=False)]
 
