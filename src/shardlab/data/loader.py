@@ -68,7 +68,10 @@ class StepBatches:
             self.dataset, num_workers=self.num_workers, pin_memory=self.device.type == "cuda",
             batch_sampler=StepBatchSampler(self.sampler, self.rank, self.world_size, self.micro, step,
                                            max(step + 1, self.end_step)),
-            prefetch_factor=4 if self.num_workers else None, persistent_workers=False)
+            prefetch_factor=4 if self.num_workers else None, persistent_workers=False,
+            # its own generator: starting an iterator draws a seed, which must not come from the
+            # global RNG (a resume restores that RNG, then starts a loader: dropout would differ)
+            generator=torch.Generator().manual_seed(step))
         self._it = iter(loader)
         self._at = (step, 0)
 
