@@ -38,7 +38,7 @@ CASES = [
     (["parallel.strategy=zero4"], ["parallel.strategy: unknown value 'zero4'", "single, ddp, zero3, fsdp, torch-ddp, torch-fsdp"]),
     (["model.name=vit"], ["model.name: unknown value 'vit'", "gpt, resnet, mlp"]),
     (["model.preset=gpt-huge"], ["model.preset: unknown value 'gpt-huge'", "gpt-tiny"]),
-    (["data.source=hub"], ["data.source: unknown value 'hub'", "builtin, text, sft, cifar10, synthetic"]),
+    (["data.source=hub"], ["data.source: unknown value 'hub'", "builtin, text, tokens, sft, cifar10, synthetic"]),
     (["train.global_batch_size=10"], ["train.global_batch_size (10) must be a multiple of train.micro_batch_size (4)"]),
     (["data.source=text", "data.path=/no/such/file.txt"], ["data.path '/no/such/file.txt'", "no such file"]),
     (["data.source=text"], ["data.source=text needs data.path"]),

@@ -1,5 +1,6 @@
 """The `shardlab` command.
 
+  shardlab prepare INPUT... --out DATA_DIR [--tokenizer DIR] [--workers N]  documents to token shards
   shardlab train [CONFIG.yaml|NAME] [key=value ...] [--nproc N] [--max-restarts R] [--print-config]
   shardlab configs [NAME]                                    the shipped example configs (NAME: print one)
   shardlab bench [CONFIG.yaml] [key=value ...] [--nproc 1,2,4]  measure every engine side by side
@@ -22,6 +23,8 @@ examples:
   shardlab train configs/gpt-tiny.yaml --nproc 4 parallel.strategy=zero3 train.steps=50
   shardlab train configs/resnet-cifar10.yaml data.path=~/data --nproc 2
   shardlab train configs/gpt-tiny.yaml --print-config
+  shardlab prepare corpus/ --out data/corpus && shardlab train configs/gpt-tiny.yaml data.source=tokens \
+      data.path=data/corpus --nproc 2
 
 strategies (parallel.strategy): single, ddp, zero3, fsdp (shardlab's own, from scratch),
   torch-ddp (DistributedDataParallel), torch-fsdp (FSDP2 fully_shard).
@@ -75,12 +78,14 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _prepare_data(cfg) -> None:
-    """Work every worker would repeat (building the embedded corpus, tokenizing SFT data) is done
-    once, before they start, and its errors are said there."""
-    if cfg.data.source == "builtin":
-        from shardlab.data.corpus import corpus_path
+    """Work every worker would repeat (preparing the embedded corpus or text into the cache,
+    hashing shards new to this machine) and the data checks are done once, before they start."""
+    from shardlab.data import PREPARED_SOURCES
 
-        corpus_path()
+    if cfg.data.source in PREPARED_SOURCES:
+        from shardlab.data.tokens import check
+
+        check(cfg)
     if cfg.data.source == "sft":  # read, check (errors name file and line), tokenize and cache once
         from shardlab.data.sft import prepare
 
@@ -137,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
                                     "runs one.")
     co.add_argument("name", nargs="?", metavar="NAME", help="print this config's YAML")
     co.set_defaults(func=_configs)
+    from shardlab.data import prepare
+
+    pr = sub.add_parser("prepare", help="tokenize documents into memory-mapped token shards (data.source=tokens)",
+                        description=prepare.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    prepare.add_arguments(pr)
+    pr.set_defaults(func=prepare.run)
 
     from shardlab import bench
 

@@ -41,8 +41,9 @@ ModelConfig = dataclass(type("ModelConfig", (*reversed([spec.keys for spec in MO
 
 @dataclass
 class DataConfig:
-    source: str = "builtin"                # builtin | text | sft | cifar10 | synthetic
-    path: Optional[str] = None             # text: file, directory or glob; sft: a JSON/JSONL file (null: the
+    source: str = "builtin"                # builtin | text | tokens | sft | cifar10 | synthetic
+    path: Optional[str] = None             # tokens: a DATA_DIR from `shardlab prepare`; text: file, directory or
+                                           # glob; sft: a JSON/JSONL file (null: the
                                            # embedded instruction set); cifar10: folder with cifar-10-batches-py
     tokenizer: Optional[str] = None        # text: a local directory with tokenizer.json (null = bytes)
     tokenizer_path: Optional[str] = None   # sft: a local directory with tokenizer.json (null: model.hf_path's,
@@ -52,6 +53,7 @@ class DataConfig:
     val_fraction: float = 0.05
     synthetic_samples: int = 4096
     shuffle: bool = True
+    num_workers: Optional[int] = None      # DataLoader worker processes per rank (null: 2 on CUDA, 0 on CPU)
 
 
 @dataclass
@@ -372,6 +374,10 @@ def validate(cfg: Config) -> None:
         _check(d.path is not None, "data.source=text needs data.path (a file, directory or glob of text files)")
         _check(bool(text_files(d.path)), f"data.path {d.path!r}: no such file, directory or glob match; "
                "point it at existing text files")
+    if d.source == "tokens":
+        _check(d.path is not None, "data.source=tokens needs data.path (a directory written by `shardlab prepare "
+               "INPUT... --out DATA_DIR`)")
+    _check(d.num_workers is None or d.num_workers >= 0, f"data.num_workers must be >= 0, got {d.num_workers}")
     if d.source == "cifar10":
         _check(d.path is not None, "data.source=cifar10 needs data.path (the folder holding cifar-10-batches-py)")
         _check(find_cifar_dir(d.path) is not None, f"data.path {d.path!r}: no cifar-10-batches-py folder with "

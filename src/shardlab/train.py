@@ -31,7 +31,8 @@ from shardlab import memory
 from shardlab import metrics as M
 from shardlab.amp import autocast, make_loss_scaler
 from shardlab.config import Config, dump_config, validate_for_world
-from shardlab.data import GlobalBatchSampler, build_datasets, collate
+from shardlab.data import GlobalBatchSampler, build_datasets
+from shardlab.data.loader import StepBatches
 from shardlab.engines import Engine, engine_class, engine_of, is_sharded, optimizer_state_bytes
 from shardlab.engines.api import CPUOffload, MixedPrecision
 from shardlab.evaluate import evaluate
@@ -46,12 +47,15 @@ from shardlab.schedule import make_schedule, schedule_note
 class TrainState:
     """Everything besides model and optimizer that a resume must restore. The data position
     is the step: the sampler's batch for step s is a pure function of (seed, s).
-    loss_scaler: the fp16 scaler's state (None without fp16), so a resume is exact."""
+    loss_scaler: the fp16 scaler's state (None without fp16), so a resume is exact.
+    data_manifest: the SHA-256 of the prepared corpus's manifest (None for other sources); a
+    resume on another corpus is refused, as its step would index other data."""
 
     step: int = 0
     losses: list[float] = field(default_factory=list)
     skipped_steps: int = 0
     loss_scaler: dict[str, Any] | None = None
+    data_manifest: str | None = None
 
 
 def run_dir(cfg: Config) -> str:
@@ -155,6 +159,7 @@ class Run:
     num_parameters: int
     num_trainable: int                # parameters with requires_grad (LoRA: the adapters)
     resumed_from: str | None = None   # the checkpoint this run resumed from
+    batches: StepBatches | None = None  # this rank's micro batches, step by step (data/loader.py)
 
     def save_if_due(self, final: bool = False) -> None:
         if self.manager is None:
@@ -211,10 +216,26 @@ def build_run(cfg: Config, rt: Runtime) -> Run:
         resumed_from = manager.maybe_resume(model, opt, sched, state)
     if scaler is not None and state.loss_scaler is not None:
         scaler.load_state_dict(state.loss_scaler)
+    _check_same_corpus(state, data.manifest_sha256, manager)
     sampler = GlobalBatchSampler(len(data.train), t.global_batch_size, cfg.seed, cfg.data.shuffle)
     accumulation = t.global_batch_size // (rt.world_size * t.micro_batch_size)
+    batches = StepBatches(data.train, sampler, rt.rank, rt.world_size, t.micro_batch_size, t.steps, rt.device,
+                          cfg.data.num_workers)
     return Run(cfg, rt, out_dir, data, model, engine, opt, sched, scaler, sampler, manager, state,
-               accumulation, n_params, n_trainable, resumed_from)
+               accumulation, n_params, n_trainable, resumed_from, batches)
+
+
+def _check_same_corpus(state: TrainState, manifest_sha256: str | None, manager) -> None:
+    """A checkpoint trained on one prepared corpus resumes on that corpus only."""
+    if state.data_manifest is not None and manifest_sha256 is not None and state.data_manifest != manifest_sha256:
+        from shardlab.checkpoint import CheckpointError
+
+        raise CheckpointError(
+            f"the checkpoint in {manager.root} was trained on the corpus with manifest SHA-256 "
+            f"{state.data_manifest[:16]}..., but this run's data has {manifest_sha256[:16]}...: its step would "
+            "index other data. Point data.path at the corpus it was trained on, or start a new run "
+            "(checkpoint.resume=none, or another output.run_name)")
+    state.data_manifest = manifest_sha256
 
 
 def write_run_args(run: Run) -> None:
@@ -264,10 +285,9 @@ def train_step(run: Run, tracker: memory.LiveMemoryTracker | None = None) -> Ste
     rt, t = run.rt, run.cfg.train
     phase = tracker.phase if tracker is not None else memory.phase_range
     model, opt, scaler = run.model, run.opt, run.scaler
-    idx = run.sampler.rank_indices(run.state.step, rt.rank, rt.world_size)
-    mb = t.micro_batch_size
-    batches = [collate(run.data.train, idx[i * mb:(i + 1) * mb]) for i in range(run.accumulation)]
-    # each micro batch weighs by its target tokens in the global batch: [Note: token-weighted loss]
+    # all k micro batches first: each weighs by its target tokens in the global batch ([Note:
+    # token-weighted loss] in loss.py), counted before any forward
+    batches = [run.batches.next(run.state.step) for _ in range(run.accumulation)]
     weights = token_weights([y for _, y in batches], rt.world_size, rt.device, rt.distributed)
     local_loss = None
     for i, (x, y) in enumerate(batches):
@@ -445,6 +465,7 @@ def summarize(run: Run, timer: M.StepTimer, per_rank: list[dict], val_losses: di
     steps_run = len(timer.times)
     train_seconds = sum(timer.times)
     samples = steps_run * cfg.train.global_batch_size
+    waits = [run.batches.wait_s.get(s, 0.0) for s in range(state.step - steps_run, state.step)] if run.batches else []
     result: dict[str, Any] = {
         "wall_clock_s": wall,
         "train_time_s": train_seconds,
@@ -471,6 +492,9 @@ def summarize(run: Run, timer: M.StepTimer, per_rank: list[dict], val_losses: di
         # per rank: collective kind -> seconds in each step of this run (as step_times_s), as the
         # caller saw them (engines/collectives.py; docs/benchmarks.md); null: not timed
         "comm_seconds_per_step": [r["comm_seconds"] for r in per_rank],
+        # seconds each step of this run waited for its micro batches (data/loader.py), and their share
+        "data_wait_s_per_step": waits,
+        "data_wait_fraction": sum(waits) / train_seconds if train_seconds else None,
         "final_loss": state.losses[-1] if state.losses else None,
         "losses": state.losses,
         "val_loss": val_losses[state.step],

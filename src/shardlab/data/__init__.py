@@ -1,8 +1,10 @@
-"""Data sources behind `data.source`: builtin (the embedded corpus), text, cifar10, synthetic.
+"""Data sources behind `data.source`: tokens (a directory `shardlab prepare` wrote), builtin
+(the embedded corpus), text, sft, cifar10, synthetic.
 
 `build_datasets(cfg)` returns the train and validation datasets and what the model needs
 to know about them (vocab size); `GlobalBatchSampler` decides which samples each rank
-reads at each step (disjoint slices of one global batch).
+reads at each step (disjoint slices of one global batch); `StepBatches` (loader.py) delivers
+them through torch's DataLoader.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ import torch
 
 from shardlab.data.sampler import GlobalBatchSampler
 
-__all__ = ["GlobalBatchSampler", "Datasets", "DATA_SOURCES", "build_datasets", "collate"]
+__all__ = ["GlobalBatchSampler", "Datasets", "DATA_SOURCES", "PREPARED_SOURCES", "build_datasets", "collate"]
 
 # data.source -> what it yields (a ModelSpec.data_kind); None: whatever the model takes.
-DATA_SOURCES: dict[str, str | None] = {"builtin": "tokens", "text": "tokens", "sft": "tokens", "cifar10": "images",
-                                       "synthetic": None}
+DATA_SOURCES: dict[str, str | None] = {"builtin": "tokens", "text": "tokens", "tokens": "tokens", "sft": "tokens",
+                                       "cifar10": "images", "synthetic": None}
+# the sources that train on prepared token shards (data/tokens.py): checked before workers start
+PREPARED_SOURCES = ("builtin", "text", "tokens")
 
 
 @dataclass
@@ -34,28 +38,16 @@ class Datasets:
     # what happened to the data (examples read, dropped, truncated, rows, target tokens, warnings):
     # rank 0 prints these lines at the start of a run
     report: list[str] = field(default_factory=list)
+    # prepared sources: the SHA-256 of the corpus's manifest.json (a resume refuses another)
+    manifest_sha256: str | None = None
 
 
 def build_datasets(cfg) -> Datasets:
     d, m = cfg.data, cfg.model
-    if d.source in ("builtin", "text"):
-        from shardlab.data import corpus, text
+    if d.source in PREPARED_SOURCES:
+        from shardlab.data import tokens
 
-        tok = text.Tokenizer(d.tokenizer)
-        info: dict[str, Any] = {}
-        if d.source == "builtin":
-            path = corpus.corpus_path()
-            raw = path.read_text(encoding="utf-8")
-            info = {"corpus": "python stdlib docstrings", "corpus_path": str(path),
-                    "corpus_sha256": corpus.corpus_sha256(path), "corpus_bytes": path.stat().st_size}
-        else:
-            raw = text.read_text_files(d.path)
-        tokens = tok.encode(raw)
-        train_t, val_t = text.split_tokens(tokens, d.val_fraction, d.seq_len)
-        info["tokens"] = int(tokens.numel())
-        return Datasets(text.TokenWindows(train_t, d.seq_len),
-                        text.TokenWindows(val_t, d.seq_len) if val_t.numel() > d.seq_len else None,
-                        vocab_size=tok.vocab_size, tokens_per_sample=d.seq_len, info=info)
+        return tokens.build(cfg)
     if d.source == "sft":
         from shardlab.data import sft
 
