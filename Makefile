@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml
 setup-dev: $(DEV_STAMP)
 
 $(DEV_STAMP): $(STAMP)
-	$(PIP) -e ".[dev,plot,infra,hf]"
+	$(PIP) -e ".[dev,plot,infra,hf,data]"
 	@touch $(DEV_STAMP)
 
 demo: setup

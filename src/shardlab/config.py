@@ -24,6 +24,7 @@ from shardlab.engines.api import CPUOffload, MixedPrecision
 from shardlab.engines.collectives import resolve_shard_size
 from shardlab.errors import ConfigError
 from shardlab.models import MODELS
+from shardlab.shipped import config_path, shipped_configs
 
 
 @dataclass
@@ -41,8 +42,9 @@ ModelConfig = dataclass(type("ModelConfig", (*reversed(list(dict.fromkeys(spec.k
 
 @dataclass
 class DataConfig:
-    source: str = "builtin"                # builtin | text | sft | cifar10 | synthetic
-    path: Optional[str] = None             # text: file, directory or glob; sft: a JSON/JSONL file (null: the
+    source: str = "builtin"                # builtin | text | tokens | sft | cifar10 | synthetic
+    path: Optional[str] = None             # tokens: a DATA_DIR from `shardlab prepare`; text: file, directory or
+                                           # glob; sft: a JSON/JSONL file (null: the
                                            # embedded instruction set); cifar10: folder with cifar-10-batches-py
     tokenizer: Optional[str] = None        # text: a local directory with tokenizer.json (null = bytes)
     tokenizer_path: Optional[str] = None   # sft: a local directory with tokenizer.json (null: model.hf_path's,
@@ -52,6 +54,7 @@ class DataConfig:
     val_fraction: float = 0.05
     synthetic_samples: int = 4096
     shuffle: bool = True
+    num_workers: Optional[int] = None      # DataLoader worker processes per rank (null: 2 on CUDA, 0 on CPU)
 
 
 @dataclass
@@ -183,8 +186,10 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     """Load YAML (or defaults when path is None), apply `a.b=value` overrides, validate."""
     raw: dict[str, Any] = {}
     if path is not None:
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file {path!r} not found; give a path to a YAML file (see configs/)")
+        if config_path(path) is None:
+            raise ConfigError(f"config file {path!r} not found; give a path to a YAML file or the name of a "
+                              f"shipped config ({', '.join(shipped_configs())}; `shardlab configs` lists them)")
+        path = config_path(path)
         with open(path) as f:
             text = f.read()
         try:
@@ -361,6 +366,7 @@ def _validate_data(cfg: Config, spec: Any) -> None:
     _choice("data.source", d.source, tuple(DATA_SOURCES))
     source = DATA_SOURCES[d.source]
     source.check(cfg)  # the source's own keys
+    _check(d.num_workers is None or d.num_workers >= 0, f"data.num_workers must be >= 0, got {d.num_workers}")
     kind = source.kind  # what the source yields; None (synthetic) yields what the model takes
     if kind is not None and spec.data_kind != kind:
         fits = [name for name, other in MODELS.items() if other.data_kind == kind]

@@ -1,25 +1,30 @@
-"""Data sources behind `data.source`, one module each (text.py: builtin, the embedded corpus, and
-text; sft.py; cifar.py; synthetic.py), each bringing a `DataSource` (data/source.py).
+"""Data sources behind `data.source`, one module each, each bringing a `DataSource`
+(data/source.py): tokens.py (tokens, a directory `shardlab prepare` wrote; builtin, the embedded
+corpus; text, your files: both prepared into the cache), sft.py, cifar.py, synthetic.py.
 
 `build_datasets(cfg)` returns the train and validation datasets and what the model needs
 to know about them (vocab size); `GlobalBatchSampler` decides which samples each rank
-reads at each step (disjoint slices of one global batch).
+reads at each step (disjoint slices of one global batch); `StepBatches` (loader.py) delivers
+them through torch's DataLoader.
 """
 
 from __future__ import annotations
 
 import torch
 
-from shardlab.data import cifar, sft, synthetic, text
+from shardlab.data import cifar, sft, synthetic, tokens
 from shardlab.data.datasets import Datasets
 from shardlab.data.sampler import GlobalBatchSampler
 from shardlab.data.source import DataSource
 
-__all__ = ["GlobalBatchSampler", "Datasets", "DataSource", "DATA_SOURCES", "data_source", "build_datasets", "collate"]
+__all__ = ["GlobalBatchSampler", "Datasets", "DataSource", "DATA_SOURCES", "PREPARED_SOURCES", "data_source",
+           "build_datasets", "collate"]
 
 # data.source -> its DataSource (data/source.py). The order is the order help texts list them in.
-DATA_SOURCES: dict[str, DataSource] = {s.name: s for s in (text.BUILTIN, text.TEXT, sft.SOURCE, cifar.SOURCE,
-                                                            synthetic.SOURCE)}
+DATA_SOURCES: dict[str, DataSource] = {s.name: s for s in (tokens.BUILTIN, tokens.TEXT, tokens.TOKENS, sft.SOURCE,
+                                                            cifar.SOURCE, synthetic.SOURCE)}
+# the sources that train on a corpus in `shardlab prepare`'s format (DataSource.prepared)
+PREPARED_SOURCES = tuple(name for name, s in DATA_SOURCES.items() if s.prepared)
 
 
 def data_source(name: str) -> DataSource:

@@ -4,7 +4,7 @@ importing the registry (data/__init__.py) that imports it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,3 +20,9 @@ class Datasets:
     tokenizer_dir: str | None = None    # sft: the tokenizer used (exports copy it)
     # sft: non-padding tokens of each training sample (tokens_processed counts these, not padding)
     real_tokens: torch.Tensor | None = None
+    # what happened to the data (examples read, dropped, truncated, rows, target tokens, warnings):
+    # rank 0 prints these lines at the start of a run
+    report: list[str] = field(default_factory=list)
+    # prepared sources (DataSource.prepared): the SHA-256 of the corpus's manifest.json (a resume
+    # refuses another)
+    manifest_sha256: str | None = None

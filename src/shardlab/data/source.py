@@ -26,9 +26,16 @@ class DataSource:
     # config -> None, or raise shardlab.errors.ConfigError naming the data.* key and the fix;
     # runs while the config is checked, before any worker starts
     check: Callable[[Any], None] = lambda cfg: None
-    # config -> None: work every worker would repeat, done once before they start (`shardlab train --nproc`)
-    prepare: Callable[[Any], None] = lambda cfg: None
-    # config -> the vocabulary its tokenizer offers, without reading the data (`shardlab plan`); None: none of its own
+    # config -> (result unused): work every worker would repeat (tokenizing, hashing) and the checks that
+    # need the data itself, done once before they start (`shardlab train`); raises ValueError
+    # (the message names the file or key and the fix)
+    prepare: Callable[[Any], Any] = lambda cfg: None
+    # config -> the vocabulary its tokenizer offers, without reading the data (`shardlab plan`;
+    # a prepared corpus's manifest says it); None: none of its own
     vocab_size: Callable[[Any], int | None] = lambda cfg: None
     # whether data.packing (several examples per row) applies to it
     packing: bool = False
+    # whether it trains on a corpus in `shardlab prepare`'s format (memory-mapped token shards and
+    # a manifest, data/tokens.py): its Datasets carry the manifest's hash, and a resume refuses
+    # another corpus
+    prepared: bool = False

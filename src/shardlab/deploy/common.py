@@ -7,7 +7,6 @@ request leaves the output directory untouched.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shlex
 import stat
@@ -17,6 +16,7 @@ from pathlib import Path
 
 from shardlab import config as shardlab_config
 from shardlab.errors import RenderError
+from shardlab.shipped import config_path as shipped_or_file
 
 RESOLVED_CONFIG_NAME = "shardlab-config.yaml"
 
@@ -93,8 +93,9 @@ def with_defaults(overrides: list[str], defaults: dict[str, str]) -> list[str]:
 
 def resolve_config(config_path: str | None, overrides: list[str], world_size: int) -> ResolvedRun:
     """Load, override and validate the config for `world_size` ranks; raise RenderError."""
-    if config_path is not None and not os.path.isfile(config_path):
-        raise RenderError(f"config file {config_path!r} does not exist")
+    if config_path is not None and shipped_or_file(config_path) is None:
+        raise RenderError(f"config file {config_path!r} does not exist (nor is it a shipped config's name: "
+                          "`shardlab configs`)")
     try:
         cfg = shardlab_config.load_config(config_path, list(overrides))
         shardlab_config.validate_for_world(cfg, world_size)

@@ -88,5 +88,7 @@ def _ancestors(model: nn.Module, name: str) -> Iterator[nn.Module]:
         yield m
 
 
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
+    """Elements of the distinct parameters (tied ones once); trainable_only: requires_grad only."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()
+               if p.requires_grad or not trainable_only)

@@ -35,6 +35,7 @@ import functools
 import json
 import math
 import os
+import warnings
 import zlib
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
@@ -344,7 +345,12 @@ def _add_lora(model: nn.Module, lora: dict[str, Any]) -> nn.Module:
         raise RuntimeError("model.lora needs the `peft` package: pip install 'shardlab[hf]'") from e
     config = LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
                         target_modules=lora.get("target_modules"), task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # peft's PeftModel.__init__ reads transformers' deprecated `is_gradient_checkpointing`
+        # (FutureWarning, transformers 5): that one warning of that one call, nothing else
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 # -- registry entry (shardlab.models.MODELS) -------------------------------------------------------
@@ -359,7 +365,11 @@ class HFKeys:
 
 
 def config_file(section) -> str:
-    path = section.hf_path or section.hf_config
+    """The config JSON: model.hf_path's config.json, or model.hf_config (a file, a directory with
+    config.json, or the name of a shipped one: shardlab/configs/hf/, e.g. mistral-tiny)."""
+    from shardlab.shipped import hf_config_path
+
+    path = section.hf_path or hf_config_path(section.hf_config) or section.hf_config
     return os.path.join(path, "config.json") if os.path.isdir(path) else path
 
 
@@ -387,8 +397,10 @@ def _check(section) -> None:
             raise ConfigError(f"model.hf_path {section.hf_path!r}: no {SINGLE_FILE} or {INDEX_FILE}; save the model "
                               "in safetensors (save_pretrained(..., safe_serialization=True))")
     elif not os.path.isfile(config_file(section)):
-        raise ConfigError(f"model.hf_config {section.hf_config!r}: no such file; give a config JSON "
-                          "(e.g. configs/hf/mistral-tiny.json) or a directory with config.json")
+        from shardlab.shipped import shipped_hf_configs
+
+        raise ConfigError(f"model.hf_config {section.hf_config!r}: no such file; give a config JSON, a directory "
+                          f"with config.json, or a shipped one's name ({', '.join(shipped_hf_configs())})")
     try:
         with open(config_file(section)) as f:
             raw = json.load(f)
@@ -404,6 +416,51 @@ def _check(section) -> None:
         raise ConfigError(f"model.lora.rank must be >= 0 (0 = full fine-tuning), got {lo.rank}")
     if lo.rank and (lo.alpha <= 0 or not 0 <= lo.dropout < 1):
         raise ConfigError("model.lora.alpha must be > 0 and model.lora.dropout in [0, 1)")
+    if lo.rank:
+        problem = lora_target_problem(section, raw["model_type"])
+        if problem:
+            raise ConfigError(problem)
+
+
+def lora_layer_names(section) -> dict[str, list[str]]:
+    """Last name component -> full names of the modules LoRA can adapt (Linear, GPT-2's Conv1D,
+    Embedding, Conv*d), from the architecture built on the meta device (no memory, no weights)."""
+    transformers = require_transformers()
+    from transformers.pytorch_utils import Conv1D
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(load_hf_config(section))
+    kinds = (nn.Linear, Conv1D, nn.Embedding, nn.Conv1d, nn.Conv2d)
+    out: dict[str, list[str]] = {}
+    for name, m in model.named_modules():
+        if name and isinstance(m, kinds):
+            out.setdefault(name.rsplit(".", 1)[-1], []).append(name)
+    return out
+
+
+def lora_target_problem(section, model_type: str) -> str | None:
+    """What is wrong with model.lora.target_modules for this architecture (None: nothing), found
+    before any worker starts; peft would fail with a traceback, or silently skip a bad name."""
+    targets = section.lora.target_modules
+    if targets is None:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
+
+        if model_type in defaults:
+            return None
+    names = lora_layer_names(section)
+    linear = sorted(names)
+    if targets is None:
+        return (f"model.lora.target_modules=null: peft has no default LoRA targets for model_type {model_type!r}; "
+                f"name them, e.g. model.lora.target_modules=[{', '.join(linear[:2])}] (the layers LoRA can adapt in "
+                f"this model: {', '.join(linear)})")
+    full = {n for group in names.values() for n in group}
+    unknown = [t for t in targets if t not in names and t not in full
+               and not any(n.endswith("." + t) for n in full)]
+    if unknown:
+        return (f"model.lora.target_modules: {unknown} match{'es' if len(unknown) == 1 else ''} no layer of this "
+                f"{model_type} model that LoRA can adapt; its Linear (and Conv1D, Embedding) layers: "
+                f"{', '.join(linear)}")
+    return None
 
 
 def _build(section, seed: int, vocab_size: int | None) -> HFCausalLM:
