@@ -11,14 +11,18 @@ from shardlab.config import load_config
 
 GPT = ("configs/gpt-tiny.yaml", ["data.source=synthetic", "train.micro_batch_size=2", "train.global_batch_size=8",
                                  "data.seq_len=64"])
-#: (name, world, engines, overrides): plain fp32; bf16 mixed precision with activation
-#: checkpointing; hybrid sharding (2 replicas of 2) and CPU offload at 4 ranks.
+MISTRAL = ("configs/sft-mistral-tiny.yaml", ["data.source=synthetic", "data.packing=false", "train.micro_batch_size=2",
+                                             "train.global_batch_size=4", "data.seq_len=32"])
+#: (name, (config, overrides), world, engines, more overrides): plain fp32; bf16 mixed precision
+#: with activation checkpointing; hybrid sharding (2 replicas of 2) at 4 ranks; CPU offload;
+#: an HF decoder with LoRA adapters (transformers' own mask path: `_transformers_not_tracing`).
 CASES = [
-    ("fp32", 2, ["ddp", "zero3", "fsdp", "torch-fsdp"], []),
-    ("bf16+ac", 2, ["ddp", "zero3", "fsdp", "torch-fsdp"],
+    ("fp32", GPT, 2, ["ddp", "zero3", "fsdp", "torch-fsdp"], []),
+    ("bf16+ac", GPT, 2, ["ddp", "zero3", "fsdp", "torch-fsdp"],
      ["train.precision=bf16", "parallel.mixed_precision=bf16", "train.activation_checkpointing=true"]),
-    ("hsdp", 4, ["fsdp", "torch-fsdp"], ["parallel.shard_size=2"]),
-    ("offload", 2, ["zero3", "fsdp"], ["parallel.offload=cpu"]),
+    ("hsdp", GPT, 4, ["fsdp", "torch-fsdp"], ["parallel.shard_size=2"]),
+    ("offload", GPT, 2, ["zero3", "fsdp"], ["parallel.offload=cpu"]),
+    ("lora", MISTRAL, 2, ["ddp", "fsdp", "torch-fsdp"], ["model.lora.rank=4"]),
 ]
 
 
@@ -28,14 +32,14 @@ def _both_ways(cases: list) -> dict:
     from shardlab.plan.probe import probe_child
 
     out = {}
-    for name, world, engines, overrides in cases:
-        cfg = load_config(GPT[0], GPT[1] + overrides)
+    for name, (config, base), world, engines, overrides in cases:
+        cfg = load_config(config, base + overrides)
         micro, seq = cfg.train.micro_batch_size, cfg.data.seq_len
         for fake in (True, False):
             plans = {e: {"raw": engine_config(cfg, e, world, world).to_dict(), "fake": fake, "micro": micro,
                          "seq": seq} for e in engines}
-            res = probe_child(plans, world, [3], 2)
-            out[name, fake] = {e: r["3"] for e, r in res.items()}
+            res = probe_child(plans, world, [2], 2)
+            out[name, fake] = {e: r["2"] for e, r in res.items()}
     return out
 
 
@@ -44,7 +48,7 @@ def test_fake_probes_equal_real_probes_to_the_byte():
     from shardlab.plan.model import in_child
 
     got = in_child(_both_ways, CASES, timeout_s=600)
-    for name, _, engines, _ in CASES:
+    for name, _, _, engines, _ in CASES:
         for e in engines:
             fake, real = got[name, True][e], got[name, False][e]
             assert fake["fake"] and not real["fake"]

@@ -12,7 +12,15 @@ from shardlab.config import ConfigError, validate_for_world
 from shardlab.engines import STRATEGIES, engine_class
 from shardlab.memory import PARTS
 from shardlab.plan import probe as P
-from shardlab.plan.model import engine_config, in_child, model_state, n_layer, probe_param_bytes
+from shardlab.plan.model import (
+    built_state,
+    engine_config,
+    in_child,
+    model_state,
+    n_layer,
+    probe_param_bytes,
+    state_by_rule,
+)
 from shardlab.plan.scaling import scale_probe
 
 
@@ -54,7 +62,8 @@ def predict_all(cfg, nproc: int, engines: list[str] | None = None, per_node: int
     layers: list[int | None] = [min(x, L) for x in P.PROBE_LAYERS] if L is not None else [None]
     layers = sorted(set(layers), key=lambda x: -1 if x is None else x)
     accumulation = cfg.train.global_batch_size // (nproc * cfg.train.micro_batch_size)
-    states = {e: model_state(cfgs[e], e, nproc) for e in engines}
+    states = {e: state_by_rule(cfgs[e], e, nproc) for e in engines}
+    to_build = {e: cfgs[e].to_dict() for e in engines if states[e] is None}
     probe_psi = probe_param_bytes(cfg, max(x or 0 for x in layers))
     probe_ok = [e for e in engines
                 if fake[e] or _probe_state_estimate(probe_psi, cfgs[e], e, nproc) <= P.PROBE_MAX_BYTES]
@@ -64,12 +73,15 @@ def predict_all(cfg, nproc: int, engines: list[str] | None = None, per_node: int
     plans = {e: {"raw": cfgs[e].to_dict(), "fake": fake[e], "micro": shapes[e][0], "seq": shapes[e][1]}
              for e in probe_ok}
     probes = {}
-    if probe_ok:
-        try:
-            probes = in_child(P.probe_child, plans, nproc, layers, min(accumulation, 2), timeout_s=P.PROBE_TIMEOUT_S)
-        except mp.TimeoutError:  # the pool's exit terminates the probe
-            why_not.update({e: f"the probes did not finish in {P.PROBE_TIMEOUT_S:g} s here "
-                               "(SHARDLAB_PLAN_PROBE_TIMEOUT_S gives them longer)" for e in probe_ok})
+    try:  # one child builds the engines whose state only building tells, then runs every probe
+        built, probes = in_child(_plan_child, to_build, plans, nproc, layers, min(accumulation, 2),
+                                 timeout_s=P.PROBE_TIMEOUT_S)
+        states.update(built)
+    except mp.TimeoutError:  # the pool's exit terminates the probe
+        why_not.update({e: f"the probes did not finish in {P.PROBE_TIMEOUT_S:g} s here "
+                           "(SHARDLAB_PLAN_PROBE_TIMEOUT_S gives them longer)" for e in probe_ok})
+        probes = {}
+        states.update({e: model_state(cfgs[e], e, nproc) for e in to_build})
     return {e: _predicted(e, cfgs[e], nproc, states[e], probes[e], (*shapes[e], L, layers)) if e in probes
             else _not_probed(e, nproc, states[e], why_not[e]) for e in engines}
 
@@ -86,6 +98,14 @@ def probe_kind(engine: str, probe: str = "auto") -> str:
         raise ConfigError(f"--probe fake: engine {engine} cannot run on fake tensors ({engine_class(engine).__name__}"
                           ".fake_tensor_probe is False); use --probe auto")
     return "fake" if can and probe != "real" else "real"
+
+
+def _plan_child(to_build: dict[str, dict], plans: dict[str, dict], nproc: int, layers: list[int | None],
+                accumulation: int) -> tuple[dict, dict]:
+    """In one child process: each engine of `to_build` built on a fake group (its exact state),
+    then the probes (plan/probe.py)."""
+    built = {e: built_state(raw, e, nproc) for e, raw in to_build.items()}
+    return built, (P.probe_child(plans, nproc, layers, accumulation) if plans else {})
 
 
 def _not_probed(engine: str, nproc: int, state: dict[str, int], why: str) -> Prediction:
