@@ -35,9 +35,9 @@ def _check_agreement(config: str, overrides: list[str], world: int) -> None:
 
 @pytest.mark.slow
 def test_plan_within_10_percent_at_2_ranks():
-    # 8 blocks: the probes run 3 and 4 of them, so the scaling to depth is what is tested
+    # 10 blocks (deeper than FAKE_WHOLE_DEPTH): the probes run 3 and 4 of them, so the scaling to depth is tested
     _check_agreement("configs/gpt-tiny.yaml", ["data.source=synthetic", "train.steps=2", "train.micro_batch_size=1",
-                                               "train.global_batch_size=2", "data.seq_len=64", "model.n_layer=8"], 2)
+                                               "train.global_batch_size=2", "data.seq_len=64", "model.n_layer=10"], 2)
 
 
 def test_hybrid_and_offload_move_state_where_they_say():

@@ -61,4 +61,5 @@ def test_unseen_decoders_within_10_percent(tmp_path, world):
         for e in ENGINES:
             m = measured[name][e]["peak_live_bytes"]
             errors[name, e] = round((predicted[e].peak_bytes - m) / m, 4)
+    print(f"plan vs measured at N={world}:", errors)
     assert all(abs(err) <= TOLERANCE for err in errors.values()), errors

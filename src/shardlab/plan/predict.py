@@ -70,8 +70,10 @@ def predict_all(cfg, nproc: int, engines: list[str] | None = None, per_node: int
     why_not = {e: f"a real-tensor probe would need over {P.PROBE_MAX_BYTES / 2**30:.0f} GiB here "
                   "(SHARDLAB_PLAN_PROBE_MAX_GIB raises the limit)" for e in engines if e not in probe_ok}
     shapes = {e: P.probe_shape(cfg, fake[e]) for e in engines}
-    plans = {e: {"raw": cfgs[e].to_dict(), "fake": fake[e], "micro": shapes[e][0], "seq": shapes[e][1]}
-             for e in probe_ok}
+    # a fake probe of a shallow model runs it whole: no scaling in depth at all
+    depth = {e: [L] if fake[e] and L is not None and L <= P.FAKE_WHOLE_DEPTH else layers for e in engines}
+    plans = {e: {"raw": cfgs[e].to_dict(), "fake": fake[e], "micro": shapes[e][0], "seq": shapes[e][1],
+                 "layers": depth[e]} for e in probe_ok}
     probes = {}
     try:  # one child builds the engines whose state only building tells, then runs every probe
         built, probes = in_child(_plan_child, to_build, plans, nproc, layers, min(accumulation, 2),
@@ -82,7 +84,7 @@ def predict_all(cfg, nproc: int, engines: list[str] | None = None, per_node: int
                            "(SHARDLAB_PLAN_PROBE_TIMEOUT_S gives them longer)" for e in probe_ok})
         probes = {}
         states.update({e: model_state(cfgs[e], e, nproc) for e in to_build})
-    return {e: _predicted(e, cfgs[e], nproc, states[e], probes[e], (*shapes[e], L, layers)) if e in probes
+    return {e: _predicted(e, cfgs[e], nproc, states[e], probes[e], (*shapes[e], L, depth[e])) if e in probes
             else _not_probed(e, nproc, states[e], why_not[e]) for e in engines}
 
 

@@ -55,6 +55,9 @@ from shardlab.runtime import Runtime
 #: Blocks of the model the probes run with (GPT's n_layer, an HF decoder's num_hidden_layers;
 #: other models run whole).
 PROBE_LAYERS = (3, 4)
+#: A model of at most this many blocks is probed whole on fake tensors (nothing is scaled in depth);
+#: a deeper one at PROBE_LAYERS, its fake step's time growing with depth.
+FAKE_WHOLE_DEPTH = 8
 #: Tokens (micro batch x sequence) a probe micro batch holds at most; activations scale from there.
 PROBE_TOKENS = 256
 #: A probe whose model state would exceed this is not run (the engine is then reported by its model state
@@ -121,7 +124,7 @@ def probe_child(plans: dict[str, dict], nproc: int, layers: list[int | None], ac
             rt = Runtime(0, 0, 1, torch.device("cpu"), "gloo")
         out[engine] = {str(L): _probe_once(probe_config(cfg0, L, plan["micro"], plan["seq"], rt.world_size, 3,
                                                         accumulation, tmp.name), rt, plan["fake"])
-                       for L in layers}
+                       for L in plan.get("layers", layers)}
     dist.destroy_process_group()
     tmp.cleanup()
     return out

@@ -189,7 +189,9 @@ def print_report(cfg, report: dict[str, Any]) -> None:
         for n in r["notes"]:
             print(f"  {e}: {n}")
         v = r["verdict"]
-        if v["max_micro_batch"] is not None:
+        if v["max_micro_batch"] == 0:
+            print(f"  {e}: no micro batch fits at this seq_len: the rest of the peak alone exceeds the usable memory")
+        elif v["max_micro_batch"] is not None:
             print(f"  {e}: fits up to train.micro_batch_size={v['max_micro_batch']} at this seq_len, "
                   f"data.seq_len={v['max_seq_len']} at this micro batch")
         if v.get("cheapest_change"):
