@@ -32,6 +32,7 @@ from shardlab.config import Config, dump_config, validate_for_world
 from shardlab.data import GlobalBatchSampler, build_datasets, collate
 from shardlab.engines import Engine, engine_class, engine_of, is_sharded, optimizer_state_bytes
 from shardlab.engines.api import CPUOffload, MixedPrecision
+from shardlab.engines.compile import CompileClock
 from shardlab.evaluate import evaluate
 from shardlab.models import build_model, count_parameters
 from shardlab.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionGuard
@@ -197,7 +198,8 @@ def build_run(cfg: Config, rt: Runtime) -> Run:
     model = build_model_for(cfg, data.vocab_size, "meta")
     n_params = count_parameters(model)
     model = shardlab.parallelize(model, cfg.parallel.strategy, wrap=wrap_units(cfg, model), device=rt.device,
-                                 activation_checkpointing=t.activation_checkpointing, **engine_options(cfg))
+                                 activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every,
+                                 compile=t.compile, compile_mode=t.compile_mode, **engine_options(cfg))
     engine = engine_of(model)
     if not engine.local_parameters():
         raise ValueError(f"rank {rt.rank} holds no parameter with parallel.strategy={cfg.parallel.strategy} at world "
@@ -350,6 +352,7 @@ def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
 
 def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str, Any]:
     t0 = time.perf_counter()
+    compile_clock = CompileClock()  # this run's share of the process's torch.compile time
     rt = rt or init_runtime(cfg.parallel.backend, cfg.parallel.timeout_s,
                             force_group=cfg.parallel.strategy != "single")
     run = build_run(cfg, rt)
@@ -418,7 +421,7 @@ def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str,
     live = tracker.summary() if tracker is not None and tracker.steps_tracked else None
     per_rank = all_gather_object({"peak_memory_bytes": peak, "model_state_bytes": state_bytes,
                                   "comm": train_comm, "comm_seconds": _per_kind(step_comm_seconds),
-                                  "live": live}, rt)
+                                  "live": live, "compile": (compile_clock.seconds(), compile_clock.graphs())}, rt)
     result = summarize(run, timer, per_rank, val_losses, time.perf_counter() - t0)
     if rt.is_main:
         M.write_json_atomic(os.path.join(run.out_dir, "metrics.json"), result, default=str)
@@ -462,6 +465,10 @@ def summarize(run: Run, timer: M.StepTimer, per_rank: list[dict], val_losses: di
         "val_loss": val_losses[state.step],
         "val_losses": val_losses,
         "restart_count": rt.restart_count,
+        # torch.compile (train.compile): seconds compiling, slowest rank, steps and evaluation alike
+        # (inside the first step's time and the samples/s above; not in the median step time)
+        "compile_s": max(r["compile"][0] for r in per_rank) if cfg.train.compile else None,
+        "compiled_graphs": per_rank[0]["compile"][1] if cfg.train.compile else None,
     }
     if run.scaler is not None:
         result["loss_scale"] = run.scaler.get_scale()
@@ -499,11 +506,14 @@ def print_summary(result: dict[str, Any], out_dir: str) -> None:
         row("trained in this run", f"nothing: resumed at step {result['steps']}, the last")
     if "loss_scale" in result:
         row("fp16 loss scale (final), skipped steps", f"{result['loss_scale']:g}, {result['skipped_steps']}")
+    if result.get("compile_s") is not None:
+        row("torch.compile (graphs)", f"{result['compile_s']:.1f} s ({result['compiled_graphs']})")
     row("parameters", f"{result['num_parameters'] / 1e6:.2f} M")
     row("model state / rank (params+grads+optim)", ", ".join(f"{b / 2**20:.1f} MiB" for b in result["model_state_bytes"]))
     row("peak memory / rank", ", ".join(f"{b / 2**30:.2f} GiB" for b in result["peak_memory_bytes"]))
-    if result.get("peak_live_bytes"):
-        row("peak live tensors / rank (phase)", ", ".join(
+    if result.get("peak_live_bytes"):  # with train.compile the tracked step ran eagerly (docs/memory.md)
+        eager = " [eager step]" if result.get("compile_s") is not None else ""
+        row(f"peak live tensors / rank (phase){eager}", ", ".join(
             f"{b / 2**20:.1f} MiB ({d['phase']})" for b, d in zip(result["peak_live_bytes"], result["peak_breakdown"])))
     row("wall clock", f"{result['wall_clock_s']:.1f} s")
     Console().print(table)
