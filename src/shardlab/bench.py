@@ -68,8 +68,6 @@ def _cell_overrides(args: argparse.Namespace, strategy: str, nproc: int, variant
     out += [f"train.steps={args.steps}", "train.warmup_steps=0", "train.eval_batches=1",
             f"parallel.strategy={strategy}", *(f"{_axis_key(k)}={v}" for k, v in variant.items()),
             "checkpoint.resume=none", "checkpoint.every_steps=0", "output.tensorboard=false", "output.progress=false"]
-    if variant.get("compile") == "true":  # the tracker's step would run eagerly (docs/memory.md): not tracked
-        out.append("train.memory_tracking=none")
     return out
 
 
@@ -314,8 +312,8 @@ def _compile_table(rows: list[dict[str, Any]], by: dict[tuple, dict[str, Any]]) 
             + "|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n"
             "'compile (s)': torch.compile's own timers in the run (dynamo + inductor, forward and backward, the final "
             "evaluation's recompile included), median over rounds; it depends on inductor's on-disk cache "
-            "(TORCHINDUCTOR_CACHE_DIR), warm after the first compiled run of a graph. Compiled cells run without "
-            "the memory tracker, whose step dynamo would run eagerly: their peak live is not measured.\n")
+            "(TORCHINDUCTOR_CACHE_DIR), warm after the first compiled run of a graph. Compiled runs track no live "
+            "memory (docs/memory.md): their peak live is not measured.\n")
 
 
 _KIND_ABBREV = {"all_gather": "ag", "reduce_scatter": "rs", "all_reduce": "ar", "broadcast": "bc", "reduce": "rd"}

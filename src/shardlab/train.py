@@ -366,9 +366,11 @@ def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str,
     comm_before_loop = run.engine.comm_stats()  # wrap-time broadcasts and resume are not step traffic
     step_comm_seconds: list[dict[str, float] | None] = []  # per step: seconds per collective kind
     # live tensor bytes by part and phase (docs/memory.md); "last" tracks only the last step,
-    # so the other steps' times carry none of its overhead
-    tracker = None if t.memory_tracking == "none" else memory.LiveMemoryTracker(rt.device, engine=run.engine,
-                                                                              optimizer=run.opt)
+    # so the other steps' times carry none of its overhead. Not with train.compile: dynamo runs
+    # nothing compiled under the tracker's TorchDispatchMode, and stops compiling those
+    # functions for the rest of the process (docs/memory.md); CUDA's allocator peak remains.
+    tracker = None if t.memory_tracking == "none" or t.compile else memory.LiveMemoryTracker(
+        rt.device, engine=run.engine, optimizer=run.opt)
     profiler = None
     if t.profile:  # the first step of this run is its warm-up
         first = state.step + 1 if t.steps - state.step > 1 else state.step
@@ -506,14 +508,14 @@ def print_summary(result: dict[str, Any], out_dir: str) -> None:
         row("trained in this run", f"nothing: resumed at step {result['steps']}, the last")
     if "loss_scale" in result:
         row("fp16 loss scale (final), skipped steps", f"{result['loss_scale']:g}, {result['skipped_steps']}")
-    if result.get("compile_s") is not None:
-        row("torch.compile (graphs)", f"{result['compile_s']:.1f} s ({result['compiled_graphs']})")
+    if result.get("compile_s") is not None:  # live memory is not tracked then (see _train)
+        row("torch.compile (graphs)", f"{result['compile_s']:.1f} s ({result['compiled_graphs']}); live memory "
+            "not tracked")
     row("parameters", f"{result['num_parameters'] / 1e6:.2f} M")
     row("model state / rank (params+grads+optim)", ", ".join(f"{b / 2**20:.1f} MiB" for b in result["model_state_bytes"]))
     row("peak memory / rank", ", ".join(f"{b / 2**30:.2f} GiB" for b in result["peak_memory_bytes"]))
-    if result.get("peak_live_bytes"):  # with train.compile the tracked step ran eagerly (docs/memory.md)
-        eager = " [eager step]" if result.get("compile_s") is not None else ""
-        row(f"peak live tensors / rank (phase){eager}", ", ".join(
+    if result.get("peak_live_bytes"):
+        row("peak live tensors / rank (phase)", ", ".join(
             f"{b / 2**20:.1f} MiB ({d['phase']})" for b, d in zip(result["peak_live_bytes"], result["peak_breakdown"])))
     row("wall clock", f"{result['wall_clock_s']:.1f} s")
     Console().print(table)
