@@ -298,3 +298,21 @@ def test_bench_activation_checkpointing_and_compile_axes():
     overrides = _cell_overrides(args, "fsdp", 2, {"activation_checkpointing": "selective", "compile": "true"})
     assert "train.activation_checkpointing=selective" in overrides and "train.compile=true" in overrides
     assert json.dumps(order)
+
+
+def test_gpu_report_is_dated_written_whole_and_linked_once(tmp_path):
+    from tests.gpu.report import LINKS_HEADING, Report
+
+    (tmp_path / "benchmarks.md").write_text("# Benchmarks\n\nIntro.\n\n## 2026-11-22 — a table\n")
+    report = Report("NVIDIA H100 80GB HBM3", ["torch 2.13"], date="2026-11-23")
+    report.add("every engine on NCCL", ["| run | diff |"], True)
+    report.add("offload", ["saved 10 MiB"], False)
+    for _ in range(2):  # the same day again: one report, one link
+        path = report.write(tmp_path)
+    assert path == tmp_path / "gpu-check" / "2026-11-23-nvidia-h100-80gb-hbm3.md"
+    text = path.read_text()
+    assert text.startswith("# GPU check, 2026-11-23, NVIDIA H100 80GB HBM3") and "| offload | FAIL |" in text
+    index = (tmp_path / "benchmarks.md").read_text()
+    assert index.count("gpu-check/2026-11-23-nvidia-h100-80gb-hbm3.md)") == 1 and "(1 of 2 checks" in index
+    assert index.index(LINKS_HEADING) < index.index("Intro.") and index.endswith("## 2026-11-22 — a table\n")
+    assert not [p for p in tmp_path.rglob(".*tmp*")]
