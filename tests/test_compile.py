@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -301,9 +302,11 @@ def test_bench_activation_checkpointing_and_compile_axes():
 
 
 def test_gpu_report_is_dated_written_whole_and_linked_once(tmp_path):
-    from tests.gpu.report import LINKS_HEADING, Report
+    from tests.gpu.report import LINKS_HEADING, Report, add_link
 
     (tmp_path / "benchmarks.md").write_text("# Benchmarks\n\nIntro.\n\n## 2026-11-22 — a table\n")
+    docs = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"  # the real page: its placeholder goes
+    assert "(none yet)" not in add_link(docs.read_text(), "- a link", "x.md").split(LINKS_HEADING)[1].split("##")[0]
     report = Report("NVIDIA H100 80GB HBM3", ["torch 2.13"], date="2026-11-23")
     report.add("every engine on NCCL", ["| run | diff |"], True)
     report.add("offload", ["saved 10 MiB"], False)

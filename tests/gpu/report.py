@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 LINKS_HEADING = "## GPU check reports (`make gpu-check`)"
+NONE_YET = "(none yet)"
 
 
 @dataclass
@@ -60,8 +61,8 @@ class Report:
 
 def add_link(text: str, link: str, name: str) -> str:
     """`text` (benchmarks.md) with `link` under LINKS_HEADING (created after the title if absent),
-    replacing an earlier link to the same file."""
-    lines = [line for line in text.splitlines() if f"gpu-check/{name})" not in line]
+    replacing an earlier link to the same file and the "(none yet)" placeholder."""
+    lines = [line for line in text.splitlines() if f"gpu-check/{name})" not in line and line != NONE_YET]
     if LINKS_HEADING not in lines:
         at = 1 if lines and lines[0].startswith("# ") else 0
         lines[at:at] = ["", LINKS_HEADING, ""]
