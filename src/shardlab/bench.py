@@ -302,7 +302,7 @@ def _compile_table(rows: list[dict[str, Any]], by: dict[tuple, dict[str, Any]]) 
         if r.get("compile_s") is None:
             continue
         eager = by.get((r["strategy"], r["world_size"], r["variant"].replace("compile=true", "compile=false")))
-        vs = f"{eager['step_time_median_s'] / r['step_time_median_s']:.2f}x" if eager else ""
+        vs = _speed_vs(eager, r) if eager else ""
         eager_ms = f"{eager['step_time_median_s'] * 1000:.0f}" if eager else ""
         lines.append(f"| {r['strategy']} | {r['world_size']} | {r['variant']} | {r['compile_s']:.1f} | {eager_ms} | "
                      f"{r['step_time_median_s'] * 1000:.0f} | {vs} |")
