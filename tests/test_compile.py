@@ -131,12 +131,15 @@ def test_single_compiled_and_checkpointed_matches_eager():
 
 
 def _saved_bytes(block: torch.nn.Module, x: torch.Tensor) -> int:
-    """Bytes of the distinct storages autograd keeps for backward after one forward of `block`
-    (the compiled graph's saved activations and the parameters it reads)."""
+    """Bytes of the distinct storages autograd keeps for backward after one forward of `block`,
+    its parameters excepted: the activations it keeps (eager, or the compiled graph's). An eager
+    checkpoint keeps its own saved tensors out of these hooks' sight (only its input shows)."""
     storages: dict[int, int] = {}
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if t.untyped_storage().data_ptr() not in params:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -319,3 +322,21 @@ def test_gpu_report_is_dated_written_whole_and_linked_once(tmp_path):
     assert index.count("gpu-check/2026-11-23-nvidia-h100-80gb-hbm3.md)") == 1 and "(1 of 2 checks" in index
     assert index.index(LINKS_HEADING) < index.index("Intro.") and index.endswith("## 2026-11-22 — a table\n")
     assert not [p for p in tmp_path.rglob(".*tmp*")]
+
+
+def saved_bytes_table(preset: str, micro: int, seq: int) -> None:
+    """`python -m tests.test_compile PRESET MICRO SEQ`: the activations one block of a GPT preset
+    keeps for backward, eager and compiled, per checkpointing mode (docs/benchmarks.md)."""
+    torch.set_num_threads(1)
+    for compiled in (False, True):
+        for mode in ("none", "selective", "full"):
+            model = GPT(GPT_PRESETS[preset])
+            apply_to_units(list(model.blocks), Checkpointing(mode), compile=compiled)
+            x = torch.randn(micro, seq, GPT_PRESETS[preset].n_embd, requires_grad=True)
+            _saved_bytes(model.blocks[0], x)  # compiles forward and backward
+            print(f"{preset} block, micro {micro} x {seq}, {'compiled' if compiled else 'eager'}, {mode}: "
+                  f"{_saved_bytes(model.blocks[0], x) / 2**20:.2f} MiB kept for backward", flush=True)
+
+
+if __name__ == "__main__":
+    saved_bytes_table(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
