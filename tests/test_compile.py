@@ -275,6 +275,60 @@ def test_policy_and_units():
     assert torch.isfinite(model(x, y))
 
 
+# -- shardlab plan follows the checkpointing mode --------------------------------------------------
+_PLAN_KEYS = ["model.preset=gpt-tiny", "data.source=synthetic", "data.seq_len=64", "train.micro_batch_size=4",
+              "train.global_batch_size=8", "parallel.strategy=fsdp"]
+
+
+def _probe_each_mode(modes: tuple[str, ...]) -> dict:
+    """In a spawned child (plan's probes run on a fake process group of their own): fsdp's probe at
+    N=2, 2 blocks, once per checkpointing mode, with train.compile on (the probe runs eagerly)."""
+    from shardlab.config import load_config
+    from shardlab.plan.probe import probe_child
+
+    return {m: probe_child({"fsdp": load_config(None, [*_PLAN_KEYS, f"train.activation_checkpointing={m}",
+                                                        "train.compile=true"]).to_dict()}, 2, [2], 4, 64, 1)["fsdp"]["2"]
+            for m in modes}
+
+
+@pytest.mark.slow
+def test_plan_follows_the_checkpointing_mode():
+    from shardlab.config import load_config
+    from shardlab.plan import GPUS, INTERCONNECTS, step_time, verdict
+    from shardlab.plan.model import in_child
+    from shardlab.plan.predict import Prediction
+    from shardlab.plan.probe import probe_config, probe_layers
+
+    def cfg(*extra: str):
+        return load_config(None, [*_PLAN_KEYS, *extra])
+
+    # the probe keeps the mode and every K-th block, and runs eagerly (the tracker cannot see compiled code)
+    probe = probe_config(cfg("train.activation_checkpointing=selective", "train.ac_every=2", "train.compile=true",
+                             "train.compile_mode=default"), 3, 4, 64, 2, 3, 1, "/nonexistent")
+    assert (probe.train.activation_checkpointing, probe.train.ac_every, probe.train.compile,
+            probe.train.compile_mode) == ("selective", 2, False, None)
+    assert probe_layers(cfg(), 12) == [3, 4] and probe_layers(cfg("train.ac_every=2"), 12) == [3, 4]
+    assert probe_layers(cfg("train.activation_checkpointing=full", "train.ac_every=3"), 12) == [3, 6]
+    assert probe_layers(cfg("train.activation_checkpointing=full", "train.ac_every=3"), 4) == [3, 4]
+    # compute: full recomputes the forward (6 -> 8 FLOPs per parameter and token), selective its cheap ops only
+    gpu, link = GPUS["H100"], INTERCONNECTS["loopback"]
+    compute = [step_time(cfg(f"train.activation_checkpointing={m}", *e), "fsdp", 2, link, gpu, None)["compute_s"]
+               for m, e in (("none", ()), ("selective", ()), ("full", ()), ("full", ("train.ac_every=2",)))]
+    assert compute == pytest.approx([compute[0] * r for r in (1, 1, 8 / 6, 7 / 6)])  # gpt-tiny: 4 blocks
+    # the verdict suggests checkpointing when activations dominate, unless it is full already
+    big = Prediction("fsdp", 2, 100 << 30, {"params": 0, "grads": 0, "optimizer": 0, "activations": 90 << 30},
+                     "backward", {})
+    for mode, suggested in (("none", "=full"), ("selective", "=full"), ("full", None)):
+        changes = " ".join(verdict(cfg(f"train.activation_checkpointing={mode}"), big, gpu, {}, 2)["changes"])
+        assert (f"train.activation_checkpointing{suggested}" in changes) if suggested else \
+            "activation_checkpointing" not in changes, (mode, changes)
+    # the probe itself: the forward's saved activations fall from none to selective to full
+    probes = in_child(_probe_each_mode, ("none", "selective", "full"), timeout_s=240)
+    act = {m: p["fwd_parts"]["activations"] for m, p in probes.items()}
+    assert act["full"] < act["selective"] < act["none"], act
+    assert probes["full"]["peak"] <= probes["selective"]["peak"] <= probes["none"]["peak"], probes
+
+
 # -- the GPU check explains itself on a machine without CUDA ------------------------------------
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: `make gpu-check` runs the real suite")
 def test_gpu_check_skips_with_a_clear_message_without_cuda():

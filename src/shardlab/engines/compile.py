@@ -95,6 +95,14 @@ class Checkpointing:
     def applies_to(self, index: int) -> bool:
         return self.mode != "none" and index % self.every == 0
 
+    def recomputed_share(self, units: int | None) -> float:
+        """The share of the units' forward FLOPs that backward runs again: full recomputes its
+        units whole; selective keeps the matmul outputs and recomputes only cheap pointwise ops
+        (counted as 0); `units` None: every unit counts."""
+        if self.mode != "full":
+            return 0.0
+        return 1.0 if not units else sum(map(self.applies_to, range(units))) / units
+
 
 # -- the functions a unit's forward becomes ------------------------------------------------------
 # Module-level, so that torch.compile sees the same code for every unit and every model and
