@@ -47,7 +47,7 @@ demo: setup
 # so CI (.ci/run runs `make test`) keeps it so.
 # The GPU check (marker gpu) is not part of it: `make gpu-check` runs it, on a GPU machine.
 test: lint
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n 2 --dist loadfile -m "not gpu"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n 2 --dist loadfile --durations=30 -m "not gpu"
 
 test-fast: lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n 2 --dist loadfile -m "not slow and not gpu"
