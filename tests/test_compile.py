@@ -53,6 +53,11 @@ def _distributed_runs(rank: int, world: int) -> dict:
         out[(s, "f32", "eager")] = train_engine(rank, world, "gpt", s, "adamw", steps=4, dtype=F32)
         out[(s, "f32", "compiled")] = train_engine(rank, world, "gpt", s, "adamw", steps=4, dtype=F32, compile=True)
         out[(s, "f64", "compiled")] = train_engine(rank, world, "gpt", s, "adamw", steps=4, compile=True)
+    # eager checkpointing: selective on every engine, full on PyTorch's (ours: tests/test_engine_*.py)
+    for s in ENGINES:
+        for mode in ("selective", "full") if s.startswith("torch-") else ("selective",):
+            out[(s, "f64", f"eager-{mode}")] = train_engine(rank, world, "gpt", s, "adamw", steps=4,
+                                                            activation_checkpointing=mode)
     # checkpointing inside the compiled unit: selective on the sharded engines (their hooks
     # re-gather for backward), full on a replicated one
     for s, mode in (("zero3", "selective"), ("fsdp", "selective"), ("torch-fsdp", "selective"), ("ddp", "full")):
@@ -96,6 +101,15 @@ def test_compiled_engine_matches_eager_in_float32(distributed, strategy):
 def test_compiled_engine_passes_the_float64_harness(distributed, strategy):
     assert_parity(train_reference("gpt", "adamw", steps=4), distributed[(strategy, "f64", "compiled")],
                   f"{strategy} compiled, float64")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ENGINES)
+def test_eager_checkpointing_modes_pass_the_float64_harness(distributed, strategy):
+    ref = train_reference("gpt", "adamw", steps=4)
+    for mode in ("selective", "full"):
+        if (strategy, "f64", f"eager-{mode}") in distributed:
+            assert_parity(ref, distributed[(strategy, "f64", f"eager-{mode}")], f"{strategy} {mode} checkpointing")
 
 
 @pytest.mark.slow
