@@ -34,6 +34,7 @@ from shardlab.config import Config, dump_config, engine_options, validate_for_wo
 from shardlab.data import GlobalBatchSampler, build_datasets
 from shardlab.data.loader import StepBatches
 from shardlab.engines import Engine, engine_class, engine_of, is_sharded, optimizer_state_bytes
+from shardlab.engines.compile import CompileClock
 from shardlab.evaluate import evaluate
 from shardlab.loss import token_weights
 from shardlab.models import build_model, count_parameters
@@ -181,7 +182,8 @@ def build_run(cfg: Config, rt: Runtime, data: Any = None) -> Run:
     model = build_model_for(cfg, data.vocab_size, "meta")
     n_params, n_trainable = count_parameters(model), count_parameters(model, trainable_only=True)
     model = shardlab.parallelize(model, cfg.parallel.strategy, wrap=wrap_units(cfg, model), device=rt.device,
-                                 activation_checkpointing=t.activation_checkpointing, **engine_options(cfg))
+                                 activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every,
+                                 compile=t.compile, compile_mode=t.compile_mode, **engine_options(cfg))
     engine = engine_of(model)
     if not engine.local_parameters():
         raise ValueError(f"rank {rt.rank} holds no parameter with parallel.strategy={cfg.parallel.strategy} at world "
@@ -368,6 +370,7 @@ def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
 
 def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str, Any]:
     t0 = time.perf_counter()
+    compile_clock = CompileClock()  # this run's share of the process's torch.compile time
     rt = rt or init_runtime(cfg.parallel.backend, cfg.parallel.timeout_s,
                             force_group=engine_class(cfg.parallel.strategy).distributed)
     run = build_run(cfg, rt)
@@ -381,10 +384,10 @@ def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str,
     run.model.train()
     comm_before_loop = run.engine.comm_stats()  # wrap-time broadcasts and resume are not step traffic
     step_comm_seconds: list[dict[str, float] | None] = []  # per step: seconds per collective kind
-    # live tensor bytes by part and phase (docs/memory.md); "last" tracks only the last step,
-    # so the other steps' times carry none of its overhead
-    tracker = None if t.memory_tracking == "none" else memory.LiveMemoryTracker(rt.device, engine=run.engine,
-                                                                              optimizer=run.opt)
+    # live tensor bytes by part and phase (docs/memory.md); "last" tracks only the last step (the others carry none
+    # of its overhead). Not under train.compile: dynamo would stop compiling for the rest of the process (memory.md).
+    tracker = None if t.memory_tracking == "none" or t.compile else memory.LiveMemoryTracker(
+        rt.device, engine=run.engine, optimizer=run.opt)
     profiler = None
     if t.profile:  # the first step of this run is its warm-up
         first = state.step + 1 if t.steps - state.step > 1 else state.step
@@ -437,7 +440,7 @@ def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str,
     live = tracker.summary() if tracker is not None and tracker.steps_tracked else None
     per_rank = all_gather_object({"peak_memory_bytes": peak, "model_state_bytes": state_bytes,
                                   "comm": train_comm, "comm_seconds": _per_kind(step_comm_seconds),
-                                  "live": live}, rt)
+                                  "live": live, "compile": (compile_clock.seconds(), compile_clock.graphs())}, rt)
     result = summarize(run, timer, per_rank, val_losses, time.perf_counter() - t0)
     if rt.is_main:
         M.write_json_atomic(os.path.join(run.out_dir, "metrics.json"), result, default=str)
@@ -486,6 +489,9 @@ def summarize(run: Run, timer: M.StepTimer, per_rank: list[dict], val_losses: di
         "val_loss": val_losses[state.step],
         "val_losses": val_losses,
         "restart_count": rt.restart_count,
+        # train.compile: seconds compiling (slowest rank; in the first step and samples/s, not the median step)
+        "compile_s": max(r["compile"][0] for r in per_rank) if cfg.train.compile else None,
+        "compiled_graphs": per_rank[0]["compile"][1] if cfg.train.compile else None,
     }
     if run.scaler is not None:
         result["loss_scale"] = run.scaler.get_scale()
@@ -523,6 +529,8 @@ def print_summary(result: dict[str, Any], out_dir: str) -> None:
         row("trained in this run", f"nothing: resumed at step {result['steps']}, the last")
     if "loss_scale" in result:
         row("fp16 loss scale (final), skipped steps", f"{result['loss_scale']:g}, {result['skipped_steps']}")
+    if result.get("compile_s") is not None:  # live memory is not tracked then (see _train)
+        row("torch.compile (graphs)", f"{result['compile_s']:.1f} s ({result['compiled_graphs']}); live memory not tracked")
     row("parameters (trainable)", f"{result['num_parameters'] / 1e6:.2f} M "
         f"({result['num_trainable_parameters'] / 1e6:.2f} M)")
     row("model state / rank (params+grads+optim)", ", ".join(f"{b / 2**20:.1f} MiB" for b in result["model_state_bytes"]))

@@ -59,8 +59,7 @@ def predict_all(cfg, nproc: int, engines: list[str] | None = None, per_node: int
         validate_for_world(c, nproc)
     fake = {e: probe_kind(e, probe) == "fake" for e in engines}
     L = n_layer(cfg)
-    layers: list[int | None] = [min(x, L) for x in P.PROBE_LAYERS] if L is not None else [None]
-    layers = sorted(set(layers), key=lambda x: -1 if x is None else x)
+    layers = P.probe_layers(cfg, L)
     accumulation = cfg.train.global_batch_size // (nproc * cfg.train.micro_batch_size)
     states = {e: state_by_rule(cfgs[e], e, nproc) for e in engines}
     to_build = {e: cfgs[e].to_dict() for e in engines if states[e] is None}
@@ -155,6 +154,10 @@ def _predicted(engine: str, cfg, nproc: int, state: dict[str, int], per_layer: d
         notes.append(f"extrapolated from probes at {', '.join(str(x) for x in layers)} of {L} blocks")
     kind = "fake" if deepest.get("fake") else "real"
     notes.append(f"probed on {kind} tensors" + (" (FakeTensorMode: real shapes, no data)" if kind == "fake" else ""))
+    if cfg.train.compile:
+        notes.append("train.compile: probed eagerly (the live tracker cannot see compiled kernels); measured for a "
+                     "gpt-mini block, compiled keeps as much for backward as eager (none, full) or less (selective): "
+                     "docs/benchmarks.md")
     out = Prediction(engine, nproc, int(round(total)), {k: int(round(v)) for k, v in parts.items()}, phase, state,
                      notes=notes, host_bytes=host, probe=kind)
     out.probe_step_seconds = {k: v["step_seconds"] for k, v in per_layer.items()}  # type: ignore[attr-defined]
