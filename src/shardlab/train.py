@@ -173,11 +173,10 @@ class Run:
 
 
 def build_run(cfg: Config, rt: Runtime, data: Any = None) -> Run:
-    """data: the datasets, when built already (plan's fake probes build them outside FakeTensorMode)."""
     validate_for_world(cfg, rt.world_size)
     seed_everything(cfg.seed)
     t = cfg.train
-    data = build_datasets(cfg) if data is None else data
+    data = build_datasets(cfg) if data is None else data  # given: plan's fake probes build it outside FakeTensorMode
     # Sharded engines materialize only their shard from the meta device; the others materialize whole.
     model = build_model_for(cfg, data.vocab_size, "meta")
     n_params, n_trainable = count_parameters(model), count_parameters(model, trainable_only=True)
