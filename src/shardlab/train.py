@@ -30,6 +30,8 @@ from shardlab import metrics as M
 from shardlab.amp import autocast, make_loss_scaler
 from shardlab.config import Config, dump_config, validate_for_world
 from shardlab.data import GlobalBatchSampler, build_datasets, collate
+from shardlab.doctor import RECORDER
+from shardlab.doctor import worker as doctor
 from shardlab.engines import Engine, engine_class, engine_of, is_sharded, optimizer_state_bytes
 from shardlab.engines.api import CPUOffload, MixedPrecision
 from shardlab.evaluate import evaluate
@@ -168,10 +170,11 @@ class Run:
             return
         if self.scaler is not None:
             self.state.loss_scaler = self.scaler.state_dict()
-        if final:
-            self.manager.finalize(self.model, self.opt, self.sched, self.state)
-        else:
-            self.manager.maybe_save(self.model, self.opt, self.sched, self.state)
+        with memory.phase_range("checkpoint"):
+            if final:
+                self.manager.finalize(self.model, self.opt, self.sched, self.state)
+            else:
+                self.manager.maybe_save(self.model, self.opt, self.sched, self.state)
 
     def save_now(self) -> str:
         """A synchronous checkpoint of the current step (a preemption's), unless that step is
@@ -179,10 +182,11 @@ class Run:
         if self.scaler is not None:
             self.state.loss_scaler = self.scaler.state_dict()
         m = self.manager
-        if m.last_saved_step != self.state.step:
-            m._refuse_non_finite(self.model, self.state.step)
-            m.save(self.model, self.opt, self.sched, self.state, blocking=True)
-        m.wait()
+        with memory.phase_range("checkpoint"):
+            if m.last_saved_step != self.state.step:
+                m._refuse_non_finite(self.model, self.state.step)
+                m.save(self.model, self.opt, self.sched, self.state, blocking=True)
+            m.wait()
         from shardlab.checkpoint import step_dir_name
 
         return os.path.join(m.root, step_dir_name(self.state.step))
@@ -259,8 +263,9 @@ def train_step(run: Run, tracker: memory.LiveMemoryTracker | None = None) -> Ste
     idx = run.sampler.rank_indices(run.state.step, rt.rank, rt.world_size)
     local_loss = torch.zeros((), device=rt.device)
     for i in range(run.accumulation):
-        x, y = collate(run.data.train, idx[i * t.micro_batch_size:(i + 1) * t.micro_batch_size])
-        x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
+        with memory.phase_range("data"):  # not a tracker phase: its bytes stay "other" (docs/memory.md)
+            x, y = collate(run.data.train, idx[i * t.micro_batch_size:(i + 1) * t.micro_batch_size])
+            x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
         last = i == run.accumulation - 1
         # backward must run inside no_sync too: the engines read the flag while backward runs.
         with contextlib.nullcontext() if last else shardlab.no_sync(model):
@@ -345,14 +350,23 @@ def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
     """Train with `cfg` in this worker; returns the metrics (written by rank 0). Raises
     Preempted once a SIGTERM/SIGUSR1 turned into a complete checkpoint (docs/preemption.md)."""
     with PreemptionGuard(cfg.preemption.enabled) as guard:
-        return _train(cfg, rt, guard)
+        try:
+            result = _train(cfg, rt, guard)
+        except Preempted:
+            doctor.finish("preempted")
+            raise
+        doctor.finish("finished")  # after another exception it stays on: worker_main records it
+        return result
 
 
 def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str, Any]:
     t0 = time.perf_counter()
     rt = rt or init_runtime(cfg.parallel.backend, cfg.parallel.timeout_s,
                             force_group=cfg.parallel.strategy != "single")
+    flight = start_doctor(cfg, rt)  # heartbeat and collective record in <run dir>/debug (docs/debugging.md)
     run = build_run(cfg, rt)
+    if flight is not None:
+        flight.label_units(run.engine)
     write_run_args(run)
     logger = StepLogger(run)
     state, t = run.state, cfg.train
@@ -370,8 +384,10 @@ def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str,
     if t.profile:  # the first step of this run is its warm-up
         first = state.step + 1 if t.steps - state.step > 1 else state.step
         profiler = memory.StepProfiler(run.out_dir, rt.rank, first, t.profile_steps, rt.device)
+    RECORDER.enter_phase("loop")
     try:
         while state.step < t.steps:
+            RECORDER.set_step(state.step + 1)  # the heartbeat counts steps from 1: "step 5" is the fifth
             # the step boundary: all ranks agree whether a signal arrived (one tiny all-reduce)
             if guard.should_stop(rt):
                 raise Preempted(guard.save_and_record(run))
@@ -396,12 +412,14 @@ def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str,
             state.skipped_steps += r.skipped
             logger.log(r, timer.times[-1])
             if t.eval_every and state.step % t.eval_every == 0 and state.step < t.steps:
-                val_losses[state.step] = evaluate(run.model, run.data.val, cfg, rt, cfg.seed + 1)
+                with memory.phase_range("eval"):
+                    val_losses[state.step] = evaluate(run.model, run.data.val, cfg, rt, cfg.seed + 1)
                 logger.scalar("val/loss", val_losses[state.step], state.step)
             run.save_if_due()
         train_comm = _comm_since(comm_before_loop, run.engine.comm_stats())  # before the final eval's traffic
         run.save_if_due(final=True)
-        val_losses[state.step] = evaluate(run.model, run.data.val, cfg, rt, cfg.seed + 1)
+        with memory.phase_range("eval"):
+            val_losses[state.step] = evaluate(run.model, run.data.val, cfg, rt, cfg.seed + 1)
         if cfg.export.format == "hf":  # every rank gathers, rank 0 writes (export_hf.py)
             from shardlab.export_hf import export_at_end
 
@@ -423,6 +441,14 @@ def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str,
     if rt.is_main:
         M.write_json_atomic(os.path.join(run.out_dir, "metrics.json"), result, default=str)
     return result
+
+
+def start_doctor(cfg: Config, rt: Runtime) -> doctor.Worker | None:
+    """This rank's hang doctor (doctor.enabled): its flight file, watcher and exit record."""
+    if not cfg.doctor.enabled:
+        return None
+    return doctor.start(run_dir(cfg), rt.rank, rt.world_size, rt.restart_count, capacity=cfg.doctor.record_size,
+                        strategy=cfg.parallel.strategy, timeout_s=cfg.parallel.timeout_s)
 
 
 def summarize(run: Run, timer: M.StepTimer, per_rank: list[dict], val_losses: dict, wall: float) -> dict[str, Any]:
@@ -526,14 +552,16 @@ def worker_main(cfg: Config) -> int:
             print(f"shardlab: {p}; exit code {PREEMPTED_EXIT_CODE}. The same command (checkpoint.resume=auto) "
                   "continues from it.", flush=True)
         return PREEMPTED_EXIT_CODE
-    except (dist.DistBackendError, RuntimeError) as e:
-        if rt.distributed and _is_peer_failure(e):
+    except BaseException as e:
+        peer = rt.distributed and _is_peer_failure(e)
+        doctor.worker_failed(e, peer)  # <run dir>/debug: its exit record; the running ranks dump their stacks
+        if peer:
             import sys
 
             print(f"error: rank {rt.rank}: lost contact with another worker ({str(e).splitlines()[0][:200]}). "
-                  f"Another rank died or hung (the launcher's log names the first to fail). With "
-                  f"--max-restarts the group restarts and resumes from the last complete checkpoint; otherwise "
-                  f"re-run with checkpoint.resume=auto. Collectives time out after parallel.timeout_s="
+                  f"Another rank died or hung: the launcher's report (or `shardlab doctor RUN_DIR`) names it. "
+                  f"With --max-restarts the group restarts and resumes from the last complete checkpoint; "
+                  f"otherwise re-run with checkpoint.resume=auto. Collectives time out after parallel.timeout_s="
                   f"{cfg.parallel.timeout_s:g} s.", file=sys.stderr)
         raise
     finally:
@@ -541,10 +569,12 @@ def worker_main(cfg: Config) -> int:
 
 
 def _is_peer_failure(e: BaseException) -> bool:
-    text = str(e)
+    if not isinstance(e, (dist.DistBackendError, RuntimeError)):
+        return False
+    text = str(e).lower()
     return isinstance(e, dist.DistBackendError) or any(
-        s in text for s in ("Connection reset", "Connection closed", "Broken pipe", "timed out", "Timeout",
-                            "connectFullMesh", "Connection refused"))
+        s in text for s in ("connection reset", "connection closed", "broken pipe", "timed out", "timeout",
+                            "connectfullmesh", "connection refused"))
 
 
 def default_run_name(cfg: Config) -> str:
