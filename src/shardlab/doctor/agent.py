@@ -27,8 +27,9 @@ def forget_exits(run_dir: str) -> None:
         os.remove(path)
 
 
-def record_exits(run_dir: str, launch: str, failures: dict[int, Any]) -> None:
-    """The agent's view of the failed workers (torchrun's ProcessFailure per global rank)."""
+def record_exits(run_dir: str, launch: str | None, failures: dict[int, Any]) -> None:
+    """The agent's view of the failed workers (torchrun's ProcessFailure per global rank);
+    `launch`: the workers' TORCHELASTIC_RUN_ID (None: unknown, read as this launch's)."""
     from shardlab.metrics import write_json_atomic
 
     ranks = {str(r): {"exitcode": f.exitcode, "pid": f.pid, "timestamp": f.timestamp} for r, f in failures.items()}

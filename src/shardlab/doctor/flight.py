@@ -83,6 +83,7 @@ class FlightRecorder:
 
     def __init__(self) -> None:
         self.mm: mmap.mmap | None = None
+        self.path, self.mapped_file = "", False
         self.capacity = 0
         self.count = 0
         self.step = 0
@@ -99,8 +100,8 @@ class FlightRecorder:
     # -- lifecycle --------------------------------------------------------------------------------
     def open(self, path: str, *, rank: int, world: int, attempt: int, capacity: int = DEFAULT_CAPACITY) -> None:
         """Create (truncate) the file at `path` and map it. Falls back to anonymous memory when
-        the filesystem cannot map files shared (some FUSE mounts): the record then lives only
-        in this process and reaches the run directory only through dumps."""
+        the filesystem cannot map files shared (some FUSE mounts): `flush` then writes a copy
+        to `path`, which the watcher thread does every few seconds and at every dump."""
         self.close()
         size = HEADER_BYTES + capacity * ENTRY_BYTES
         try:
@@ -114,6 +115,7 @@ class FlightRecorder:
         except OSError:
             self.mm = mmap.mmap(-1, size)
             self.mapped_file = False
+        self.path = path
         self.capacity, self.count, self.step, self.phase, self.unit = capacity, 0, 0, 0, -1
         self.groups, self.by_name, self.group_names = {}, {}, []
         now = time.time()
@@ -134,9 +136,16 @@ class FlightRecorder:
         self.groups, self.by_name = {}, {}   # no reference to a process group outlives the run
 
     def flush(self) -> None:
-        """msync: make the file current on a shared filesystem (dumps call it)."""
-        if self.mm is not None and getattr(self, "mapped_file", False):
+        """Make the file current on a shared filesystem: msync, or for an unmapped record a
+        whole copy written beside and renamed over it."""
+        if self.mm is None:
+            return
+        if self.mapped_file:
             self.mm.flush()
+            return
+        with open(f"{self.path}.tmp", "wb") as f:
+            f.write(self.mm[:])
+        os.replace(f"{self.path}.tmp", self.path)
 
     @property
     def active(self) -> bool:

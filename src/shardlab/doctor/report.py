@@ -17,6 +17,11 @@ def clock(t: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t * 10) % 10}"
 
 
+def since(as_of: float, t: float) -> str:
+    """Seconds from t to as_of (clocks of different processes: a hair below zero reads 0)."""
+    return f"{max(0.0, as_of - t):.1f} s"
+
+
 def size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -54,15 +59,15 @@ def rank_block(v: RankView, as_of: float) -> list[str]:
     host = (v.meta or {}).get("host", "?")
     head = f"rank {v.rank} (pid {f.pid} on {host}): {v.status}"
     if v.status == "not running":
-        head += f": no heartbeat for {as_of - f.tick:.1f} s (since {clock(f.tick)})"
+        head += f": no heartbeat for {since(as_of, f.tick)} (since {clock(f.tick)})"
     if v.exit is not None:
         head += f": {v.exit.get('message', '')[:300]}"
     if v.exit_code is not None:
         head += f" [{_exit_text(v)}]"
-    lines = [head, f"  step {f.step}, phase {f.phase} since {clock(f.phase_since)} ({as_of - f.phase_since:.1f} s)"]
+    lines = [head, f"  step {f.step}, phase {f.phase} since {clock(f.phase_since)} ({since(as_of, f.phase_since)})"]
     if v.waiting is not None:
         lines.append(f"  waits in {collective(v, v.waiting)} since {clock(v.waiting.issued)} "
-                     f"({as_of - v.waiting.issued:.1f} s)")
+                     f"({since(as_of, v.waiting.issued)})")
     if v.last_done is not None:
         lines.append(f"  last completed: {collective(v, v.last_done)} at {clock(v.last_done.completed)}")
     elif not f.entries:
@@ -110,13 +115,13 @@ def _finding_text(d: Diagnosis, f: Finding) -> str:
     elif f.kind == "missing":
         text = f"rank {f.rank} is missing: {_exit_text(v) or 'no record'}"
     elif f.kind == "frozen":
-        text = (f"rank {f.rank} is stuck (frozen: its process stopped running {d.as_of - fl.tick:.1f} s before "
+        text = (f"rank {f.rank} is stuck (frozen: its process stopped running {since(d.as_of, fl.tick)} before "
                 f"{d.as_of_what}) {where}")
     elif f.kind in ("data stall", "checkpoint stall"):
-        text = f"rank {f.rank} is stuck ({f.kind}: in phase {fl.phase} for {d.as_of - fl.phase_since:.1f} s) {where}"
+        text = f"rank {f.rank} is stuck ({f.kind}: in phase {fl.phase} for {since(d.as_of, fl.phase_since)}) {where}"
     else:
         text = f"rank {f.rank} is stuck (straggler: running, but it did not reach the collective) {where}"
-    waits = [f"rank {w} waited for it in {collective(d.ranks[w], e)} for {d.as_of - e.issued:.1f} s"
+    waits = [f"rank {w} waited for it in {collective(d.ranks[w], e)} for {since(d.as_of, e.issued)}"
              for w, e in sorted(f.waited_by.items())]
     return text + ("; " + "; ".join(waits) if waits else "")
 
@@ -163,12 +168,12 @@ def live_table(d: Diagnosis) -> str:
             rows.append((str(r), v.status, "-", "-", "-", "-", "-"))
             continue
         if v.waiting is not None:
-            coll = f"in {collective(v, v.waiting)} for {d.as_of - v.waiting.issued:.1f} s"
+            coll = f"in {collective(v, v.waiting)} for {since(d.as_of, v.waiting.issued)}"
         elif v.last_done is not None:
             coll = f"done {collective(v, v.last_done)}"
         else:
             coll = "-"
-        rows.append((str(r), v.status, str(f.step), f.phase, f"{d.as_of - f.phase_since:.1f} s",
-                     f"{d.as_of - f.tick:.1f} s ago", coll))
+        rows.append((str(r), v.status, str(f.step), f.phase, f"{since(d.as_of, f.phase_since)}",
+                     f"{since(d.as_of, f.tick)} ago", coll))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(row, widths)), row[-1]]) for row in rows)

@@ -39,6 +39,7 @@ from typing import Any
 from shardlab.doctor.flight import KINDS, PHASES, RECORDER, STATES, flight_path, read_flight
 
 WATCH_PERIOD_S = 0.5
+MIRROR_EVERY = 10                # polls between copies of an unmapped flight record (flight.py)
 ANSWER_WAIT_S = 3.0
 REQUEST_FILE = "request.json"
 EXITS_FILE = "exits.json"        # written by the launcher: exit codes per rank
@@ -114,7 +115,7 @@ class Worker:
     # -- the watcher thread -----------------------------------------------------------------------
     def _watch(self) -> None:
         path = os.path.join(self.debug, REQUEST_FILE)
-        seen = None
+        seen, polls = None, 0
         while not self.stop_event.is_set():
             try:
                 stamp = os.stat(path).st_mtime_ns
@@ -124,6 +125,9 @@ class Worker:
                 seen = stamp
                 self._answer(path)
             RECORDER.tick(self.answered)
+            polls += 1
+            if not RECORDER.mapped_file and polls % MIRROR_EVERY == 0:  # a filesystem without shared maps
+                RECORDER.flush()
             self.stop_event.wait(WATCH_PERIOD_S)
 
     def _answer(self, path: str) -> None:
