@@ -52,6 +52,7 @@ class RankView:
     stopped_by_launcher: bool = False         # killed by the launcher after another rank failed
     status: str = "missing"                   # see _status
     waiting: Entry | None = None              # the oldest collective not completed
+    in_flight: list[Entry] = field(default_factory=list)   # every one not completed, oldest first
     last_done: Entry | None = None            # the last collective completed
 
     def group_of(self, e: Entry) -> tuple[str, tuple[int, ...]]:
@@ -168,8 +169,8 @@ def diagnose(run_dir: str, now: float | None = None, live: bool = False) -> Diag
     for v in ranks.values():
         v.status = _status(v, as_of)
         if v.flight is not None:
-            pending = [e for e in v.flight.entries if not e.done]
-            v.waiting = pending[0] if pending else None
+            v.in_flight = [e for e in v.flight.entries if not e.done]
+            v.waiting = v.in_flight[0] if v.in_flight else None
             done = [e for e in v.flight.entries if e.done]
             v.last_done = max(done, key=lambda e: e.completed) if done else None
     first = next((v.meta for v in ranks.values() if v.meta), {})

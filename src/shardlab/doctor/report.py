@@ -68,6 +68,10 @@ def rank_block(v: RankView, as_of: float) -> list[str]:
     if v.waiting is not None:
         lines.append(f"  waits in {collective(v, v.waiting)} since {clock(v.waiting.issued)} "
                      f"({since(as_of, v.waiting.issued)})")
+        later = v.in_flight[1:]
+        if later:  # issued after it, not completed either (the newest is where it blocks, if anywhere)
+            lines.append("  also in flight: " + ", ".join(f"{e.kind} #{e.seq} ({size(e.nbytes)}, since "
+                                                          f"{clock(e.issued)})" for e in later[-3:]))
     if v.last_done is not None:
         lines.append(f"  last completed: {collective(v, v.last_done)} at {clock(v.last_done.completed)}")
     elif not f.entries:

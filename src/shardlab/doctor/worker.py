@@ -161,7 +161,7 @@ class Worker:
     def failed(self, exc: BaseException, peer_failure: bool) -> None:
         """An exception ends this worker: its exit record, then a request to the ranks still
         running to dump their stacks, answered or not within ANSWER_WAIT_S."""
-        last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        last = (traceback.format_exception_only(type(exc), exc)[-1].strip().splitlines() or [type(exc).__name__])[0]
         _write_json(os.path.join(self.debug, f"rank{self.rank}.exit.json"), {
             "rank": self.rank, "time": time.time(), "exception": type(exc).__name__, "message": last,
             "peer_failure": peer_failure, "step": RECORDER.step, "phase": PHASES[RECORDER.phase],

@@ -317,9 +317,10 @@ def _counting_allreduce_hook(counter: collectives.CommCounter, group: dist.Proce
         issued, entry = collectives.issue(counter, "all_reduce", collectives._nbytes(bucket.buffer()), world, group)
 
         def done(fut):
+            value = fut.value()  # raises if the all-reduce failed: then it neither counts nor completes
             counter.add_seconds("all_reduce", time.perf_counter() - issued)
             RECORDER.complete(entry)
-            return fut.value()
+            return value
 
         return default_hooks.allreduce_hook(group, bucket).then(done)
 
