@@ -19,8 +19,11 @@ across hosts the request travels through the shared run directory, not through a
 rank that is stopped (SIGSTOP), killed, or hung in C code holding the GIL cannot answer: its
 flight file, as it last wrote it, speaks for it, and its tick says since when it did not run.
 A rank that fails (an exception, including a collective timeout) writes its exit record and
-a request, and waits up to ANSWER_WAIT_S for the ranks still running to answer before it
-exits, because once it exits the launcher stops them.
+a request (unless another rank just did: ranks that time out together ask once), and waits
+ANSWER_WAIT_S, three watch periods, before it exits, because once it exits the launcher stops
+the others. It waits a fixed time rather than reading every rank's file until all answered:
+that would be N file reads per poll per failing rank, too many on a shared filesystem at
+hundreds of ranks.
 """
 
 from __future__ import annotations
@@ -36,11 +39,11 @@ import time
 import traceback
 from typing import Any
 
-from shardlab.doctor.flight import KINDS, PHASES, RECORDER, STATES, flight_path, read_flight
+from shardlab.doctor.flight import KINDS, PHASES, RECORDER, STATES, flight_path
 
 WATCH_PERIOD_S = 0.5
 MIRROR_EVERY = 10                # polls between copies of an unmapped flight record (flight.py)
-ANSWER_WAIT_S = 3.0
+ANSWER_WAIT_S = 3 * WATCH_PERIOD_S   # a failing rank's wait for the others' dumps
 REQUEST_FILE = "request.json"
 EXITS_FILE = "exits.json"        # written by the launcher: exit codes per rank
 RUN_DIR_NOTE_ENV = "SHARDLAB_RUN_DIR_NOTE"   # a `shardlab.torchrun` agent's question: where is the run?
@@ -169,27 +172,15 @@ class Worker:
         RECORDER.set_state("failed")
         RECORDER.flush()
         if self.world > 1:
-            request = request_dump(self.debug, f"rank {self.rank} failed: {last[:200]}", f"rank {self.rank}")
-            self._wait_for_answers(request)
+            path = os.path.join(self.debug, REQUEST_FILE)
+            try:
+                fresh = time.time() - os.stat(path).st_mtime < ANSWER_WAIT_S
+            except OSError:
+                fresh = False
+            if not fresh:  # the ranks timing out together ask once
+                request_dump(self.debug, f"rank {self.rank} failed: {last[:200]}", f"rank {self.rank}")
+            time.sleep(ANSWER_WAIT_S)
         self.stop("failed")
-
-    def _wait_for_answers(self, request: int) -> None:
-        deadline = time.monotonic() + ANSWER_WAIT_S
-        while time.monotonic() < deadline:
-            pending = []
-            for r in range(self.world):
-                if r == self.rank:
-                    continue
-                try:
-                    f = read_flight(flight_path(self.debug, r))
-                except (OSError, ValueError):
-                    continue
-                running = f.state == "running" and time.time() - f.tick < 4 * WATCH_PERIOD_S
-                if running and f.answered < request:
-                    pending.append(r)
-            if not pending:
-                return
-            time.sleep(WATCH_PERIOD_S / 5)
 
     def stop(self, state: str) -> None:
         self.stop_event.set()
