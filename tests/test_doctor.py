@@ -299,6 +299,7 @@ def launches(tmp_path_factory):
             time.sleep(0.1)
         live = _doctor(str(a.run_dir), "--live", "--wait", "2")
         live.seconds_into_hang = time.monotonic() - stops["stop-fsdp"]["at"]
+        (root / "live.txt").write_text(live.stdout + live.stderr)
         # while those wait out their timeouts (idle), the other faults one after the other
         for name, strategy, fault, model in (("raise", "zero3", "raise:1:3", "gpt"),
                                              ("data-stall", "torch-ddp", "data-stall:1:3", "gpt"),

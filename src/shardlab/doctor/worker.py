@@ -64,9 +64,9 @@ def _write_json(path: str, data: Any) -> None:
     write_json_atomic(path, data, default=str)
 
 
-def request_dump(debug: str, reason: str, by: str) -> int:
+def request_dump(debug: str, reason: str, by: str, request: int | None = None) -> int:
     """Ask every running rank to dump its stacks; returns the request's id (a time in ns)."""
-    request = time.time_ns()
+    request = request or time.time_ns()
     _write_json(os.path.join(debug, REQUEST_FILE), {"id": request, "time": time.time(), "reason": reason, "by": by})
     return request
 
@@ -93,6 +93,7 @@ class Worker:
             faulthandler.enable(file=self.fatal, all_threads=True)
         self.stop_event = threading.Event()
         self.answered = 0
+        self.own_request = -1     # a request this rank made as it failed: its own watcher skips it
         self.thread = threading.Thread(target=self._watch, name="shardlab-doctor", daemon=True)
         self.thread.start()
 
@@ -141,6 +142,9 @@ class Worker:
             return
         if int(request.get("id", 0)) <= self.answered:
             return
+        if int(request["id"]) == self.own_request:  # its exit record says where it was; keep the last dump
+            self.answered = self.own_request
+            return
         self.dump_stacks(f"request {request['id']} by {request.get('by', '?')}: {request.get('reason', '')}")
         _dump_torch_flight_recorder(self.debug, self.rank)
         RECORDER.flush()
@@ -178,7 +182,9 @@ class Worker:
             except OSError:
                 fresh = False
             if not fresh:  # the ranks timing out together ask once
-                request_dump(self.debug, f"rank {self.rank} failed: {last[:200]}", f"rank {self.rank}")
+                self.own_request = time.time_ns()
+                request_dump(self.debug, f"rank {self.rank} failed: {last[:200]}", f"rank {self.rank}",
+                             self.own_request)
             time.sleep(ANSWER_WAIT_S)
         self.stop("failed")
 
