@@ -168,6 +168,12 @@ def test_crashes_and_the_launchers_own_kills(tmp_path):
     d = analysis.diagnose(str(run))
     assert [(f.rank, f.kind) for f in d.findings] == [(1, "crashed")]
     assert report.verdict(d).startswith("rank 1 crashed at step 2, phase forward: killed by SIGKILL")
+    # a fatal signal's stacks (faulthandler.enable in the worker) are shown with the rank
+    (run / "debug" / "rank1.fatal.txt").write_text(
+        'Fatal Python error: Segmentation fault\n\nCurrent thread 0x00007f2 (most recent call first):\n'
+        '  File "/x/src/shardlab/engines/fsdp.py", line 5 in boom\n')
+    assert "fatal signal: Fatal Python error: Segmentation fault <- shardlab/engines/fsdp.py:5 in boom" in \
+        report.format_report(analysis.diagnose(str(run)))
     # every rank finished
     run, (r0, r1) = _ranks(tmp_path / "done")
     for r in (r0, r1):

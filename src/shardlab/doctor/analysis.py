@@ -47,6 +47,7 @@ class RankView:
     flight: Flight | None = None
     exit: dict[str, Any] | None = None        # rank<r>.exit.json
     stacks: str | None = None                 # rank<r>.stacks.txt
+    fatal: str | None = None                  # rank<r>.fatal.txt, when faulthandler wrote one (a fatal signal)
     exit_code: int | None = None              # from the launcher (negative: killed by that signal)
     exit_second: int | None = None            # when the launcher saw it exit (whole seconds)
     stopped_by_launcher: bool = False         # killed by the launcher after another rank failed
@@ -114,6 +115,7 @@ def load(run_dir: str) -> dict[int, RankView]:
                 v.flight = None
             v.exit = _read_json(os.path.join(debug, f"rank{r}.exit.json"))
             v.stacks = _read_text(os.path.join(debug, f"rank{r}.stacks.txt"))
+            v.fatal = _read_text(os.path.join(debug, f"rank{r}.fatal.txt")) or None
         code = codes.get(str(r))
         if isinstance(code, dict):
             v.exit_code, v.exit_second = code.get("exitcode"), code.get("timestamp")
@@ -328,6 +330,20 @@ def main_thread_frames(stacks: str) -> list[str]:
         if f and current == "MainThread":
             frames.append(f"{_short(f.group(1))}:{f.group(2)} in {f.group(3)}")
     return frames
+
+
+def fatal_summary(text: str) -> str:
+    """faulthandler's report of a fatal signal: its first line and the crashing thread's frames."""
+    lines = text.splitlines()
+    frames, current = [], False
+    for line in lines:
+        if _THREAD.match(line):
+            current = line.startswith("Current thread")
+            continue
+        f = _FRAME.match(line)
+        if f and current:
+            frames.append(f"{_short(f.group(1))}:{f.group(2)} in {f.group(3)}")
+    return " <- ".join([lines[0].strip() if lines else "", *frames[:4]])
 
 
 def traceback_frames(text: str) -> list[str]:

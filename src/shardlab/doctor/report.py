@@ -7,7 +7,14 @@ from __future__ import annotations
 import signal
 import time
 
-from shardlab.doctor.analysis import Diagnosis, Finding, RankView, main_thread_frames, traceback_frames
+from shardlab.doctor.analysis import (
+    Diagnosis,
+    Finding,
+    RankView,
+    fatal_summary,
+    main_thread_frames,
+    traceback_frames,
+)
 from shardlab.doctor.flight import Entry
 
 STACK_FRAMES = 4   # innermost frames shown per rank
@@ -76,6 +83,8 @@ def rank_block(v: RankView, as_of: float) -> list[str]:
         lines.append(f"  last completed: {collective(v, v.last_done)} at {clock(v.last_done.completed)}")
     elif not f.entries:
         lines.append("  no collective recorded yet")
+    if v.fatal:
+        lines.append(f"  fatal signal: {fatal_summary(v.fatal)}")
     frames, source = _frames(v)
     if frames:
         lines.append(f"  {source}: " + " <- ".join(frames[:STACK_FRAMES]))
