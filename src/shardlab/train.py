@@ -363,10 +363,9 @@ def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str,
     t0 = time.perf_counter()
     rt = rt or init_runtime(cfg.parallel.backend, cfg.parallel.timeout_s,
                             force_group=cfg.parallel.strategy != "single")
-    flight = start_doctor(cfg, rt)  # heartbeat and collective record in <run dir>/debug (docs/debugging.md)
+    start_doctor(cfg, rt)  # heartbeat and collective record in <run dir>/debug (docs/debugging.md)
     run = build_run(cfg, rt)
-    if flight is not None:
-        flight.label_units(run.engine)
+    doctor.run_built(run.engine)  # collectives labelled with units from here; phase "loop"
     write_run_args(run)
     logger = StepLogger(run)
     state, t = run.state, cfg.train
@@ -384,7 +383,6 @@ def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str,
     if t.profile:  # the first step of this run is its warm-up
         first = state.step + 1 if t.steps - state.step > 1 else state.step
         profiler = memory.StepProfiler(run.out_dir, rt.rank, first, t.profile_steps, rt.device)
-    RECORDER.enter_phase("loop")
     try:
         while state.step < t.steps:
             RECORDER.set_step(state.step + 1)  # the heartbeat counts steps from 1: "step 5" is the fifth
@@ -443,12 +441,14 @@ def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str,
     return result
 
 
-def start_doctor(cfg: Config, rt: Runtime) -> doctor.Worker | None:
-    """This rank's hang doctor (doctor.enabled): its flight file, watcher and exit record."""
+def start_doctor(cfg: Config, rt: Runtime) -> None:
+    """This rank's hang doctor (doctor.enabled): its flight file, watcher and exit record, named
+    by its rank in the process group the collectives run on."""
     if not cfg.doctor.enabled:
-        return None
-    return doctor.start(run_dir(cfg), rt.rank, rt.world_size, rt.restart_count, capacity=cfg.doctor.record_size,
-                        strategy=cfg.parallel.strategy, timeout_s=cfg.parallel.timeout_s)
+        return
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (rt.rank, rt.world_size)
+    doctor.start(run_dir(cfg), rank, world, rt.restart_count, capacity=cfg.doctor.record_size,
+                 strategy=cfg.parallel.strategy, timeout_s=cfg.parallel.timeout_s)
 
 
 def summarize(run: Run, timer: M.StepTimer, per_rank: list[dict], val_losses: dict, wall: float) -> dict[str, Any]:
@@ -554,7 +554,6 @@ def worker_main(cfg: Config) -> int:
         return PREEMPTED_EXIT_CODE
     except BaseException as e:
         peer = rt.distributed and _is_peer_failure(e)
-        doctor.worker_failed(e, peer)  # <run dir>/debug: its exit record; the running ranks dump their stacks
         if peer:
             import sys
 
@@ -562,7 +561,8 @@ def worker_main(cfg: Config) -> int:
                   f"Another rank died or hung: the launcher's report (or `shardlab doctor RUN_DIR`) names it. "
                   f"With --max-restarts the group restarts and resumes from the last complete checkpoint; "
                   f"otherwise re-run with checkpoint.resume=auto. Collectives time out after parallel.timeout_s="
-                  f"{cfg.parallel.timeout_s:g} s.", file=sys.stderr)
+                  f"{cfg.parallel.timeout_s:g} s.", file=sys.stderr, flush=True)
+        doctor.worker_failed(e, peer)  # <run dir>/debug: its exit record; the running ranks dump their stacks
         raise
     finally:
         shutdown(clean)  # see [Note: tearing down the process group] in runtime.py

@@ -32,6 +32,7 @@ docs/benchmarks.md has the measured cost per call and per step.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -130,7 +131,8 @@ class FlightRecorder:
             return
         if state is not None:
             self.set_state(state)
-        self.flush()
+        with contextlib.suppress(OSError):  # a full filesystem must not fail the run's end
+            self.flush()
         self.mm.close()
         self.mm = None
         self.groups, self.by_name = {}, {}   # no reference to a process group outlives the run

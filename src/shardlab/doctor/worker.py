@@ -28,6 +28,7 @@ hundreds of ranks.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import functools
 import json
@@ -100,7 +101,8 @@ class Worker:
     # -- names behind the numbers -----------------------------------------------------------------
     def write_meta(self) -> None:
         self.meta["groups"] = [{"name": n, "ranks": r} for n, r in RECORDER.group_names]
-        _write_json(os.path.join(self.debug, f"rank{self.rank}.meta.json"), self.meta)
+        with contextlib.suppress(OSError):  # called from inside a collective: never fail one
+            _write_json(os.path.join(self.debug, f"rank{self.rank}.meta.json"), self.meta)
 
     def label_units(self, engine: Any) -> None:
         """Label each collective with the wrap unit whose forward or backward was running when it
@@ -125,13 +127,16 @@ class Worker:
                 stamp = os.stat(path).st_mtime_ns
             except OSError:
                 stamp = None
-            if stamp is not None and stamp != seen:
-                seen = stamp
-                self._answer(path)
-            RECORDER.tick(self.answered)
-            polls += 1
-            if not RECORDER.mapped_file and polls % MIRROR_EVERY == 0:  # a filesystem without shared maps
-                RECORDER.flush()
+            try:
+                if stamp is not None and stamp != seen:
+                    seen = stamp
+                    self._answer(path)
+                RECORDER.tick(self.answered)
+                polls += 1
+                if not RECORDER.mapped_file and polls % MIRROR_EVERY == 0:  # a filesystem without shared maps
+                    RECORDER.flush()
+            except (OSError, ValueError):  # a full or vanished filesystem: keep watching, never fail the run
+                pass
             self.stop_event.wait(WATCH_PERIOD_S)
 
     def _answer(self, path: str) -> None:
@@ -167,7 +172,27 @@ class Worker:
     # -- the end ----------------------------------------------------------------------------------
     def failed(self, exc: BaseException, peer_failure: bool) -> None:
         """An exception ends this worker: its exit record, then a request to the ranks still
-        running to dump their stacks, answered or not within ANSWER_WAIT_S."""
+        running to dump their stacks, answered or not within ANSWER_WAIT_S. Best effort: a
+        filesystem error here must not replace the exception that ended the run."""
+        try:
+            last = self._exit_record(exc, peer_failure)
+            if self.world > 1:
+                path = os.path.join(self.debug, REQUEST_FILE)
+                try:
+                    fresh = time.time() - os.stat(path).st_mtime < ANSWER_WAIT_S
+                except OSError:
+                    fresh = False
+                if not fresh:  # the ranks timing out together ask once
+                    self.own_request = time.time_ns()
+                    request_dump(self.debug, f"rank {self.rank} failed: {last[:200]}", f"rank {self.rank}",
+                                 self.own_request)
+                time.sleep(ANSWER_WAIT_S)
+        except (OSError, ValueError):
+            pass
+        self.stop("failed")
+
+    def _exit_record(self, exc: BaseException, peer_failure: bool) -> str:
+        """rank<r>.exit.json; returns the exception's last line (its first line, if several)."""
         last = (traceback.format_exception_only(type(exc), exc)[-1].strip().splitlines() or [type(exc).__name__])[0]
         _write_json(os.path.join(self.debug, f"rank{self.rank}.exit.json"), {
             "rank": self.rank, "time": time.time(), "exception": type(exc).__name__, "message": last,
@@ -175,18 +200,7 @@ class Worker:
             "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-20000:]})
         RECORDER.set_state("failed")
         RECORDER.flush()
-        if self.world > 1:
-            path = os.path.join(self.debug, REQUEST_FILE)
-            try:
-                fresh = time.time() - os.stat(path).st_mtime < ANSWER_WAIT_S
-            except OSError:
-                fresh = False
-            if not fresh:  # the ranks timing out together ask once
-                self.own_request = time.time_ns()
-                request_dump(self.debug, f"rank {self.rank} failed: {last[:200]}", f"rank {self.rank}",
-                             self.own_request)
-            time.sleep(ANSWER_WAIT_S)
-        self.stop("failed")
+        return last
 
     def stop(self, state: str) -> None:
         self.stop_event.set()
@@ -201,8 +215,9 @@ class Worker:
         if self.fatal is not None:
             faulthandler.disable()
             self.fatal.close()
-            if os.path.getsize(self.fatal.name) == 0:  # nothing fatal happened: no empty file left behind
-                os.remove(self.fatal.name)
+            with contextlib.suppress(OSError):
+                if os.path.getsize(self.fatal.name) == 0:  # nothing fatal happened: no empty file left behind
+                    os.remove(self.fatal.name)
 
 
 _ACTIVE: Worker | None = None
@@ -221,6 +236,13 @@ def start(run_dir: str, rank: int, world: int, attempt: int = 0, *, capacity: in
 
 def active() -> Worker | None:
     return _ACTIVE
+
+
+def run_built(engine: Any) -> None:
+    """The run is built: label its collectives with the engine's units, and enter the loop."""
+    if _ACTIVE is not None:
+        _ACTIVE.label_units(engine)
+    RECORDER.enter_phase("loop")
 
 
 def finish(state: str = "finished") -> None:
