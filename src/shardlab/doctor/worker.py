@@ -35,9 +35,11 @@ import json
 import os
 import shutil
 import socket
+import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 from shardlab.doctor.flight import KINDS, PHASES, RECORDER, STATES, flight_path
@@ -254,12 +256,44 @@ def finish(state: str = "finished") -> None:
         _ACTIVE = None
 
 
-def worker_failed(exc: BaseException, peer_failure: bool) -> None:
-    """The exception `exc` ends this worker (worker_main calls it before re-raising)."""
+@contextlib.contextmanager
+def attending(preempted: type[BaseException]) -> Iterator[None]:
+    """Around a run: when it ends without an exception ("finished") or with `preempted` (saved,
+    then raised), the doctor stops; after any other exception it stays on for `worker_failed`."""
+    try:
+        yield
+    except preempted:
+        finish("preempted")
+        raise
+    finish("finished")
+
+
+def worker_failed(exc: BaseException, rank: int, distributed: bool, timeout_s: float) -> None:
+    """The exception `exc` ends this worker (worker_main calls it before re-raising): when it is
+    a lost peer, say so first (before the doctor's wait), then the exit record and the request."""
     global _ACTIVE
+    peer = distributed and is_peer_failure(exc)
+    if peer:
+        print(f"error: rank {rank}: lost contact with another worker ({str(exc).splitlines()[0][:200]}). "
+              f"Another rank died or hung: the launcher's report (or `shardlab doctor RUN_DIR`) names it. "
+              f"With --max-restarts the group restarts and resumes from the last complete checkpoint; "
+              f"otherwise re-run with checkpoint.resume=auto. Collectives time out after parallel.timeout_s="
+              f"{timeout_s:g} s.", file=sys.stderr, flush=True)
     if _ACTIVE is not None:
-        _ACTIVE.failed(exc, peer_failure)
+        _ACTIVE.failed(exc, peer)
         _ACTIVE = None
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """A collective's error that means another rank is gone or stuck (gloo's and NCCL's wording)."""
+    import torch.distributed as dist
+
+    if not isinstance(e, (dist.DistBackendError, RuntimeError)):
+        return False
+    text = str(e).lower()
+    return isinstance(e, dist.DistBackendError) or any(
+        s in text for s in ("connection reset", "connection closed", "broken pipe", "timed out", "timeout",
+                            "connectfullmesh", "connection refused"))
 
 
 # ---------------------------------------------------------------------------------------- helpers

@@ -30,6 +30,7 @@ not recorded: nothing can hang there.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -79,6 +80,26 @@ class CommCounter:
         self.seconds.clear()
 
 
+def merged_totals(counters: list[CommCounter]) -> dict[str, dict[str, int]]:
+    """Per-kind totals of several counters (an engine counting over two groups) summed."""
+    out: dict[str, dict[str, int]] = {}
+    for c in counters:
+        for kind, totals in c.totals.items():
+            mine = out.setdefault(kind, {})
+            for k, v in totals.items():
+                mine[k] = mine.get(k, 0) + v
+    return out
+
+
+def merged_seconds(counters: list[CommCounter]) -> dict[str, float]:
+    """Per-kind seconds of several counters summed."""
+    out: dict[str, float] = {}
+    for c in counters:
+        for kind, seconds in c.seconds.items():
+            out[kind] = out.get(kind, 0.0) + seconds
+    return out
+
+
 class TimedWork(dist.Work):
     """An async collective's Work handle that adds the time from issue until its first `wait()`
     returns to the counter (if any) and marks its flight record entry (if any) completed. A subclass of `dist.Work` (not a wrapper) because FSDP2 waits only
@@ -120,12 +141,17 @@ class TimedWork(dist.Work):
         self.inner.synchronize()
 
 
-def issue(counter: CommCounter | None, kind: str, nbytes: int, world: int, group) -> tuple[float, int]:
+def issue(counter: CommCounter | None, kind: str, size: int, world: int, group) -> tuple[float, int]:
     """Before a collective is issued: count it, enter it in the flight record (on more than one
     rank), and start its clock. Returns (issue time, flight entry number; 0: not recorded)."""
     if counter is not None:
-        counter.add(kind, nbytes, world)
-    return time.perf_counter(), (_flight.issue(kind, nbytes, group) if world > 1 else 0)
+        counter.add(kind, size, world)
+    return time.perf_counter(), (_flight.issue(kind, size, group) if world > 1 else 0)
+
+
+def complete(entry: int) -> None:
+    """Mark flight entry `entry` (from `issue`) completed: for hooks that see the end themselves."""
+    _flight.complete(entry)
 
 
 def timed(counter: CommCounter | None, kind: str, issued: float, work: dist.Work | None, entry: int = 0):
@@ -145,7 +171,8 @@ def _world(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def nbytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor's elements: what a collective counts as its payload."""
     return t.numel() * t.element_size()
 
 
@@ -158,7 +185,7 @@ def all_reduce(tensor: torch.Tensor, group=None, *, average: bool = False, async
                counter: CommCounter | None = None):
     """Sum (or average) `tensor` in place across the group."""
     world = _world(group)
-    issued, entry = issue(counter, "all_reduce", _nbytes(tensor), world, group)
+    issued, entry = issue(counter, "all_reduce", nbytes(tensor), world, group)
     if world == 1:
         return timed(counter, "all_reduce", issued, None)
     if average:
@@ -172,7 +199,7 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, *, async_op: bool = Fa
               counter: CommCounter | None = None):
     """Copy `tensor` from group rank `src` to every rank, in place."""
     world = _world(group)
-    issued, entry = issue(counter, "broadcast", _nbytes(tensor), world, group)
+    issued, entry = issue(counter, "broadcast", nbytes(tensor), world, group)
     if world == 1:
         return timed(counter, "broadcast", issued, None)
     return timed(counter, "broadcast", issued, _dist_broadcast(tensor, src, group, async_op), entry)
@@ -182,7 +209,7 @@ def reduce(tensor: torch.Tensor, dst: int, group=None, *, average: bool = False,
            counter: CommCounter | None = None):
     """Sum (or average) `tensor` onto group rank `dst`; other ranks' tensors are undefined after."""
     world = _world(group)
-    issued, entry = issue(counter, "reduce", _nbytes(tensor), world, group)
+    issued, entry = issue(counter, "reduce", nbytes(tensor), world, group)
     if world == 1:
         return timed(counter, "reduce", issued, None)
     if average:
@@ -256,7 +283,7 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, *, as
     world = _world(group)
     if output.numel() != shard.numel() * world:
         raise ValueError(f"all_gather_into: output has {output.numel()} elements, expected {world} x {shard.numel()}")
-    issued, entry = issue(counter, "all_gather", _nbytes(output), world, group)
+    issued, entry = issue(counter, "all_gather", nbytes(output), world, group)
     if world == 1:
         output.copy_(shard.view_as(output))
         return timed(counter, "all_gather", issued, None)
@@ -277,7 +304,7 @@ def reduce_scatter_into(shard: torch.Tensor, full: torch.Tensor, group=None, *, 
     world = _world(group)
     if full.numel() != shard.numel() * world:
         raise ValueError(f"reduce_scatter_into: input has {full.numel()} elements, expected {world} x {shard.numel()}")
-    issued, entry = issue(counter, "reduce_scatter", _nbytes(full), world, group)
+    issued, entry = issue(counter, "reduce_scatter", nbytes(full), world, group)
     if average and world > 1:
         full.div_(world)
     if world == 1:
@@ -298,8 +325,6 @@ def ranks_per_node() -> int | None:
     """The ranks on this node, from the launcher's environment: torchrun's LOCAL_WORLD_SIZE, or
     Slurm's SLURM_NTASKS_PER_NODE when srun starts the workers itself (no torchrun: RANK unset,
     as runtime.env_world reads it); None when neither says."""
-    import os
-
     env = os.environ
     candidates = [env.get("LOCAL_WORLD_SIZE", "")]
     if "RANK" not in env and "SLURM_PROCID" in env:
