@@ -18,6 +18,7 @@ import time
 import torch
 
 DATA_STALL_S = 120.0
+PLANTED_BYTES = 12  # the planted all-reduce's payload: three float32, unlike any the loop issues (4 and 8 B)
 
 
 def _rank() -> int:
@@ -41,7 +42,8 @@ def register_desync_model(rank: int, forward_number: int) -> None:
             if self.training and _rank() == rank:
                 DesyncGPT.forwards += 1
                 if DesyncGPT.forwards == forward_number:
-                    collectives.all_reduce(torch.ones(1))  # the other ranks issue no such collective
+                    # the other ranks issue no such collective; PLANTED_BYTES tells it from the loop's own
+                    collectives.all_reduce(torch.ones(PLANTED_BYTES // 4))
             return super().forward(idx, targets)
 
     MODELS["gpt-desync"] = dataclasses.replace(

@@ -28,7 +28,7 @@ import pytest
 from shardlab.doctor import analysis, flight, report
 from shardlab.doctor.flight import RECORDER, FlightRecorder, flight_path, read_flight
 from shardlab.testing import run_workers
-from tests.doctor_faults import SITECUSTOMIZE
+from tests.doctor_faults import PLANTED_BYTES, SITECUSTOMIZE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -393,7 +393,7 @@ def test_data_stall_is_reported_as_a_data_stall(launches):
 def test_planted_desync_is_reported_with_the_first_differing_collective(launches):
     launch = launches["runs"]["desync"]
     assert launch.proc.returncode == 1
-    planted = [e for e in launch.flight(1).entries if e.kind == "all_reduce" and e.nbytes == 4]
+    planted = [e for e in launch.flight(1).entries if e.kind == "all_reduce" and e.nbytes == PLANTED_BYTES]
     assert len(planted) == 1
     seq = planted[0].seq
     other = next(e for e in launch.flight(0).entries if e.seq == seq)

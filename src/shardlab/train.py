@@ -35,7 +35,7 @@ from shardlab.data import GlobalBatchSampler, build_datasets
 from shardlab.data.loader import StepBatches
 from shardlab.doctor import RECORDER
 from shardlab.doctor import worker as doctor
-from shardlab.engines import Engine, engine_class, engine_of, is_sharded, optimizer_state_bytes
+from shardlab.engines import Engine, collectives, engine_class, engine_of, is_sharded, optimizer_state_bytes
 from shardlab.evaluate import evaluate
 from shardlab.loss import token_weights
 from shardlab.models import build_model, count_parameters
@@ -98,7 +98,7 @@ def uses_fp16(cfg: Config) -> bool:
 
 def _all_reduce_mean(value: torch.Tensor, rt: Runtime) -> torch.Tensor:
     if rt.distributed and rt.world_size > 1:
-        dist.all_reduce(value)
+        collectives.all_reduce(value)  # through collectives: in the hang doctor's record
         value = value / rt.world_size
     return value
 
