@@ -124,6 +124,14 @@ class PreemptionConfig:
 
 
 @dataclass
+class DoctorConfig:
+    """The hang doctor (docs/debugging.md): each rank's heartbeat and collective record."""
+
+    enabled: bool = True                   # <run dir>/debug: flight files, stack dumps, exit records
+    record_size: int = 4096                # collectives kept per rank (a ring: the last ones)
+
+
+@dataclass
 class OutputConfig:
     dir: str = "runs"
     run_name: Optional[str] = None         # null = <model>-<strategy>-<timestamp>
@@ -147,6 +155,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+    doctor: DoctorConfig = field(default_factory=DoctorConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
 
@@ -484,6 +493,8 @@ def _validate_checkpoint_and_preemption(cfg: Config) -> None:
     _check(pre.save_s is None or pre.save_s > 0, f"preemption.save_s must be > 0 or null, got {pre.save_s}")
     _check(pre.write_mb_s > 0, f"preemption.write_mb_s must be > 0, got {pre.write_mb_s}")
     _check(pre.margin_s >= 0, f"preemption.margin_s must be >= 0, got {pre.margin_s}")
+    _check(16 <= cfg.doctor.record_size <= 2**20,
+           f"doctor.record_size must be between 16 and {2**20} collectives, got {cfg.doctor.record_size}")
 
 
 def engine_options(cfg: Config) -> dict[str, Any]:
