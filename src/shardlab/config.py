@@ -30,6 +30,7 @@ class ConfigError(ValueError):
 @dataclass
 class _ModelName:
     name: str = "gpt"                      # a key of shardlab.models.MODELS: gpt | resnet | mlp
+    sync_batchnorm: bool = False           # BatchNorm statistics over all ranks (distributed engines; docs/verify.md)
 
 
 # The `model:` section: the name, then every registered model's own keys (each model file
@@ -84,7 +85,7 @@ class TrainConfig:
 class ParallelConfig:
     strategy: str = "fsdp"                 # single | ddp | zero3 | fsdp | torch-ddp | torch-fsdp
     reshard_after_forward: bool = True     # fsdp, zero3, torch-fsdp
-    mixed_precision: str = "fp32"          # fp32 | bf16 | fp16: engine compute/communication dtype
+    mixed_precision: str = "fp32"          # fp32 | bf16 | fp16: engine compute/communication dtype (fp64: verify's)
     bucket_size_mb: float = 25.0           # ddp, torch-ddp
     prefetch: bool = True                  # fsdp
     shard_size: Optional[int] = None       # fsdp, torch-fsdp: hybrid sharding over S ranks (null = ranks per node)
@@ -407,7 +408,7 @@ def validate(cfg: Config) -> None:
                f"lower data.seq_len or set model.block_size >= {d.seq_len}")
 
     _choice("parallel.strategy", p.strategy, STRATEGY_CHOICES)
-    _choice("parallel.mixed_precision", p.mixed_precision, ("fp32", "bf16", "fp16"))
+    _choice("parallel.mixed_precision", p.mixed_precision, ("fp32", "bf16", "fp16", "fp64"))
     _choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
     _check(p.bucket_size_mb > 0, f"parallel.bucket_size_mb must be > 0, got {p.bucket_size_mb}")
     _check(p.timeout_s > 0, f"parallel.timeout_s must be > 0, got {p.timeout_s}")
