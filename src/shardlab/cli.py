@@ -123,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     from shardlab import verify
 
     ve = sub.add_parser("verify", help="prove the config trains on N ranks exactly as one process would",
-                        description=verify.__doc__, epilog=verify.command.EPILOG,
+                        description="Prove the config trains on N ranks exactly as one process would: step "
+                                    "by step, every gradient and parameter by name, in float64.",
+                        epilog=verify.command.EPILOG,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     verify.add_arguments(ve)
     ve.set_defaults(func=verify.run)

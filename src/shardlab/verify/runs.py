@@ -40,7 +40,6 @@ from shardlab.data import build_datasets, collate
 from shardlab.runtime import Runtime
 from shardlab.train import build_run, train_step
 
-KINDS = ("reference", "noise", "engine")
 IGNORE_INDEX = -100  # targets the loss skips (SFT prompts and padding)
 # How long the ranks not running a one-process reference wait for it (a cut 7B in float64
 # on CPU takes minutes); the engine run's collectives keep parallel.timeout_s.
@@ -60,6 +59,12 @@ class Plan:
     keep_dropout: bool
     workdir: str
     notes: tuple[str, ...] = ()  # what verify changed in the config, and why
+
+    @property
+    def references(self) -> tuple[str, ...]:
+        """The runs besides the engine's. With dropout kept, reversing rows changes the masks, so a
+        noise run would measure dropout, not rounding: it is not run."""
+        return ("reference",) if self.keep_dropout else ("reference", "noise")
 
 
 # -- the order of the samples ------------------------------------------------------------------------
@@ -284,14 +289,14 @@ def verify_worker(rt: Runtime, plan: Plan, compare: Callable[[Plan], Any] | None
         # longer timeout (creating a group is collective: all ranks, now)
         wait = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=REFERENCE_WAIT_S)) if grouped else None
         solo = Runtime(0, rt.local_rank, 1, rt.device, None, rt.restart_count)
-        for i, kind in enumerate(("reference", "noise")):
+        for i, kind in enumerate(plan.references):
             if i % rt.world_size == rt.rank:
                 record_run(solo, ref_cfg, kind, plan, data)
         if wait is not None:
             dist.barrier(group=wait)
             dist.destroy_process_group(wait)
     else:
-        for kind in ("reference", "noise"):
+        for kind in plan.references:
             record_run(rt, ref_cfg, kind, plan, data)
     record_run(rt, engine_cfg, "engine", plan, data)
     if grouped:
