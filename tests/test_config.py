@@ -38,7 +38,7 @@ CASES = [
     (["parallel.strategy=zero4"], ["parallel.strategy: unknown value 'zero4'", "single, ddp, zero3, fsdp, torch-ddp, torch-fsdp"]),
     (["model.name=vit"], ["model.name: unknown value 'vit'", "gpt, resnet, mlp"]),
     (["model.preset=gpt-huge"], ["model.preset: unknown value 'gpt-huge'", "gpt-tiny"]),
-    (["data.source=hub"], ["data.source: unknown value 'hub'", "builtin, text, sft, cifar10, synthetic"]),
+    (["data.source=hub"], ["data.source: unknown value 'hub'", "builtin, text, tokens, sft, cifar10, synthetic"]),
     (["train.global_batch_size=10"], ["train.global_batch_size (10) must be a multiple of train.micro_batch_size (4)"]),
     (["data.source=text", "data.path=/no/such/file.txt"], ["data.path '/no/such/file.txt'", "no such file"]),
     (["data.source=text"], ["data.source=text needs data.path"]),
@@ -121,3 +121,68 @@ def test_cli_exit_code_and_no_worker_output(tmp_path):
     assert "did you mean 'train.steps'" in out.stderr
     assert "[rank" not in out.stderr and "torch.distributed" not in out.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+# -- docs/training.md's key table is the config ------------------------------------------------------
+def _documented_keys() -> dict[str, tuple[str, str]]:
+    """key -> (its default as the table writes it, the row's meaning), from docs/training.md's
+    table. A row names keys in backticks; a name without a dot is a sibling of the row's first."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
+    table = text[text.index("| key | default | meaning |"):].split("\n\n")[0].splitlines()[2:]
+    out = {}
+    for line in table:
+        key_cell, default_cell, meaning = [c.strip() for c in line.strip("|").split(" | ", 2)]
+        names = re.findall(r"`([^`]+)`", key_cell)
+        prefix = names[0].rsplit(".", 1)[0] + "." if "." in names[0] else ""
+        keys = [n if n == names[0] else prefix + n for n in names]
+        defaults = re.split(r",\s*(?![^\[]*\])", default_cell)  # commas outside [...]
+        assert len(defaults) == len(keys), line
+        out.update({k: (d, meaning) for k, d in zip(keys, defaults)})
+    return out
+
+
+def _config_keys() -> dict[str, object]:
+    """Every shardlab config key and its default; model keys of models registered from outside
+    shardlab (a test's toy model) are left out."""
+    import dataclasses
+
+    from shardlab.config import Config, ModelConfig
+
+    ours = {f.name for cls in ModelConfig.__mro__ if cls.__module__.startswith("shardlab.")
+            and dataclasses.is_dataclass(cls) for f in dataclasses.fields(cls)}
+    out = {}
+
+    def walk(d: dict, prefix: str) -> None:
+        for k, v in d.items():
+            if prefix == "model." and k not in ours:
+                continue
+            if isinstance(v, dict):
+                walk(v, prefix + k + ".")
+            else:
+                out[prefix + k] = v
+
+    walk(Config().to_dict(), "")
+    return out
+
+
+def test_training_md_key_table_matches_the_config():
+    import yaml
+
+    from shardlab.data import DATA_SOURCES
+    from shardlab.engines import STRATEGIES
+    from shardlab.models import MODELS
+
+    documented, config = _documented_keys(), _config_keys()
+    assert not set(config) - set(documented), f"keys missing from docs/training.md: {sorted(set(config) - set(documented))}"
+    assert not set(documented) - set(config), f"docs/training.md names unknown keys: {sorted(set(documented) - set(config))}"
+    for key, (default, _) in documented.items():
+        assert yaml.safe_load(default) == config[key], f"docs/training.md: {key} defaults to {config[key]!r}, not {default}"
+    choices = {"model.name": [n for n, spec in MODELS.items() if spec.build.__module__.startswith("shardlab.")],
+               "data.source": [n for n, s in DATA_SOURCES.items() if s.build.__module__.startswith("shardlab.")],
+               "parallel.strategy": [n for n, e in STRATEGIES.items() if e.target.startswith("shardlab.")]}
+    for key, names in choices.items():
+        meaning = documented[key][1]
+        assert names and all(f"`{n}`" in meaning for n in names), f"docs/training.md: {key} should list {names}"

@@ -87,3 +87,48 @@ def test_cifar_loader_refuses_arbitrary_pickles(tmp_path):
     path.write_bytes(pickle.dumps({b"data": _Evil(), b"labels": [1]}))
     with pytest.raises(pickle.UnpicklingError, match="refusing"):
         load_batch(str(path))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 17, 64, 1000, 4097, 65_537])
+def test_the_permutation_is_a_bijection_without_a_table(n):
+    from shardlab.data.sampler import FeistelPermutation
+
+    perm = FeistelPermutation(n, key=7)(torch.arange(n))
+    assert sorted(perm.tolist()) == list(range(n))
+    if n >= 1000:  # shuffled, and differently for another key
+        assert (perm == torch.arange(n)).float().mean() < 0.01
+        assert not torch.equal(perm, FeistelPermutation(n, key=8)(torch.arange(n)))
+
+
+def test_a_step_of_a_huge_dataset_costs_only_its_batch():
+    import time
+
+    s = GlobalBatchSampler(num_samples=10**12, global_batch_size=64, seed=1)
+    t0 = time.perf_counter()
+    idx = s.global_indices(123_456_789)
+    assert time.perf_counter() - t0 < 0.5 and len(set(idx.tolist())) == 64 and int(idx.max()) < 10**12
+
+
+def test_the_loader_follows_the_sampler_and_reads_the_next_step_ahead():
+    from shardlab.data.loader import StepBatches
+
+    class Recorder(torch.utils.data.Dataset):
+        def __init__(self):
+            self.hinted: list[list[int]] = []
+
+        def __len__(self):
+            return 40
+
+        def __getitem__(self, i):
+            return torch.tensor([i]), torch.tensor([i])
+
+        def will_need(self, indices):
+            self.hinted.append(indices)
+
+    ds, s = Recorder(), GlobalBatchSampler(40, 8, seed=3)
+    b = StepBatches(ds, s, rank=1, world_size=2, micro_batch_size=2, end_step=10, device=torch.device("cpu"))
+    for step in (0, 1, 7, 2):  # a jump (a resume, a probe) starts a loader at that step
+        got = torch.cat([b.next(step)[0].flatten() for _ in range(2)])
+        assert torch.equal(got, s.rank_indices(step, 1, 2))
+        assert ds.hinted[-1] == s.rank_indices(step + 1, 1, 2).tolist()
+    assert set(b.wait_s) == {0, 1, 7, 2}

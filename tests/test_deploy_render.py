@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardlab.deploy import add_render_parser, add_submit_parser, k8s
+from shardlab.deploy import RenderError, add_render_parser, add_submit_parser, k8s
 from tests import kustomize_expand as kustomize
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,3 +207,16 @@ def test_submit_slurm_without_sbatch_fails_clearly(tmp_path, capsys, monkeypatch
     monkeypatch.setenv("PATH", str(tmp_path))       # no sbatch anywhere
     assert cli("submit", "slurm", CONFIG, "--out", str(tmp_path / "o")) == 2
     assert "sbatch is not on PATH" in capsys.readouterr().err
+
+
+def test_unknown_deploy_target_is_an_error(capsys):
+    """Every target comes from the registry (shardlab.deploy.DEPLOY_TARGETS); an unknown one is
+    refused with the valid names, where it used to fall through to accelerate."""
+    from shardlab.deploy import DEPLOY_TARGETS, cmd_render, deploy_target
+
+    with pytest.raises(RenderError, match="unknown deploy target 'nomad'; valid: slurm, k8s, accelerate"):
+        deploy_target("nomad")
+    assert cmd_render(argparse.Namespace(target="nomad", config="configs/gpt-tiny.yaml", overrides=[], nodes=1,
+                                         gpus_per_node=1, out=None)) == 2
+    assert "unknown deploy target" in capsys.readouterr().err
+    assert all(deploy_target(name).name == name for name in DEPLOY_TARGETS)

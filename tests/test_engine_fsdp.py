@@ -115,7 +115,7 @@ def train_custom(rank: int, world: int, case: str, strategy: str, opt_name: str,
             engine = engine_of(model)
             if strategy == "fsdp":
                 out["gathered_after_eval"].append(engine.gathered_bytes())
-                out["armed_after_eval"].append(engine.backward_end.queued or any(
+                out["armed_after_eval"].append(engine._backward_end.queued or any(
                     u.needs_backward or u.tracked_views or u.state.value != "sharded" for u in engine.flat_units))
     out["state"] = shardlab.full_state_dict(model)
     return out

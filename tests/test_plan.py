@@ -108,51 +108,53 @@ def test_hf_decoder_depth_is_cut_for_the_probes(tmp_path):
     import json
 
     from shardlab.config import config_from_dict
-    from shardlab.plan import PROBE_LAYERS, _cut_depth, _meta_model, _n_layer, model_state
+    from shardlab.plan import model_state
+    from shardlab.plan.model import cut_depth, meta_model, n_layer
+    from shardlab.plan.probe import PROBE_LAYERS
 
     raw = json.load(open("configs/hf/mistral-tiny.json"))
     raw["num_hidden_layers"] = 9
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps(raw))
     cfg = load_config("configs/sft-mistral-tiny.yaml", [f"model.hf_config={tmp_path / 'model'}"])
-    assert _n_layer(cfg) == 9
+    assert n_layer(cfg) == 9
     cut = cfg.to_dict()
-    _cut_depth(cut, PROBE_LAYERS[0], str(tmp_path))
+    cut_depth(cut, PROBE_LAYERS[0], str(tmp_path))
     probe = config_from_dict(cut)
-    assert probe.model.hf_path is None and _n_layer(probe) == PROBE_LAYERS[0]
-    layers = _meta_model(probe).hf_model.model.layers
+    assert probe.model.hf_path is None and n_layer(probe) == PROBE_LAYERS[0]
+    layers = meta_model(probe).hf_model.model.layers
     assert len(layers) == PROBE_LAYERS[0]
-    whole = _meta_model(cfg)
+    whole = meta_model(cfg)
     exact = sum(t.numel() * t.element_size() for t in (*whole.parameters(), *whole.buffers()))
     assert model_state(cfg, "ddp", 1)["params"] == exact  # parameters + buffers of all 9 layers
 
 
 def test_scaling_follows_where_the_probes_peaked():
-    """_scale_probe, on made-up probes of 3 and 4 blocks scaled to 8. A sharded engine peaking at
+    """scale_probe, on made-up probes of 3 and 4 blocks scaled to 8. A sharded engine peaking at
     the end of backward: the 4-block peak plus what each block keeps between steps (end_parts);
     its transient gradient at the peak does not grow. Peaking at the start of backward (its
     peak's activations grow as the forward's do): every part linearly, and no gradients yet."""
-    from shardlab.plan import _scale_probe
+    from shardlab.plan.scaling import scale_probe
 
     def probe(step: dict, end: dict, fwd_act: float) -> dict:
         return {"parts": step, "end_parts": end, "fwd_parts": {"activations": fwd_act}}
 
     end_of_backward = {"3": probe({"grads": 30, "unsharded_grads": 9, "activations": 5}, {"grads": 30}, 12),
                        "4": probe({"grads": 40, "unsharded_grads": 9, "activations": 5}, {"grads": 40}, 16)}
-    step, fwd = _scale_probe(end_of_backward, 8, 1.0, sharded=True)
+    step, fwd = scale_probe(end_of_backward, 8, 1.0, sharded=True)
     assert (step["grads"], step["unsharded_grads"], step["activations"], fwd["activations"]) == (80, 9, 5, 32)
     start_of_backward = {"3": probe({"activations": 14, "comm": 1}, {"grads": 30}, 12),
                          "4": probe({"activations": 18, "comm": 1}, {"grads": 40}, 16)}
-    step, _ = _scale_probe(start_of_backward, 8, 1.0, sharded=True)
+    step, _ = scale_probe(start_of_backward, 8, 1.0, sharded=True)
     assert (step["grads"], step["activations"], step["comm"]) == (0, 34, 1)
 
 
 def test_probes_past_their_time_report_the_lower_bound(monkeypatch):
     """A probe that runs past PROBE_TIMEOUT_S (SHARDLAB_PLAN_PROBE_TIMEOUT_S) is stopped; the engine
     is reported by parameters + gradients + optimizer state, with the reason, not a traceback."""
-    import shardlab.plan as plan
+    import shardlab.plan.probe as probe
 
-    monkeypatch.setattr(plan, "PROBE_TIMEOUT_S", 0.01)
+    monkeypatch.setattr(probe, "PROBE_TIMEOUT_S", 0.01)
     p = predict_all(load_config("configs/gpt-tiny.yaml", []), 2, ["ddp"])["ddp"]
     assert not p.probed and "did not finish in 0.01 s" in p.notes[0], p.notes
     assert p.peak_bytes == sum(p.model_state.values())

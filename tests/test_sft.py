@@ -41,8 +41,90 @@ def test_masking_token_by_token(tokenizer):
                          {"role": "assistant", "content": "Goodbye."}]}
     ids, labels = tokenizer.encode_example(chat)
     trained = [t for t, lab in zip(ids, labels) if lab != -100]
-    assert trained == tokenizer.encode("Hello.") + tokenizer.encode("Goodbye.") + [tokenizer.eos_id]
+    # every assistant turn ends in </s>, trained: the model learns to stop after its answer
+    eos = tokenizer.eos_id
+    assert trained == tokenizer.encode("Hello.") + [eos] + tokenizer.encode("Goodbye.") + [eos]
+    assert ids[-1] == eos and labels[-1] == eos and labels[ids.index(eos)] == eos
     assert all(lab in (-100, t) for t, lab in zip(ids, labels))
+    assert ids.count(tokenizer.bos_id) == 1 and ids[0] == tokenizer.bos_id
+
+
+def _with_template(tokenizer, tmp_path, template: str):
+    """The tokenizer's files plus a chat template (chat_template.jinja, as transformers 5 saves it)."""
+    tokenizer.save(str(tmp_path))
+    (tmp_path / "chat_template.jinja").write_text(template)
+    return sft.SFTTokenizer(str(tmp_path))
+
+
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+            "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_template_with_bos_gives_one_bos_and_trains_its_end(tokenizer, tmp_path):
+    tok = _with_template(tokenizer, tmp_path, TEMPLATE)
+    assert tok.has_chat_template
+    ids, labels = tok.encode_example({"messages": [{"role": "user", "content": "Hi"},
+                                                   {"role": "assistant", "content": "Hello."}]})
+    assert ids.count(tok.bos_id) == 1 and ids[0] == tok.bos_id
+    trained = [t for t, lab in zip(ids, labels) if lab != -100]
+    assert trained == tok.encode("Hello.") + [tok.eos_id]
+
+
+def test_trailing_user_turn_is_an_error_naming_the_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n'
+                    '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, '
+                    '{"role": "user", "content": "and?"}]}\n')
+    with pytest.raises(sft.SFTDataError, match="ends with a user turn") as e:
+        sft.read_examples(str(path))
+    assert f"{path}:2" in str(e.value)
+
+
+def _sft_cfg(tmp_path, *extra):
+    from shardlab.config import load_config
+
+    return load_config("configs/sft-mistral-tiny.yaml", ["parallel.strategy=single", f"output.dir={tmp_path}",
+                                                         *extra])
+
+
+def test_cache_key_follows_the_chat_template_and_the_tokenizer_dir(tokenizer, tmp_path, monkeypatch):
+    """Editing the template re-tokenizes; a second directory with the same tokenizer files but
+    another template gets its own rows and its own tokenizer directory."""
+    monkeypatch.setenv("SHARDLAB_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
+                                                     {"role": "assistant", "content": f"answer {i}"}]}) + "\n"
+                            for i in range(20)))
+    a = _with_template(tokenizer, tmp_path / "a", TEMPLATE)
+    b_dir = tmp_path / "b"
+    tokenizer.save(str(b_dir))  # the same tokenizer files, no template
+    path_a, tdir_a = sft.prepare(_sft_cfg(tmp_path, f"data.path={data}", f"data.tokenizer_path={a.directory}"))
+    path_b, tdir_b = sft.prepare(_sft_cfg(tmp_path, f"data.path={data}", f"data.tokenizer_path={b_dir}"))
+    assert path_a != path_b and (tdir_a, tdir_b) == (a.directory, str(b_dir))
+    (tmp_path / "a" / "chat_template.jinja").write_text(TEMPLATE.replace("<|", "[").replace("|>", "]"))
+    path_a2, _ = sft.prepare(_sft_cfg(tmp_path, f"data.path={data}", f"data.tokenizer_path={a.directory}"))
+    assert path_a2 != path_a
+    rows = [torch.load(p, weights_only=True)["train"][0][0] for p in (path_a, path_a2)]
+    assert not torch.equal(rows[0], rows[1])
+
+
+def test_data_report_counts_and_warns(tmp_path, monkeypatch):
+    """At seq_len 40 most of these examples lose their response: said with counts, not silent."""
+    monkeypatch.setenv("SHARDLAB_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"instruction": "Explain the thing " + "in detail " * (i % 3) * 8,
+                                        "output": "Because " * (1 + i % 7)}) + "\n" for i in range(60)))
+    from shardlab.data import build_datasets
+
+    d = build_datasets(_sft_cfg(tmp_path, f"data.path={data}", "data.seq_len=40", "data.val_fraction=0.1"))
+    info = d.info
+    assert info["examples"] == 60 and info["dropped_no_response_after_truncation"] > 3
+    assert info["train_rows"] + info["val_rows"] == 60 - info["dropped_no_response_after_truncation"]
+    assert info["train_target_tokens"] == int((d.train.y != -100).sum())
+    assert d.report[0].startswith(f"data: 60 examples from {data}: {info['dropped_no_response_after_truncation']} "
+                                  f"dropped, {info['truncated']} truncated at data.seq_len=40")
+    assert d.report[1].startswith("warning:") and f"longest has {info['longest_example_tokens']}" in d.report[1]
 
 
 def test_rows_truncate_pad_and_pack():
@@ -186,6 +268,7 @@ def test_render_sft_configs(tmp_path):
     (model_dir / "config.json").write_text(json.dumps({"model_type": "mistral", "vocab_size": 32000,
                                                        "max_position_embeddings": 32768}))
     (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    (model_dir / "tokenizer.json").write_text("{}")  # pretrained weights come with their tokenizer
     data = tmp_path / "sft.jsonl"
     data.write_text('{"instruction": "a", "output": "b"}\n')
     for target in ("slurm", "k8s", "accelerate"):
@@ -193,3 +276,106 @@ def test_render_sft_configs(tmp_path):
                    f"model.hf_path={model_dir}", f"data.path={data}"])
         assert rc == 0, target
         assert any(p.is_file() for p in (tmp_path / target).rglob("*")), target
+
+
+# -- errors before any worker starts, each naming what to fix --------------------------------------
+@pytest.fixture(scope="module")
+def pretrained_dir(tmp_path_factory):
+    """A tiny Mistral saved by transformers (weights and config.json, vocab 50), no tokenizer."""
+    d = tmp_path_factory.mktemp("pretrained")
+    _tiny_mistral().hf_model.save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("targets,bad", [("[c_attn]", "['c_attn']"), ("[q_proj,qkv_proj]", "['qkv_proj']")])
+def test_unknown_lora_target_lists_the_linear_layers(tmp_path, capsys, targets, bad):
+    from shardlab.cli import main
+
+    rc = main(["train", "configs/sft-mistral-tiny.yaml", "--nproc", "2", "model.lora.rank=4",
+               f"model.lora.target_modules={targets}", f"output.dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"model.lora.target_modules: {bad} matches no layer" in err
+    assert "q_proj, up_proj, v_proj" in err and "Traceback" not in err
+
+
+def test_weights_without_tokenizer_and_vocab_mismatch(pretrained_dir, tokenizer, tmp_path, capsys):
+    from shardlab.cli import main
+
+    args = ["train", "configs/sft-mistral-tiny.yaml", "model.hf_config=null", f"model.hf_path={pretrained_dir}",
+            "data.seq_len=32", f"output.dir={tmp_path}"]
+    assert main([*args, "--nproc", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "holds pretrained weights but no tokenizer.json" in err and "data.tokenizer_path=" in err
+    # a tokenizer of 400 tokens for a model of 50: said before any worker (or the one process) starts
+    for extra in (["--nproc", "2"], ["parallel.strategy=single"]):
+        assert main([*args, f"data.tokenizer_path={tokenizer.directory}", *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"has {tokenizer.vocab_size} tokens, but the model in model.hf_path" in err and "has 50" in err
+        assert "Traceback" not in err
+
+
+# -- a LoRA run on a pretrained directory: export, generate, eval ---------------------------------
+@pytest.fixture(scope="module")
+def pretrained_with_tokenizer(tokenizer, tmp_path_factory):
+    from transformers import MistralConfig
+
+    from shardlab.models.hf import HFCausalLM
+
+    d = tmp_path_factory.mktemp("pretrained-tok")
+    cfg = MistralConfig(vocab_size=tokenizer.vocab_size, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    HFCausalLM(cfg, seed=2).hf_model.save_pretrained(d)
+    tokenizer.save(str(d))
+    return d
+
+
+def test_lora_adapter_export_names_its_base_and_generate_eval_read_it(pretrained_with_tokenizer, tmp_path, capsys,
+                                                                      monkeypatch):
+    """LoRA on a pretrained directory, one process: no FutureWarning; the summary and metrics count
+    trainable parameters; the adapter names its base (peft's AutoPeftModel loads it); `shardlab
+    generate` and `eval` take the run directory, the adapter directory and a merged export alike."""
+    import warnings
+
+    from peft import AutoPeftModelForCausalLM
+
+    from shardlab.cli import main
+    from shardlab.export import load_model
+
+    monkeypatch.setenv("SHARDLAB_CACHE", str(tmp_path / "cache"))
+    pre = pretrained_with_tokenizer
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["train", "configs/sft-mistral-tiny.yaml", "parallel.strategy=single", "model.hf_config=null",
+                     f"model.hf_path={pre}", "model.lora.rank=2", "data.seq_len=48", "train.steps=2",
+                     "train.global_batch_size=4", "train.micro_batch_size=2", "checkpoint.every_steps=2",
+                     "export.lora=adapter", f"output.dir={tmp_path}", "output.run_name=lora", "output.progress=false",
+                     "output.tensorboard=false", "train.memory_tracking=none"]) == 0
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)]
+    run = tmp_path / "lora"
+    out = capsys.readouterr().out
+    assert "parameters (trainable)" in out and out.startswith("data: ")
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert 0 < metrics["num_trainable_parameters"] < metrics["num_parameters"] / 5
+    assert json.loads((run / "hf" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(pre)
+    ids = torch.randint(0, 50, (1, 9))
+    want = load_model(str(run))[0](ids)
+    peft_model = AutoPeftModelForCausalLM.from_pretrained(run / "hf").eval()
+    torch.testing.assert_close(peft_model(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+    assert main(["export", str(run), "--format", "hf", "--lora", "merged", "--out", str(tmp_path / "merged")]) == 0
+    capsys.readouterr()
+    answers, losses = [], []
+    for source in (run, run / "hf", tmp_path / "merged"):
+        assert main(["generate", str(source), "--prompt", "What does json.dumps do?", "--chat", "--temperature", "0",
+                     "--max-new-tokens", "6"]) == 0
+        answers.append(capsys.readouterr().out)
+        assert main(["eval", str(source)]) == 0
+        losses.append(json.loads(capsys.readouterr().out)["val_loss"])
+    assert answers[0] == answers[1] == answers[2] and answers[0].strip()
+    assert losses == pytest.approx([metrics["val_loss"]] * 3, rel=1e-5)
+
+
+def test_eval_without_a_run_config_asks_for_one(pretrained_with_tokenizer, capsys):
+    from shardlab.cli import main
+
+    assert main(["eval", str(pretrained_with_tokenizer)]) == 1
+    assert "give --config CONFIG.yaml" in capsys.readouterr().err

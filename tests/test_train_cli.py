@@ -164,3 +164,48 @@ def test_fp16_run_reports_scale_and_resumes_exactly(tmp_path):
     assert resumed["losses"] == straight["losses"]
     assert resumed["loss_scale"] == straight["loss_scale"]
     assert resumed["skipped_steps"] == straight["skipped_steps"]
+
+
+def test_same_command_resumes_with_the_default_run_name(tmp_path, capsys):
+    """docs/preemption.md: re-running the same command continues the run. The default run name is
+    a function of the config, so it does; a higher train.steps continues it too, with the
+    schedule it started with (said on the console), and `shardlab train RUN_DIR/config.yaml`
+    is the same run."""
+    from shardlab.checkpoint import read_manifest
+    from shardlab.cli import main
+
+    args = ["train", "configs/gpt-tiny.yaml", "parallel.strategy=single", "model.preset=gpt-nano", "data.seq_len=32",
+            "train.steps=2", "train.warmup_steps=0", "train.lr=0.01", "checkpoint.every_steps=1",
+            f"output.dir={tmp_path}", "output.progress=false", "output.tensorboard=false", "train.memory_tracking=none"]
+    assert main(args) == 0
+    (run,) = tmp_path.iterdir()
+    assert run.name.startswith("gpt-single-") and "resumed" not in capsys.readouterr().out
+    assert main(args) == 0  # the same command
+    out = capsys.readouterr().out
+    assert f"shardlab: resumed from step 2 of {run}" in out and "nothing: resumed at step 2" in out
+    assert main([*args, "train.steps=4"]) == 0  # train longer: the same run
+    out = capsys.readouterr().out
+    assert f"resumed from step 2 of {run}" in out
+    assert "note: train.steps=4 (the run's schedule: 2): the learning-rate schedule is kept" in out
+    assert list(tmp_path.iterdir()) == [run]
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["steps"] == 4 and len(metrics["losses"]) == 4 and metrics["steps_this_run"] == 2
+    # step 3 trained at the floor of the 2-step schedule (lr x min_lr_ratio), not a re-stretched
+    # cosine's 0.23 x lr; the schedule itself is in the checkpoint
+    sched = read_manifest(str(run / "checkpoints" / step_dir_name(3)))["scheduler"]
+    assert sched["_last_lr"] == [pytest.approx(0.01 * 0.1)] and sched["lr_lambdas"][0]["steps"] == 2
+    assert metrics["num_trainable_parameters"] == metrics["num_parameters"] > 0
+    assert main(["train", str(run / "config.yaml"), "train.steps=5"]) == 0
+    assert f"resumed from step 4 of {run}" in capsys.readouterr().out
+
+
+def test_default_run_name_ignores_how_a_run_is_watched():
+    from shardlab.config import load_config
+    from shardlab.train import default_run_name
+
+    base = ["model.preset=gpt-nano", "data.seq_len=32"]
+    name = default_run_name(load_config("configs/gpt-tiny.yaml", base))
+    for same in ("train.steps=99", "output.progress=false", "checkpoint.every_steps=5", "train.eval_every=3"):
+        assert default_run_name(load_config("configs/gpt-tiny.yaml", [*base, same])) == name, same
+    for other in ("train.lr=0.5", "seed=1", "data.seq_len=64", "parallel.strategy=ddp"):
+        assert default_run_name(load_config("configs/gpt-tiny.yaml", [*base, other])) != name, other

@@ -1,6 +1,6 @@
 """shardlab: sharded data-parallel training on PyTorch.
 
-    model = shardlab.parallelize(model, strategy="fsdp")   # single, ddp, zero3, fsdp, torch-ddp, torch-fsdp
+    model = shardlab.parallelize(model, strategy="fsdp")   # any key of shardlab.STRATEGIES
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with shardlab.no_sync(model): loss.backward()            # accumulate without communicating
     norm = shardlab.clip_grad_norm_(model, 1.0)              # global norm, same on every rank
@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
+import os
 from collections.abc import Mapping
 
 import torch
@@ -41,3 +43,17 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
     """Load a full (unsharded) state dict; every rank must call it with the same values."""
     engine_of(model).load_full_state_dict(state)
+
+
+def _import_plugins() -> None:
+    """SHARDLAB_PLUGINS=module[,module...]: modules imported with shardlab, which register their
+    own engines (STRATEGIES), models (MODELS) or deploy targets (DEPLOY_TARGETS) in one line each.
+    Every process a run starts inherits the variable (torchrun's workers, plan's probes, bench's
+    cells), so the entries exist there too. A plugin registers before it imports shardlab.config,
+    whose `model:` section is built from MODELS when it is first imported."""
+    for name in os.environ.get("SHARDLAB_PLUGINS", "").split(","):
+        if name.strip():
+            importlib.import_module(name.strip())
+
+
+_import_plugins()

@@ -11,10 +11,12 @@ With sharded gradients (fsdp, zero3, torch-fsdp) each rank sees only its own sli
 rank may see an inf that the others do not. If ranks disagreed, some would step and some
 would not, and the replicas would drift apart for ever. torch's `ShardedGradScaler` sums
 the found-inf flag over the process group (one tiny all-reduce) before deciding; we use it
-for every distributed engine, replicated ones included (there it costs one scalar). Its
-unscale step only all-reduces for the devices that hold gradients, so a rank that holds no
-trainable gradient (a zero3 rank owning only frozen tensors) would skip the collective and
-hang the others: `LossScaler` makes such a rank take part with a zero flag.
+for every distributed engine, replicated ones included (there it costs one scalar). A rank that
+holds no trainable gradient (a zero3 rank owning only frozen tensors) takes part too: torch's
+`ShardedGradScaler._unscale_grads_` creates a zero flag on the scale's device when a rank has
+no gradient (read in torch 2.13's source; the same code is in releases since at least 2.3, and
+shardlab requires >= 2.6), so such a rank joins the all-reduce instead of leaving the others
+waiting. tests/test_amp.py runs that case (zero3, one rank owning only frozen weights).
 """
 
 from __future__ import annotations
@@ -34,19 +36,11 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     return contextlib.nullcontext()
 
 
-class LossScaler(ShardedGradScaler):
-    """ShardedGradScaler whose found-inf all-reduce every rank joins (see the note above)."""
-
-    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16=True):
-        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        return per_device or {found_inf.device: found_inf}
-
-
 def make_loss_scaler(fp16: bool, device: torch.device, distributed: bool, *, init_scale: float,
                      growth_interval: int) -> torch.amp.GradScaler | None:
     """The scaler for an fp16 run (None otherwise): agreeing across ranks when distributed."""
     if not fp16:
         return None
     if distributed:
-        return LossScaler(device=device.type, init_scale=init_scale, growth_interval=growth_interval)
+        return ShardedGradScaler(device=device.type, init_scale=init_scale, growth_interval=growth_interval)
     return torch.amp.GradScaler(device.type, init_scale=init_scale, growth_interval=growth_interval)

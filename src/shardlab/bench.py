@@ -35,11 +35,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
 import time
 from typing import Any
+
+import torch
+
+from shardlab.config import ConfigError, load_config, strategies_taking
+from shardlab.engines import STRATEGIES, engine_class
+from shardlab.engines.collectives import resolve_shard_size
+from shardlab.models import GPT_PRESETS
 
 BYTES_FP32 = 4
 
@@ -65,8 +73,6 @@ def _cell_overrides(args: argparse.Namespace, strategy: str, nproc: int, variant
 def _weak_scaling_micro_batch(args: argparse.Namespace) -> None:
     """With a config and no --micro-batch: keep its micro batch per rank at every N."""
     if args.config is not None and args.micro_batch is None:
-        from shardlab.config import load_config
-
         args.micro_batch = load_config(args.config, args.overrides).train.micro_batch_size
 
 
@@ -76,7 +82,7 @@ def _run_cell(args: argparse.Namespace, strategy: str, nproc: int, variant: dict
     name = f"{strategy}-n{nproc}{label}-{tag}"
     cmd = [sys.executable, "-m", "shardlab", "train", *([args.config] if args.config else []),
            *_cell_overrides(args, strategy, nproc, variant), f"output.dir={out_dir}", f"output.run_name={name}"]
-    if strategy != "single":
+    if engine_class(strategy).distributed:
         cmd += ["--nproc", str(nproc)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -97,13 +103,12 @@ def _run_cell(args: argparse.Namespace, strategy: str, nproc: int, variant: dict
 
 def _shard_size(strategy: str, nproc: int, configured: int | None) -> int:
     """S, the ranks a parameter is sharded over: parallel.shard_size for the hybrid engines (its
-    default, the ranks per node, is N for bench's one-node runs), N for zero3, 1 unsharded."""
-    from shardlab.config import HYBRID_STRATEGIES
-    from shardlab.engines import is_sharded
-
-    if strategy == "single" or not is_sharded(strategy):
+    default, the ranks per node, is N for bench's one-node runs), N for the other sharded engines,
+    1 unsharded."""
+    engine = engine_class(strategy)
+    if not engine.grads_sharded:
         return 1
-    if strategy in HYBRID_STRATEGIES and configured is not None:
+    if "shard_size" in engine.options and configured is not None:
         return int(configured)
     return nproc
 
@@ -113,7 +118,7 @@ def comm_bus_theory(strategy: str, nproc: int, shard_size: int, sharded: bool, p
     unsharded; sharded over S of R = N/S replicas, all-gather twice and reduce-scatter within S,
     3(S-1)/S x 4Psi, then the all-reduce of the 1/S slice across the R replicas, 2(R-1)/R x 4Psi/S
     (S = N: plain FSDP, no all-reduce; S = 1: DDP's all-reduce)."""
-    if strategy == "single" or nproc == 1:
+    if nproc == 1:
         return 0.0
     if not sharded:
         return 2 * (nproc - 1) / nproc * psi * BYTES_FP32
@@ -229,8 +234,6 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
             "| model state / rank (MiB) | theory (MiB) | vs ddp | peak live / rank (MiB) | vs ddp "
             "| peak RSS / rank (GiB) | sent / rank / step (MiB) | theory (MiB) | comm ms / step, by kind (max rank) |")
     lines = [head, "|" + "---|" * 16]
-    from shardlab.engines import STRATEGIES
-
     twin = {name: entry.torch_twin for name, entry in STRATEGIES.items() if entry.torch_twin}
     by = {(r["strategy"], r["world_size"], r["variant"]): r for r in rows}
 
@@ -238,16 +241,16 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
         """The other engine's cell with the same settings, as far as it takes them."""
         if strategy not in STRATEGIES:
             return None
-        from shardlab.engines import engine_class
-
         accepted = engine_class(strategy).options
         own = ",".join(kv for kv in variant.split(",") if kv and kv.split("=")[0] in accepted)
         return by.get((strategy, n, own))
 
+    # "vs ddp": the first replicated engine with a cell at the same settings
+    replicated = [s for s in STRATEGIES if engine_class(s).distributed and not engine_class(s).grads_sharded]
     for r in rows:
         n, v = r["world_size"], r["variant"]
         t = cell(twin.get(r["strategy"], ""), n, v)
-        d = cell("ddp", n, v) or cell("torch-ddp", n, v)
+        d = next((c for c in (cell(s, n, v) for s in replicated) if c is not None), None)
         speed = _speed_vs(t, r) if t else ""
         mem = f"{r['model_state_bytes_max_rank'] / d['model_state_bytes_max_rank']:.2f}x" if d else ""
         live = "" if r["peak_live_bytes_max_rank"] is None else f"{r['peak_live_bytes_max_rank'] / mib:.1f}"
@@ -301,7 +304,7 @@ def _comm_ms(r: dict[str, Any]) -> str:
 
 def plot(rows: list[dict[str, Any]], path: str) -> bool:
     """Throughput and peak memory per rank against world size, one line per engine (and variant)."""
-    try:
+    try:  # optional (the `plot` extra), and heavy: imported only to draw
         import matplotlib
 
         matplotlib.use("Agg")
@@ -341,8 +344,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", default=None,
                    help="a train config (default: a GPT preset on synthetic tokens, see --preset)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of the config, as for train")
-    p.add_argument("--strategies", default="ddp,torch-ddp,fsdp,torch-fsdp,zero3",
-                   help="comma-separated engines (default: %(default)s)")
+    p.add_argument("--strategies", default=None,
+                   help="comma-separated engines (default: every registered engine that runs on several processes)")
     p.add_argument("--nproc", default="2", help="comma-separated world sizes (default: %(default)s)")
     p.add_argument("--preset", default="gpt-mini", help="without a config: GPT preset (default: %(default)s)")
     p.add_argument("--micro-batch", type=int, default=None,
@@ -389,11 +392,8 @@ def _shard_size_axis(value: str | None) -> list[str]:
 
 def _skip_reason(strategy: str, nproc: int, key: str, value: str, accepted: tuple[str, ...]) -> str | None:
     """Why an engine cannot run one axis value at N ranks, or None when it can."""
-    from shardlab.config import OFFLOAD_STRATEGIES
-    from shardlab.engines.collectives import resolve_shard_size
-
     if key == "offload" and value != "none" and key not in accepted:
-        return (f"{strategy} has no offload (parallel.offload applies to {', '.join(OFFLOAD_STRATEGIES)}); "
+        return (f"{strategy} has no offload (parallel.offload applies to {', '.join(strategies_taking('offload'))}); "
                 f"its offload=none cell runs")
     if key == "shard_size" and key in accepted:
         try:
@@ -408,13 +408,11 @@ def plan_cells(strategies: list[str], worlds: list[int],
     """The cells to run, in order, and the reasons for those skipped (one line each). An axis an
     engine does not take is not a variant of it (ddp runs once whatever --reshard-after-forward
     says), except a non-default offload, which it cannot honour: that cell is skipped."""
-    from shardlab.engines import engine_class
-
     order: list[tuple[str, int, dict[str, str]]] = []
     skipped: list[str] = []
     for n in worlds:
         for s in strategies:
-            if s == "single" and n != 1:
+            if not engine_class(s).distributed and n != 1:
                 continue
             accepted = engine_class(s).options
             own: list[tuple[tuple[str, str], ...]] = []
@@ -436,16 +434,15 @@ def plan_cells(strategies: list[str], worlds: list[int],
 
 def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], list[dict[str, str]]]:
     """The strategies, world sizes and variants, or a ValueError that says what to fix (before any run)."""
-    from shardlab.config import STRATEGY_CHOICES, ConfigError, load_config
-    from shardlab.models import GPT_PRESETS
-
     if args.config is not None and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
         args.overrides.insert(0, args.config)  # key=value given without a config
         args.config = None
+    if args.strategies is None:
+        args.strategies = ",".join(s for s in STRATEGIES if engine_class(s).distributed)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    bad = [s for s in strategies if s not in STRATEGY_CHOICES]
+    bad = [s for s in strategies if s not in STRATEGIES]
     if bad or not strategies:
-        raise ValueError(f"unknown strategies {bad}; valid: {', '.join(STRATEGY_CHOICES)}")
+        raise ValueError(f"unknown strategies {bad}; valid: {', '.join(STRATEGIES)}")
     try:
         worlds = [int(n) for n in str(args.nproc).split(",")]
     except ValueError:
@@ -499,10 +496,6 @@ def run(args: argparse.Namespace) -> int:
             cells.setdefault((s, n, label), []).append(_run_cell(args, s, n, v, out, f"r{rep}"))
     rows = summarize(cells, args.warmup)
     table = to_markdown(rows)
-    import platform
-
-    import torch
-
     what = (f"config {args.config}" if args.config else f"GPT {args.preset}, seq {args.seq_len}, synthetic tokens")
     header = (f"shardlab bench, {time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, "
               f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs\n"

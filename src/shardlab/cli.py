@@ -1,6 +1,8 @@
 """The `shardlab` command.
 
-  shardlab train [CONFIG.yaml] [key=value ...] [--nproc N] [--max-restarts R] [--print-config]
+  shardlab prepare INPUT... --out DATA_DIR [--tokenizer DIR] [--workers N]  documents to token shards
+  shardlab train [CONFIG.yaml|NAME] [key=value ...] [--nproc N] [--max-restarts R] [--print-config]
+  shardlab configs [NAME]                                    the shipped example configs (NAME: print one)
   shardlab bench [CONFIG.yaml] [key=value ...] [--nproc 1,2,4]  measure every engine side by side
   shardlab plan CONFIG.yaml [key=value ...] --gpu T4 --nproc N [--nodes K]  predict peak memory and step time
   shardlab verify CONFIG.yaml [key=value ...] --nproc N    prove the engine trains exactly as one process
@@ -18,16 +20,20 @@ import sys
 TRAIN_EPILOG = """\
 examples:
   shardlab train configs/gpt-tiny.yaml --nproc 2
+  shardlab train sft-mistral-tiny --nproc 2        (a shipped config by name: `shardlab configs`)
   shardlab train configs/gpt-tiny.yaml --nproc 4 parallel.strategy=zero3 train.steps=50
   shardlab train configs/resnet-cifar10.yaml data.path=~/data --nproc 2
   shardlab train configs/gpt-tiny.yaml --print-config
+  shardlab prepare corpus/ --out data/corpus && shardlab train configs/gpt-tiny.yaml data.source=tokens \\
+      data.path=data/corpus --nproc 2
 
-strategies (parallel.strategy): single, ddp, zero3, fsdp (shardlab's own, from scratch),
-  torch-ddp (DistributedDataParallel), torch-fsdp (FSDP2 fully_shard).
+strategies (parallel.strategy): {strategies} (docs/engines.md).
 Without --nproc, shardlab runs as one worker of a job started elsewhere (torchrun, srun,
 a Kubernetes pod), taking RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT or the
 SLURM_* variables from the environment; with none of them, as a single process.
-Outputs: <output.dir>/<output.run_name>/{run_args.json,metrics.json,config.yaml,tensorboard/}.
+Outputs: <output.dir>/<output.run_name>/{{run_args.json,metrics.json,config.yaml,tensorboard/}}.
+The default run name is <model>-<strategy>-<hash of the config>: the same command continues the
+same run from its latest checkpoint (and so does `shardlab train <run dir>/config.yaml`).
 """
 
 
@@ -53,33 +59,51 @@ def _train(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    from shardlab.train import default_run_name, worker_main
+
+    if args.nproc is None and in_launched_worker():
+        return worker_main(cfg)  # one of N: the workers prepare the data together (local rank 0 first)
+    if not cfg.output.run_name:
+        cfg.output.run_name = default_run_name(cfg)
+    try:
+        _prepare_data(cfg)
+    except ValueError as e:  # bad data: said before any worker starts
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.nproc is not None:
         from shardlab.launcher import launch_local
-        from shardlab.train import default_run_name
 
-        if not cfg.output.run_name:
-            cfg.output.run_name = default_run_name(cfg)
-        try:
-            _prepare_data(cfg)
-        except ValueError as e:  # bad data: said before any worker starts
-            print(f"error: {e}", file=sys.stderr)
-            return 2
         return launch_local(cfg, args.nproc, args.max_restarts)
-    from shardlab.train import worker_main
-
     return worker_main(cfg)
 
 
 def _prepare_data(cfg) -> None:
-    """Work every worker would repeat (building the embedded corpus) is done once, before they start."""
-    if cfg.data.source == "builtin":
-        from shardlab.data.corpus import corpus_path
+    """Work every worker would repeat (preparing the embedded corpus or text into the cache,
+    hashing shards new to this machine, tokenizing SFT data) and the checks that need the data
+    are done once, before they start: the source's `prepare`."""
+    from shardlab.data import DATA_SOURCES
 
-        corpus_path()
-    if cfg.data.source == "sft":  # read, check (errors name file and line), tokenize and cache once
-        from shardlab.data.sft import prepare
+    DATA_SOURCES[cfg.data.source].prepare(cfg)
 
-        prepare(cfg)
+
+def _configs(args: argparse.Namespace) -> int:
+    """`shardlab configs`: the shipped example configs; with a NAME, that config's YAML."""
+    from shardlab.shipped import config_path, describe, shipped_configs
+
+    if args.name:
+        path = config_path(args.name)
+        if path is None:
+            print(f"error: no shipped config {args.name!r}; shipped: {', '.join(shipped_configs())}", file=sys.stderr)
+            return 2
+        with open(path) as f:
+            print(f.read(), end="")
+        return 0
+    configs = shipped_configs()
+    width = max(map(len, configs))
+    for name, path in configs.items():
+        print(f"{name:<{width}}  {describe(path)}")
+    print(f"\nshardlab train NAME [key=value ...]; `shardlab configs NAME > my.yaml` copies one ({path.parent})")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,8 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     tr = sub.add_parser("train", help="train a model on N local workers, or as one worker of a launched job",
                         description="Train a model. Config: YAML file plus dotted key=value overrides.",
-                        epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    tr.add_argument("config", nargs="?", help="YAML config file (default: built-in defaults)")
+                        epilog=TRAIN_EPILOG.format(strategies=", ".join(shardlab.STRATEGIES)),
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    tr.add_argument("config", nargs="?", help="YAML config file, or a shipped config's name (`shardlab configs`); "
+                                              "default: built-in defaults")
     tr.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.steps=100")
     tr.add_argument("--nproc", type=int, default=None, metavar="N",
                     help="start N local worker processes through torchrun's elastic agent")
@@ -105,6 +131,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --nproc: restart the worker group up to R times when a worker fails")
     tr.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     tr.set_defaults(func=_train)
+
+    co = sub.add_parser("configs", help="list the example configs shipped with shardlab, or print one",
+                        description="The example configs shipped inside the package; `shardlab train NAME` "
+                                    "runs one.")
+    co.add_argument("name", nargs="?", metavar="NAME", help="print this config's YAML")
+    co.set_defaults(func=_configs)
+    from shardlab.data import prepare
+
+    pr = sub.add_parser("prepare", help="tokenize documents into memory-mapped token shards (data.source=tokens)",
+                        description=prepare.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    prepare.add_arguments(pr)
+    pr.set_defaults(func=prepare.run)
 
     from shardlab import bench
 

@@ -19,31 +19,33 @@ from typing import Any, Optional
 import yaml
 
 from shardlab.data import DATA_SOURCES
-from shardlab.engines import STRATEGIES
+from shardlab.engines import STRATEGIES, engine_class
+from shardlab.engines.api import CPUOffload, MixedPrecision
+from shardlab.engines.collectives import resolve_shard_size
+from shardlab.errors import ConfigError
 from shardlab.models import MODELS
-
-
-class ConfigError(ValueError):
-    """A configuration problem a user can fix; the message says how."""
+from shardlab.shipped import config_path, shipped_configs
 
 
 @dataclass
 class _ModelName:
-    name: str = "gpt"                      # a key of shardlab.models.MODELS: gpt | resnet | mlp
+    name: str = "gpt"                      # a key of shardlab.models.MODELS
     sync_batchnorm: bool = False           # BatchNorm statistics over all ranks (distributed engines; docs/verify.md)
 
 
 # The `model:` section: the name, then every registered model's own keys (each model file
 # declares them in its ModelSpec.keys), so the YAML keys stay flat (model.preset,
 # model.resnet_width, ...) and a new model adds its keys without touching this file.
-ModelConfig = dataclass(type("ModelConfig", (*reversed([spec.keys for spec in MODELS.values()]), _ModelName),
+ModelConfig = dataclass(type("ModelConfig", (*reversed(list(dict.fromkeys(spec.keys for spec in MODELS.values()))),
+                                             _ModelName),
                              {"__module__": __name__, "__doc__": "model.name plus every model's keys"}))
 
 
 @dataclass
 class DataConfig:
-    source: str = "builtin"                # builtin | text | sft | cifar10 | synthetic
-    path: Optional[str] = None             # text: file, directory or glob; sft: a JSON/JSONL file (null: the
+    source: str = "builtin"                # builtin | text | tokens | sft | cifar10 | synthetic
+    path: Optional[str] = None             # tokens: a DATA_DIR from `shardlab prepare`; text: file, directory or
+                                           # glob; sft: a JSON/JSONL file (null: the
                                            # embedded instruction set); cifar10: folder with cifar-10-batches-py
     tokenizer: Optional[str] = None        # text: a local directory with tokenizer.json (null = bytes)
     tokenizer_path: Optional[str] = None   # sft: a local directory with tokenizer.json (null: model.hf_path's,
@@ -53,6 +55,7 @@ class DataConfig:
     val_fraction: float = 0.05
     synthetic_samples: int = 4096
     shuffle: bool = True
+    num_workers: Optional[int] = None      # DataLoader worker processes per rank (null: 2 on CUDA, 0 on CPU)
 
 
 @dataclass
@@ -83,13 +86,14 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    strategy: str = "fsdp"                 # single | ddp | zero3 | fsdp | torch-ddp | torch-fsdp
-    reshard_after_forward: bool = True     # fsdp, zero3, torch-fsdp
+    strategy: str = "fsdp"                 # a key of shardlab.engines.STRATEGIES
+    # The keys below reach the engines that take them (their `options`; engine_options):
+    reshard_after_forward: bool = True     # free gathered parameters after each unit's forward
     mixed_precision: str = "fp32"          # fp32 | bf16 | fp16: engine compute/communication dtype (fp64: verify's)
-    bucket_size_mb: float = 25.0           # ddp, torch-ddp
-    prefetch: bool = True                  # fsdp
-    shard_size: Optional[int] = None       # fsdp, torch-fsdp: hybrid sharding over S ranks (null = ranks per node)
-    offload: str = "none"                  # none | cpu: fsdp, zero3, torch-fsdp keep shards, grads, optimizer on CPU
+    bucket_size_mb: float = 25.0           # gradient buckets of the all-reducing engines
+    prefetch: bool = True                  # gather the next unit while this one computes
+    shard_size: Optional[int] = None       # hybrid sharding over S ranks (null = ranks per node)
+    offload: str = "none"                  # none | cpu: keep shards, grads and optimizer state on the host
     backend: str = "auto"                  # auto (nccl on CUDA, else gloo) | gloo | nccl
     timeout_s: float = 300.0               # every collective; a dead rank fails the others within it
     wrap_classes: Optional[list[str]] = None  # wrap units by class name (null: the model's default units)
@@ -150,14 +154,15 @@ class Config:
 _ALIASES = {("checkpoint", "async"): "async_save"}
 _ALIASES_BACK = {(sec, fld): key for (sec, key), fld in _ALIASES.items()}
 
-# The choices come from the registries, so a new engine, model or data source needs no edit here.
-STRATEGY_CHOICES = tuple(STRATEGIES)
-# engines that take the options (their classes declare them; kept here as names so that
-# validating a config imports no engine)
-HYBRID_STRATEGIES = ("fsdp", "torch-fsdp")
-OFFLOAD_STRATEGIES = ("fsdp", "zero3", "torch-fsdp")
-MODEL_CHOICES = tuple(MODELS)
-DATA_CHOICES = tuple(DATA_SOURCES)
+# The choices come from the registries, read when a config is checked (so an engine or model
+# registered after this module was imported, by a plugin or a test, is a valid choice too): a new
+# engine, model or data source needs no edit here.
+
+
+def strategies_taking(option: str) -> tuple[str, ...]:
+    """The strategies whose engine takes `option` (its class's `options`). Importing every engine
+    class costs about 0.02 s once torch is loaded (which `import shardlab` does anyway)."""
+    return tuple(s for s in STRATEGIES if option in engine_class(s).options)
 
 
 def _to_dict(obj: Any, section: str = "") -> Any:
@@ -182,8 +187,10 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     """Load YAML (or defaults when path is None), apply `a.b=value` overrides, validate."""
     raw: dict[str, Any] = {}
     if path is not None:
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file {path!r} not found; give a path to a YAML file (see configs/)")
+        if config_path(path) is None:
+            raise ConfigError(f"config file {path!r} not found; give a path to a YAML file or the name of a "
+                              f"shipped config ({', '.join(shipped_configs())}; `shardlab configs` lists them)")
+        path = config_path(path)
         with open(path) as f:
             text = f.read()
         try:
@@ -343,38 +350,35 @@ def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Checks that need no knowledge of the world size."""
-    from shardlab.data.cifar import find_cifar_dir
-    from shardlab.data.text import text_files
-
-    m, d, t, p, c = cfg.model, cfg.data, cfg.train, cfg.parallel, cfg.checkpoint
+    """Checks that need no knowledge of the world size, section by section."""
     _check(cfg.seed >= 0, f"seed must be >= 0, got {cfg.seed}")
-    _choice("model.name", m.name, MODEL_CHOICES)
-    spec = MODELS[m.name]
-    spec.check(m)  # the model's own keys
+    _choice("model.name", cfg.model.name, tuple(MODELS))
+    spec = MODELS[cfg.model.name]
+    spec.check(cfg.model)  # the model's own keys
+    _validate_data(cfg, spec)
+    _validate_train(cfg, spec)
+    _validate_parallel(cfg.parallel)
+    _validate_export(cfg)
+    _validate_checkpoint_and_preemption(cfg)
 
-    _choice("data.source", d.source, DATA_CHOICES)
-    if d.source == "text":
-        _check(d.path is not None, "data.source=text needs data.path (a file, directory or glob of text files)")
-        _check(bool(text_files(d.path)), f"data.path {d.path!r}: no such file, directory or glob match; "
-               "point it at existing text files")
-    if d.source == "cifar10":
-        _check(d.path is not None, "data.source=cifar10 needs data.path (the folder holding cifar-10-batches-py)")
-        _check(find_cifar_dir(d.path) is not None, f"data.path {d.path!r}: no cifar-10-batches-py folder with "
-               "data_batch_1 there; download CIFAR-10 (python version) and point data.path at it")
-    kind = DATA_SOURCES[d.source]  # what the source yields; synthetic (None) yields what the model takes
+
+def _validate_data(cfg: Config, spec: Any) -> None:
+    m, d = cfg.model, cfg.data
+    _choice("data.source", d.source, tuple(DATA_SOURCES))
+    source = DATA_SOURCES[d.source]
+    source.check(cfg)  # the source's own keys
+    _check(d.num_workers is None or d.num_workers >= 0, f"data.num_workers must be >= 0, got {d.num_workers}")
+    kind = source.kind  # what the source yields; None (synthetic) yields what the model takes
     if kind is not None and spec.data_kind != kind:
         fits = [name for name, other in MODELS.items() if other.data_kind == kind]
         _check(False, f"data.source={d.source} gives {kind}, but model.name={m.name} takes {spec.data_kind}; "
                f"use model.name={' or '.join(fits)}, or data.source=synthetic")
-    if d.source == "sft":
-        _check(d.path is None or os.path.isfile(d.path), f"data.path {d.path!r}: no such file; give a JSON or "
-               "JSONL file of alpaca or chat records (or null for the embedded instruction set)")
     if d.tokenizer_path is not None:
         _check(os.path.isfile(os.path.join(d.tokenizer_path, "tokenizer.json")),
                f"data.tokenizer_path {d.tokenizer_path!r}: no tokenizer.json in that directory; point it at a "
                "local tokenizer directory (or null for model.hf_path's, else one trained at run time)")
-    _check(not d.packing or d.source == "sft", "data.packing applies to data.source=sft only")
+    packs = [name for name, s in DATA_SOURCES.items() if s.packing]
+    _check(not d.packing or source.packing, f"data.packing applies to data.source={' or '.join(packs)} only")
     if d.tokenizer is not None:
         _check(os.path.isfile(os.path.join(d.tokenizer, "tokenizer.json")),
                f"data.tokenizer {d.tokenizer!r}: no tokenizer.json in that directory")
@@ -382,6 +386,9 @@ def validate(cfg: Config) -> None:
     _check(0.0 <= d.val_fraction < 0.5, f"data.val_fraction must be in [0, 0.5), got {d.val_fraction}")
     _check(d.synthetic_samples >= 1, "data.synthetic_samples must be >= 1")
 
+
+def _validate_train(cfg: Config, spec: Any) -> None:
+    m, d, t = cfg.model, cfg.data, cfg.train
     _check(t.steps >= 1, f"train.steps must be >= 1, got {t.steps}")
     _check(t.global_batch_size >= 1, f"train.global_batch_size must be >= 1, got {t.global_batch_size}")
     _check(t.micro_batch_size >= 1, f"train.micro_batch_size must be >= 1, got {t.micro_batch_size}")
@@ -407,31 +414,42 @@ def validate(cfg: Config) -> None:
         _check(d.seq_len <= block, f"data.seq_len ({d.seq_len}) exceeds the model's block_size ({block}); "
                f"lower data.seq_len or set model.block_size >= {d.seq_len}")
 
-    _choice("parallel.strategy", p.strategy, STRATEGY_CHOICES)
+
+def _validate_parallel(p: ParallelConfig) -> None:
+    """The engine's options are checked against the options its class takes."""
+    _choice("parallel.strategy", p.strategy, tuple(STRATEGIES))
     _choice("parallel.mixed_precision", p.mixed_precision, ("fp32", "bf16", "fp16", "fp64"))
     _choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
     _check(p.bucket_size_mb > 0, f"parallel.bucket_size_mb must be > 0, got {p.bucket_size_mb}")
     _check(p.timeout_s > 0, f"parallel.timeout_s must be > 0, got {p.timeout_s}")
     _choice("parallel.offload", p.offload, ("none", "cpu"))
-    _check(p.offload == "none" or p.strategy in OFFLOAD_STRATEGIES,
-           f"parallel.offload={p.offload} needs a sharded engine; parallel.strategy={p.strategy} keeps the whole "
-           f"model on every device: use parallel.strategy={' or '.join(OFFLOAD_STRATEGIES)}, or parallel.offload=none")
+    takes = engine_class(p.strategy).options
+    if p.offload != "none" and "offload" not in takes:
+        _check(False, f"parallel.offload={p.offload} needs a sharded engine; parallel.strategy={p.strategy} keeps the "
+               f"whole model on every device: use parallel.strategy={' or '.join(strategies_taking('offload'))}, "
+               "or parallel.offload=none")
     if p.shard_size is not None:
         _check(p.shard_size >= 1, f"parallel.shard_size must be >= 1 (or null for the ranks per node), "
                f"got {p.shard_size}")
-        _check(p.strategy in HYBRID_STRATEGIES,
-               f"parallel.shard_size (hybrid sharding) applies to parallel.strategy={' or '.join(HYBRID_STRATEGIES)}, "
-               f"not {p.strategy}; remove parallel.shard_size or change the strategy")
-
+        if "shard_size" not in takes:
+            _check(False, f"parallel.shard_size (hybrid sharding) applies to parallel.strategy="
+                   f"{' or '.join(strategies_taking('shard_size'))}, not {p.strategy}; remove parallel.shard_size "
+                   "or change the strategy")
     if p.wrap_classes is not None:
         _check(all(isinstance(n, str) and n for n in p.wrap_classes),
                "parallel.wrap_classes must be a list of module class names, e.g. [MistralDecoderLayer]")
-    e = cfg.export
+
+
+def _validate_export(cfg: Config) -> None:
+    m, e = cfg.model, cfg.export
     _choice("export.format", e.format, ("none", "hf"))
     _choice("export.lora", e.lora, ("merged", "adapter"))
     if e.format == "hf":
         _check(m.name in ("hf", "gpt"), f"export.format=hf exports model.name=hf or gpt, not {m.name}")
 
+
+def _validate_checkpoint_and_preemption(cfg: Config) -> None:
+    c = cfg.checkpoint
     _check(c.every_steps >= 0, f"checkpoint.every_steps must be >= 0 (0 = off), got {c.every_steps}")
     _check(c.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {c.keep_last}")
     _check(c.resume in ("auto", "none") or os.path.exists(c.resume),
@@ -443,16 +461,32 @@ def validate(cfg: Config) -> None:
     _check(pre.margin_s >= 0, f"preemption.margin_s must be >= 0, got {pre.margin_s}")
 
 
+def engine_options(cfg: Config) -> dict[str, Any]:
+    """The `parallel.*` keys as the options of the engine they configure, those it takes
+    (its class's `options`): what `shardlab.parallelize` gets."""
+    p = cfg.parallel
+    offered = {
+        "reshard_after_forward": p.reshard_after_forward,
+        "mixed_precision": MixedPrecision.parse(p.mixed_precision),
+        "bucket_size_bytes": int(p.bucket_size_mb * 2**20),
+        "prefetch": p.prefetch,
+        "shard_size": p.shard_size,
+        "offload": CPUOffload.parse(p.offload),
+    }
+    accepted = engine_class(p.strategy).options
+    return {k: v for k, v in offered.items() if k in accepted}
+
+
 def validate_for_world(cfg: Config, world_size: int) -> None:
     """Checks that need the number of workers; run before they start."""
     t = cfg.train
     _check(world_size >= 1, f"the number of workers must be >= 1, got {world_size}")
-    if cfg.parallel.strategy == "single":
-        _check(world_size == 1, f"parallel.strategy=single runs one process, but {world_size} workers were asked for; "
-               "use --nproc 1 or a distributed strategy (ddp, zero3, fsdp, torch-ddp, torch-fsdp)")
-    if cfg.parallel.strategy in HYBRID_STRATEGIES:
-        from shardlab.engines.collectives import resolve_shard_size
-
+    engine = engine_class(cfg.parallel.strategy)
+    if not engine.distributed:
+        distributed = [s for s in STRATEGIES if engine_class(s).distributed]
+        _check(world_size == 1, f"parallel.strategy={cfg.parallel.strategy} runs one process, but {world_size} workers "
+               f"were asked for; use --nproc 1 or a distributed strategy ({', '.join(distributed)})")
+    if "shard_size" in engine.options:
         try:
             resolve_shard_size(cfg.parallel.shard_size, world_size)
         except ValueError as e:

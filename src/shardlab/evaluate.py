@@ -8,29 +8,46 @@ from torch import nn
 
 from shardlab.amp import autocast
 from shardlab.config import Config
-from shardlab.data import GlobalBatchSampler, collate
+from shardlab.data import collate
+from shardlab.loss import count_targets
 from shardlab.runtime import Runtime
 
 
+def eval_rows(dataset, cfg: Config) -> int:
+    """How many validation rows are evaluated: the first train.eval_batches global batches' worth,
+    or every row when there are fewer."""
+    if dataset is None:
+        return 0
+    return min(len(dataset), cfg.train.eval_batches * cfg.train.global_batch_size)
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset, cfg: Config, rt: Runtime, sampler_seed: int) -> float | None:
-    """Mean loss over up to eval_batches global batches of the validation set, split over ranks."""
-    t = cfg.train
-    if dataset is None or len(dataset) < t.global_batch_size:
-        return None  # not one whole global batch to split over the ranks
+def evaluate(model: nn.Module, dataset, cfg: Config, rt: Runtime) -> float | None:
+    """The mean loss over every target token of the first `eval_rows` validation rows (in order),
+    split over the ranks: token-weighted as the training loss ([Note: token-weighted loss] in
+    loss.py), so the value does not depend on the world size or the micro batch size.
+    None: no validation row."""
+    rows = eval_rows(dataset, cfg)
+    if rows == 0:
+        return None
     was_training = model.training
     model.eval()
-    per_rank = t.global_batch_size // rt.world_size
-    sampler = GlobalBatchSampler(len(dataset), t.global_batch_size, sampler_seed, shuffle=False)
-    total = torch.zeros(2, device=rt.device)
-    for b in range(min(t.eval_batches, sampler.steps_per_epoch)):
-        idx = sampler.rank_indices(b, rt.rank, rt.world_size)
-        for i in range(0, per_rank, t.micro_batch_size):
-            x, y = collate(dataset, idx[i:i + t.micro_batch_size])
-            with autocast(t.precision, rt.device):
-                loss = model(x.to(rt.device), y.to(rt.device))
-            total += torch.stack([loss.float() * len(x), torch.tensor(float(len(x)), device=rt.device)])
+    mb = cfg.train.micro_batch_size
+    lo, hi = rows * rt.rank // rt.world_size, rows * (rt.rank + 1) // rt.world_size
+    # every rank runs the same number of forwards (sharded engines gather parameters in each);
+    # a rank whose slice ran out repeats a row and does not count it
+    most = -(-rows // rt.world_size)  # the largest slice
+    forwards = -(-most // mb)
+    total = torch.zeros(2, dtype=torch.float64, device=rt.device)  # sum of token losses, tokens
+    for i in range(forwards):
+        idx = torch.arange(lo + i * mb, min(lo + (i + 1) * mb, hi))
+        x, y = collate(dataset, idx if len(idx) else torch.tensor([0]))
+        with autocast(cfg.train.precision, rt.device):
+            loss = model(x.to(rt.device), y.to(rt.device))
+        n = count_targets(y) if len(idx) else 0
+        if n:
+            total += torch.stack([loss.double() * n, torch.tensor(float(n), dtype=torch.float64, device=rt.device)])
     if rt.distributed and rt.world_size > 1:
         dist.all_reduce(total)
     model.train(was_training)
-    return (total[0] / total[1]).item()
+    return (total[0] / total[1]).item() if total[1] > 0 else None

@@ -3,10 +3,13 @@
   shardlab export RUN_DIR [--step S] --out model.safetensors
       consolidate a sharded checkpoint into one safetensors file (original state_dict names,
       tied names included), in this process alone: no process group, no GPUs.
-  shardlab generate model.safetensors --prompt "def " [--max-new-tokens 200]
-      sample text from an exported GPT (byte-level, or the run's tokenizer directory).
-  shardlab eval RUN_DIR|CHECKPOINT_DIR|model.safetensors
-      the validation loss of the model, on the validation split of the run's data config.
+  shardlab generate MODEL --prompt "def " [--max-new-tokens 200] [--chat]
+      sample text: MODEL is an exported GPT (.safetensors), a run directory, or a Hugging Face
+      directory (exported, `<run dir>/hf`, or a peft adapter with its base); --chat wraps the
+      prompt in the template the model was fine-tuned with.
+  shardlab eval RUN_DIR|CHECKPOINT_DIR|model.safetensors|HF_DIR [--config CONFIG.yaml]
+      the validation loss of the model, on the validation split of the run's data config (an HF
+      directory exported by shardlab carries it; otherwise --config gives one).
 
 The safetensors metadata holds what it takes to rebuild the model and its data: the model
 description (GPT config or model kwargs) and the resolved run config, as JSON strings.
@@ -75,7 +78,14 @@ def load_exported(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 
 
 def load_model(source: str, step: int | None = None) -> tuple[nn.Module, dict[str, Any]]:
-    """A plain (unwrapped) model on CPU from an exported file, a checkpoint or a run directory."""
+    """A plain (unwrapped) model on CPU from an exported file, a checkpoint, a run directory or a
+    Hugging Face directory; info: model record ("name"), run config, step, tokenizer directory."""
+    from shardlab.export_hf import hf_dir_run_config, is_hf_dir, load_hf_dir, run_tokenizer_dir
+
+    if is_hf_dir(source):
+        tok = source if os.path.isfile(os.path.join(source, "tokenizer.json")) else None
+        return load_hf_dir(source), {"model": {"name": "hf"}, "config": hf_dir_run_config(source), "step": None,
+                                     "tokenizer_dir": tok, "hf_dir": source}
     if os.path.isfile(source):
         state, info = load_exported(source)
     else:
@@ -87,6 +97,8 @@ def load_model(source: str, step: int | None = None) -> tuple[nn.Module, dict[st
     model = build_model_from_record(info["model"], "cpu")
     model.load_state_dict(state)
     model.eval()
+    run_dir = source if os.path.isfile(os.path.join(source, "config.yaml")) else None
+    info["tokenizer_dir"] = run_tokenizer_dir(run_dir, info.get("config"))
     return model, info
 
 
@@ -99,7 +111,7 @@ def evaluate_model(model: nn.Module, cfg, batches: int | None = None) -> float |
         cfg.train.eval_batches = batches
     data = build_datasets(cfg)
     rt = Runtime(0, 0, 1, torch.device("cpu"), None)
-    return evaluate(model, data.val, cfg, rt, cfg.seed + 1)
+    return evaluate(model, data.val, cfg, rt)
 
 
 # ---------------------------------------------------------------------------------------- commands
@@ -136,7 +148,7 @@ def _export_hf_cmd(args: argparse.Namespace) -> int:
     lora = args.lora or config.get("export", {}).get("lora", "merged")
     run_dir = args.run if os.path.isfile(os.path.join(args.run, "config.yaml")) else None
     out = export_hf(model_from_state(record, state), args.out, tokenizer_dir=run_tokenizer_dir(run_dir, config),
-                    lora=lora)
+                    lora=lora, base_model=(record.get("kwargs") or {}).get("hf_path"), run_config=config or None)
     print(f"exported step {manifest['step']} of {path} as a Hugging Face directory: {out}")
     return 0
 
@@ -149,8 +161,11 @@ def _generate_cmd(args: argparse.Namespace) -> int:
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if info["model"]["name"] == "hf":
+        return _generate_hf(model, info, args)
     if info["model"]["name"] != "gpt":
-        print(f"error: {args.model} holds a {info['model']['name']} model; generate needs a GPT", file=sys.stderr)
+        print(f"error: {args.model} holds a {info['model']['name']} model; generate needs a GPT or an hf model",
+              file=sys.stderr)
         return 1
     tok_dir = (info.get("config") or {}).get("data", {}).get("tokenizer")
     tok = Tokenizer(tok_dir if tok_dir and os.path.isdir(tok_dir) else None)
@@ -165,18 +180,57 @@ def _generate_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_hf(model: nn.Module, info: dict[str, Any], args: argparse.Namespace) -> int:
+    """Sample from a transformers model (HFCausalLM) with the run's tokenizer, stopping at its EOS."""
+    from shardlab.data.sft import SFTTokenizer
+
+    if not info.get("tokenizer_dir"):
+        print(f"error: {args.model}: no tokenizer.json found with the model (or in the run directory)", file=sys.stderr)
+        return 1
+    tok = SFTTokenizer(info["tokenizer_dir"])
+    ids = tok.prompt_ids(args.prompt) if args.chat else [t for t in [tok.bos_id] if t is not None] + tok.encode(args.prompt)
+    torch.manual_seed(args.seed)
+    x = torch.tensor([ids])
+    sampling = ({"do_sample": True, "temperature": args.temperature, "top_k": args.top_k or 0}
+                if args.temperature > 0 else {"do_sample": False})  # temperature 0: greedy
+    out = model.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=args.max_new_tokens,
+                               eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, **sampling)
+    print(tok.tok.decode(out[0, len(ids):] if args.chat else out[0], skip_special_tokens=True))
+    return 0
+
+
+def _eval_config(info: dict[str, Any], model: nn.Module, config_path: str | None):
+    """The config whose validation split `shardlab eval` reads: the run's (or --config's); for a
+    Hugging Face directory its model section points at the directory and its tokenizer."""
+    from shardlab.config import load_config
+
+    raw = info.get("config") or (load_config(config_path).to_dict() if config_path else None)
+    if raw is None or not info.get("hf_dir"):
+        return None if raw is None else config_from_dict(raw)
+    raw = {**raw, "model": {**raw.get("model", {}), "name": "hf", "hf_path": model.hf_path, "hf_config": None,
+                            "lora": {"rank": 0}}}
+    if info.get("tokenizer_dir"):
+        raw["data"] = {**raw.get("data", {}), "tokenizer_path": info["tokenizer_dir"]}
+    return config_from_dict(raw)
+
+
 def _eval_cmd(args: argparse.Namespace) -> int:
+    from shardlab.config import ConfigError
+
     try:
         model, info = load_model(args.source, args.step)
-    except CheckpointError as e:
+        cfg = _eval_config(info, model, args.config)
+    except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    if not info.get("config"):
-        print(f"error: {args.source}: no run config stored, so the validation data is unknown", file=sys.stderr)
+    if cfg is None:
+        print(f"error: {args.source}: no run config stored with it, so the validation data is unknown; give "
+              "--config CONFIG.yaml (its data section says what to evaluate on)", file=sys.stderr)
         return 1
-    loss = evaluate_model(model, config_from_dict(info["config"]), args.batches)
+    loss = evaluate_model(model, cfg, args.batches)
     if loss is None:
-        print("error: the run's data has no validation split (data.val_fraction=0?)", file=sys.stderr)
+        print(f"error: the data has no validation rows (data.val_fraction={cfg.data.val_fraction} of its examples "
+              "rounds to 0); raise data.val_fraction", file=sys.stderr)
         return 1
     print(json.dumps({"source": args.source, "step": info.get("step"), "val_loss": loss}))
     return 0
@@ -197,9 +251,14 @@ def add_export_parsers(subparsers) -> None:
                          "alone (default: the run's export.lora)")
     ex.set_defaults(func=_export_cmd)
 
-    ge = subparsers.add_parser("generate", help="sample text from an exported GPT",
-                               description="Sample text from a GPT exported by `shardlab export`.")
-    ge.add_argument("model", metavar="MODEL", help="a .safetensors file from `shardlab export` (or a run directory)")
+    ge = subparsers.add_parser("generate", help="sample text from a trained or exported model",
+                               description="Sample text from a GPT exported by `shardlab export`, a run directory, "
+                                           "or a Hugging Face directory (model or peft adapter).")
+    ge.add_argument("model", metavar="MODEL", help="a .safetensors file from `shardlab export`, a run directory or a "
+                                                   "Hugging Face directory")
+    ge.add_argument("--chat", action="store_true",
+                    help="hf models: wrap the prompt in the fine-tuning template (the tokenizer's chat template, "
+                         "else docs/sft.md's) and print only the answer")
     ge.add_argument("--prompt", required=True)
     ge.add_argument("--max-new-tokens", type=int, default=200)
     ge.add_argument("--temperature", type=float, default=0.8)
@@ -209,7 +268,10 @@ def add_export_parsers(subparsers) -> None:
 
     ev = subparsers.add_parser("eval", help="validation loss of a run's checkpoint or an exported model",
                                description="Report the validation loss on the run's validation split.")
-    ev.add_argument("source", metavar="RUN_DIR|MODEL", help="a run directory, a checkpoint or a .safetensors file")
+    ev.add_argument("source", metavar="RUN_DIR|MODEL", help="a run directory, a checkpoint, a .safetensors file or a "
+                                                            "Hugging Face directory")
+    ev.add_argument("--config", default=None, metavar="CONFIG.yaml",
+                    help="the data to evaluate on, for a model stored without its run config")
     ev.add_argument("--step", type=int, default=None, help="with a run directory: the checkpoint's step")
     ev.add_argument("--batches", type=int, default=None, help="validation batches (default: train.eval_batches)")
     ev.set_defaults(func=_eval_cmd)

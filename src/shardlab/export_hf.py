@@ -67,7 +67,7 @@ def model_from_state(record: dict[str, Any], state: dict[str, torch.Tensor]) -> 
     """The model of `record` holding `state`, built on the meta device and filled without a
     random init (a 7B export does not first draw 7B random numbers); buffers recomputed."""
     from shardlab.models import rebuild_model
-    from shardlab.models.hf import _recompute_buffers_
+    from shardlab.models.hf import recompute_buffers_
 
     model = rebuild_model(record, "meta")
     model.load_state_dict(state, strict=True, assign=True)
@@ -75,7 +75,7 @@ def model_from_state(record: dict[str, Any], state: dict[str, torch.Tensor]) -> 
         for name, b in list(m._buffers.items()):
             if b is not None and b.device.type == "meta":
                 m._buffers[name] = torch.zeros(b.shape, dtype=b.dtype)
-        _recompute_buffers_(m)
+        recompute_buffers_(m)
     if record["name"] == "gpt":
         model.lm_head.weight = model.tok_emb.weight
     elif getattr(model.hf_config, "tie_word_embeddings", False):
@@ -83,8 +83,14 @@ def model_from_state(record: dict[str, Any], state: dict[str, torch.Tensor]) -> 
     return model.eval()
 
 
-def export_hf(model: nn.Module, out_dir: str, *, tokenizer_dir: str | None = None, lora: str = "merged") -> str:
-    """Write `model` (shardlab's HFCausalLM or GPT) as a Hugging Face directory; returns out_dir."""
+RUN_CONFIG = "shardlab_config.yaml"  # the run's resolved config, beside the model: `shardlab eval DIR` reads it
+
+
+def export_hf(model: nn.Module, out_dir: str, *, tokenizer_dir: str | None = None, lora: str = "merged",
+              base_model: str | None = None, run_config: dict[str, Any] | None = None) -> str:
+    """Write `model` (shardlab's HFCausalLM or GPT) as a Hugging Face directory; returns out_dir.
+    base_model: the local directory the weights came from (model.hf_path), which a LoRA adapter
+    names as its base (`base_model_name_or_path`); run_config: the run's config (-> RUN_CONFIG)."""
     from shardlab.models.gpt import GPT
     from shardlab.models.hf import HFCausalLM
 
@@ -95,6 +101,9 @@ def export_hf(model: nn.Module, out_dir: str, *, tokenizer_dir: str | None = Non
         hf.save_pretrained(tmp)
     elif isinstance(model, HFCausalLM):
         if model.lora is not None and lora == "adapter":
+            # a random init (model.hf_config) has no base directory: the base weights are only in the checkpoint
+            model.model.peft_config["default"].base_model_name_or_path = os.path.abspath(base_model) if base_model \
+                else None
             model.model.save_pretrained(tmp)  # peft: adapter_config.json + adapter_model.safetensors
         else:
             hf = model.model.merge_and_unload() if model.lora is not None else model.model
@@ -105,6 +114,11 @@ def export_hf(model: nn.Module, out_dir: str, *, tokenizer_dir: str | None = Non
         from shardlab.data.sft import SFTTokenizer
 
         SFTTokenizer(tokenizer_dir).save(tmp)
+    if run_config is not None:
+        import yaml
+
+        with open(os.path.join(tmp, RUN_CONFIG), "w") as f:
+            yaml.safe_dump(run_config, f, sort_keys=False)
     if os.path.exists(out_dir):
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
@@ -140,4 +154,55 @@ def export_at_end(run) -> str | None:
     model = model_from_state(record, state)
     out = cfg.export.dir or os.path.join(run.out_dir, "hf")
     tok = run_tokenizer_dir(run.out_dir, cfg.to_dict())
-    return export_hf(model, out, tokenizer_dir=tok, lora=cfg.export.lora)
+    return export_hf(model, out, tokenizer_dir=tok, lora=cfg.export.lora,
+                     base_model=(record.get("kwargs") or {}).get("hf_path"), run_config=cfg.to_dict())
+
+
+# -- reading a Hugging Face directory back (shardlab generate / eval) ---------------------------------
+def is_hf_dir(path: str) -> bool:
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f))
+                                       for f in ("config.json", "adapter_config.json"))
+
+
+def load_hf_dir(path: str) -> nn.Module:
+    """A local Hugging Face directory as shardlab's HFCausalLM on CPU: a whole model (config.json +
+    safetensors, read as model.hf_path is), or a peft adapter (adapter_config.json) on top of the
+    base directory it names (`base_model_name_or_path`)."""
+    import json
+
+    from shardlab.checkpoint import CheckpointError
+    from shardlab.models.hf import HFCausalLM, require_transformers
+
+    auto_config = require_transformers().AutoConfig
+    adapter_file = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(adapter_file):
+        return HFCausalLM(auto_config.from_pretrained(path), hf_path=path).eval()
+    with open(adapter_file) as f:
+        a = json.load(f)
+    base = a.get("base_model_name_or_path")
+    if not base or not os.path.isfile(os.path.join(base, "config.json")):
+        raise CheckpointError(f"{path} is a LoRA adapter whose base model directory ({base!r}, its "
+                              "base_model_name_or_path) is not on this machine; an adapter of a randomly initialized "
+                              "model has none: export that run with --lora merged")
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    targets = a.get("target_modules")
+    lora = {"rank": a["r"], "alpha": a["lora_alpha"], "dropout": a.get("lora_dropout", 0.0),
+            "target_modules": sorted(targets) if isinstance(targets, list) else targets}
+    model = HFCausalLM(auto_config.from_pretrained(base), hf_path=base, lora=lora)
+    set_peft_model_state_dict(model.model, load_file(os.path.join(path, "adapter_model.safetensors")))
+    return model.eval()
+
+
+def hf_dir_run_config(path: str) -> dict[str, Any] | None:
+    """The config of the run that wrote HF directory `path`: its RUN_CONFIG, or the run directory's
+    config.yaml when `path` is <run dir>/hf."""
+    import yaml
+
+    for candidate in (os.path.join(path, RUN_CONFIG), os.path.join(os.path.dirname(os.path.abspath(path)),
+                                                                   "config.yaml")):
+        if os.path.isfile(candidate):
+            with open(candidate) as f:
+                return yaml.safe_load(f)
+    return None

@@ -58,7 +58,7 @@ import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -119,7 +119,7 @@ class _Watch(TorchDispatchMode):
         super().__init__()
         self.tracker = tracker
         self.fresh: dict[Any, bool] = {}   # operator -> its outputs are new storages
-        try:
+        try:  # deferred: torch.distributed.tensor costs 0.5 s to import, and only FSDP2 makes DTensors
             from torch.distributed.tensor import DTensor
 
             self.subclasses: tuple[type, ...] = (DTensor,)
@@ -166,7 +166,8 @@ class LiveMemoryTracker:
     parameters, gradients, optimizer state and engine buffers at its end (so storages made
     then, such as PyTorch DDP's gradient buckets, are known to the next tracked step).
 
-    engine: the shardlab Engine (its local parameters, buffers and transient buffers);
+    engine: the shardlab Engine (its local parameters, buffers, and the transient buffers its
+    `memory_buffers()` lists, by part; its `hook_memory_tracker(self)` hooks the leaves it makes);
     optimizer: its state is the part "optimizer". Both optional: without an engine, pass
     `params` (and `buffers`) to tell parameters from activations.
     """
@@ -211,11 +212,9 @@ class LiveMemoryTracker:
         _patch_resize()
         _trackers.add(self)
         for p in self.params:  # see [Note: a gradient is a gradient from birth]
-            self._hook_leaf(p, "grads")
+            self.hook_leaf(p, "grads")
         if engine is not None:
-            reader = _ENGINE_READERS.get(getattr(engine, "strategy", None))
-            if reader is not None and reader.install is not None:
-                reader.install(self, engine)
+            engine.hook_memory_tracker(self)  # the leaves the engine makes (gathered parameters)
 
     # -- the public surface ---------------------------------------------------------------------
     @contextlib.contextmanager
@@ -411,7 +410,7 @@ class LiveMemoryTracker:
         if self.phase_name == "optimizer" or adopt:  # optimizer state only appears in its step
             for t in self._optimizer_tensors():
                 self._claim(t, "optimizer", adopt)
-        claims = list(engine_buffers(self.engine)) if self.engine is not None else []
+        claims = list(self.engine.memory_buffers()) if self.engine is not None else []
         for part in _CLAIM_ORDER:
             for p, t in claims:
                 if p == part:
@@ -433,9 +432,8 @@ class LiveMemoryTracker:
             for t in (*self.params, *self.buffers):
                 self._claim(t, "params", adopt=True)
             self._claim_dynamic(adopt=True)
-            reader = _ENGINE_READERS.get(getattr(self.engine, "strategy", None))
-            if reader is not None and reader.install is not None:
-                reader.install(self, self.engine)  # leaves made since (FSDP2's unsharded parameters)
+            if self.engine is not None:
+                self.engine.hook_memory_tracker(self)  # leaves made since (FSDP2's unsharded parameters)
 
     def _optimizer_tensors(self) -> Iterator[torch.Tensor]:
         if self.optimizer is None:
@@ -445,7 +443,7 @@ class LiveMemoryTracker:
                 if isinstance(v, torch.Tensor):
                     yield v
 
-    def _hook_leaf(self, t: torch.Tensor, part: str) -> None:
+    def hook_leaf(self, t: torch.Tensor, part: str) -> None:
         """Claim the gradient autograd accumulates into leaf `t` when it arrives."""
         if not (isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf) or self._is_hooked(t):
             return
@@ -461,11 +459,11 @@ class LiveMemoryTracker:
 
         # Registered after the engine's own hooks: ddp has copied the gradient into its bucket
         # and it is still `.grad`. Where the engine takes `.grad` away in its hook (fsdp, zero3)
-        # a pre-hook on the gradient is used instead (`_hook_incoming`).
+        # a pre-hook on the gradient is used instead (`hook_incoming`).
         self._handles.append(t.register_post_accumulate_grad_hook(arrived))
         self._hooked[id(t)] = weakref.ref(t)
 
-    def _hook_incoming(self, t: torch.Tensor, part: str) -> None:
+    def hook_incoming(self, t: torch.Tensor, part: str) -> None:
         """Claim the gradient flowing into leaf `t` before AccumulateGrad (and the engine's
         post-accumulate hook, which may hand it on) sees it."""
         if not (isinstance(t, torch.Tensor) and t.requires_grad) or self._is_hooked(t):
@@ -481,137 +479,13 @@ class LiveMemoryTracker:
         self._handles.append(t.register_hook(incoming))
         self._hooked[id(t)] = weakref.ref(t)
 
+    def keep_handle(self, handle: Any) -> None:
+        """A hook an engine registered for this tracker (hook_memory_tracker): removed at close()."""
+        self._handles.append(handle)
+
     def _is_hooked(self, t: torch.Tensor) -> bool:
         ref = self._hooked.get(id(t))
         return ref is not None and ref() is t
-
-
-# -- what the engines hold ----------------------------------------------------------------------------
-class _Reader:
-    """How the tracker reads one engine: `buffers(engine)` yields (part, tensor) for what it
-    holds right now; `install(tracker, engine)` puts gradient hooks on its gathered leaves."""
-
-    def __init__(self, buffers: Callable[[Any], Iterator[tuple[str, torch.Tensor]]],
-                 install: Callable[[LiveMemoryTracker, Any], None] | None = None):
-        self.buffers = buffers
-        self.install = install
-
-
-def engine_buffers(engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """(part, tensor) for the transient buffers an engine holds right now: gathered
-    parameters, unsharded gradients, communication buffers. Read-only. Parameters, `.grad`
-    and optimizer state are not listed here (the tracker reads them directly)."""
-    reader = _ENGINE_READERS.get(getattr(engine, "strategy", None))
-    return reader.buffers(engine) if reader is not None else iter(())
-
-
-def _fsdp_buffers(engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    for g in engine.groups:
-        yield "gathered_params", g.full_data       # resized to 0 when sharded
-        if g.send is not None:
-            yield "comm", g.send                   # the low-precision all-gather input (fp32: the shard)
-        if g.unsharded_grad is not None:
-            yield "unsharded_grads", g.unsharded_grad  # no_sync accumulation
-    for _g, out, full_grad, _handle in engine.pending_reduces:
-        yield "unsharded_grads", full_grad         # a unit's whole gradient, kept until its reduce-scatter completes
-        yield "grads", out                         # the reduce-scatter's output: becomes shard.grad
-
-
-def _fsdp_install(tracker: LiveMemoryTracker, engine: Any) -> None:
-    for g in engine.groups:  # each group's flat buffer is one leaf for the whole step
-        tracker._hook_incoming(g.full, "unsharded_grads")
-
-
-def _zero3_buffers(engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    for gather in engine._live:
-        for b in gather.buffers:
-            yield "gathered_params", b
-        for b in gather.grad_buffers.values():
-            yield "unsharded_grads", b             # a unit's gradients per owner, before the reduce
-    for _handle, _unit, _group, buffer in engine._inflight:
-        yield "unsharded_grads", buffer            # being reduced (the owner's `.grad` views claim it later)
-    for slot in engine.slots:
-        if slot.pending_grad is not None:
-            yield "unsharded_grads", slot.pending_grad
-
-
-def _zero3_install(tracker: LiveMemoryTracker, engine: Any) -> None:
-    """zero3 makes new leaves at every gather: a forward hook on each unit (after the
-    engine's, which gathered) hooks the gathered tensors of this forward."""
-    if getattr(tracker, "_zero3_units_hooked", False):
-        return
-    tracker._zero3_units_hooked = True
-    tracker_ref = weakref.ref(tracker)
-
-    def after_gather(unit: Any, *_: Any) -> None:
-        t = tracker_ref()
-        if t is not None and t.tracking and unit.bound is not None:
-            for full in unit.bound.fulls:
-                t._hook_incoming(full, "unsharded_grads")
-
-    for unit in engine.unit_list:
-        tracker._handles.append(unit.module.register_forward_pre_hook(
-            lambda _m, *a, unit=unit: after_gather(unit), with_kwargs=True))
-
-
-def _ddp_buffers(engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    for b in engine.buckets:
-        yield "comm", b.buffer                     # "grads" once `.grad` are views into it
-
-
-def _torch_fsdp_buffers(engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """FSDP2's per-parameter all-gather outputs (the unsharded parameters), their gradients,
-    and the flat communication buffers of each parameter group. Private attributes of
-    torch 2.13's `_fully_shard`, read with getattr: another version degrades to
-    "activations" instead of failing (tests/test_memory.py checks they are found)."""
-    for fp, pg in _fsdp2_params(engine):
-        if fp is not None:
-            for t in getattr(fp, "all_gather_outputs", ()):
-                yield "gathered_params", t
-            unsharded = getattr(fp, "_unsharded_param", None)
-            if unsharded is not None:
-                yield "gathered_params", unsharded
-                if unsharded.grad is not None:
-                    yield "unsharded_grads", unsharded.grad
-            continue
-        result = getattr(pg, "_all_gather_result", None)
-        if result is not None:
-            yield "comm", result.all_gather_output
-        partial = getattr(pg, "_partial_reduce_output", None)
-        if partial is not None:
-            yield "grads", partial
-        ctx = getattr(pg, "comm_ctx", None)
-        state = getattr(ctx, "all_gather_state", None)
-        if state is not None:
-            yield "comm", state.all_gather_result.all_gather_output
-        for rs in getattr(ctx, "reduce_scatter_states", ()):
-            yield "comm", rs.reduce_scatter_input
-
-
-def _fsdp2_params(engine: Any) -> Iterator[tuple[Any, Any]]:
-    """(FSDPParam, None) for every parameter, then (None, group) for every parameter group."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in engine.module.modules():
-        if isinstance(m, FSDPModule):
-            pg = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
-            if pg is not None:
-                for fp in pg.fsdp_params:
-                    yield fp, None
-                yield None, pg
-
-
-def _torch_fsdp_install(tracker: LiveMemoryTracker, engine: Any) -> None:
-    for fp, _pg in _fsdp2_params(engine):  # unsharded parameters exist from the first forward on
-        unsharded = getattr(fp, "_unsharded_param", None) if fp is not None else None
-        if unsharded is not None:
-            tracker._hook_leaf(unsharded, "unsharded_grads")
-
-
-_ENGINE_READERS = {"fsdp": _Reader(_fsdp_buffers, _fsdp_install),
-                   "zero3": _Reader(_zero3_buffers, _zero3_install),
-                   "ddp": _Reader(_ddp_buffers),
-                   "torch-fsdp": _Reader(_torch_fsdp_buffers, _torch_fsdp_install)}
 
 
 # -- UntypedStorage.resize_ does not dispatch: wrap it --------------------------------------------------

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+import shardlab
+
 
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
@@ -57,8 +59,6 @@ def write_json_atomic(path: str, data: Any, *, default: Any = None) -> None:
 
 
 def run_args(cfg_dict: dict, world_size: int, hostnames: list[str], extra: dict | None = None) -> dict:
-    import shardlab
-
     return {
         "config": cfg_dict,
         "world_size": world_size,

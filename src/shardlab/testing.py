@@ -25,6 +25,7 @@ class WorkerError(RuntimeError):
 def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple, kwargs: dict,
             out_dir: str, timeout_s: float) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # deferred: torch reads OMP_NUM_THREADS when it is imported, in this freshly spawned worker
     import torch
     import torch.distributed as dist
 

@@ -8,7 +8,9 @@ check) and `summarize` (metrics.json). `train` strings them together.
 One step = one global batch = world_size x accumulation x micro_batch_size samples:
   for each micro batch: forward and backward, inside no_sync for all but the last
   unscale (fp16), clip the global gradient norm, optimizer step, LR schedule step
-  the logged loss is the global mean over all ranks' samples (one tiny all-reduce)
+  each micro batch's loss weighs by its share of the global batch's target tokens (counted
+  before the forward passes, one all-reduce: [Note: token-weighted loss] in loss.py); the
+  logged loss is the mean over every target token of the global batch (one tiny all-reduce)
 """
 
 from __future__ import annotations
@@ -29,14 +31,16 @@ import shardlab
 from shardlab import memory
 from shardlab import metrics as M
 from shardlab.amp import autocast, make_loss_scaler
-from shardlab.config import Config, dump_config, validate_for_world
-from shardlab.data import GlobalBatchSampler, build_datasets, collate
+from shardlab.config import Config, dump_config, engine_options, validate_for_world
+from shardlab.data import GlobalBatchSampler, build_datasets
+from shardlab.data.loader import StepBatches
 from shardlab.engines import Engine, engine_class, engine_of, is_sharded, optimizer_state_bytes
-from shardlab.engines.api import CPUOffload, MixedPrecision
 from shardlab.evaluate import evaluate
+from shardlab.loss import token_weights
 from shardlab.models import build_model, count_parameters
 from shardlab.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionGuard
 from shardlab.runtime import Runtime, all_gather_object, hostname, init_runtime, seed_everything, shutdown
+from shardlab.schedule import make_schedule, schedule_note
 from shardlab.sync_batchnorm import convert_sync_batchnorm
 
 
@@ -44,12 +48,15 @@ from shardlab.sync_batchnorm import convert_sync_batchnorm
 class TrainState:
     """Everything besides model and optimizer that a resume must restore. The data position
     is the step: the sampler's batch for step s is a pure function of (seed, s).
-    loss_scaler: the fp16 scaler's state (None without fp16), so a resume is exact."""
+    loss_scaler: the fp16 scaler's state (None without fp16), so a resume is exact.
+    data_manifest: the SHA-256 of the prepared corpus's manifest (None for other sources); a
+    resume on another corpus is refused, as its step would index other data."""
 
     step: int = 0
     losses: list[float] = field(default_factory=list)
     skipped_steps: int = 0
     loss_scaler: dict[str, Any] | None = None
+    data_manifest: str | None = None
 
 
 def run_dir(cfg: Config) -> str:
@@ -73,20 +80,6 @@ def wrap_units(cfg: Config, model: nn.Module):
     return lambda m: type(m).__name__ in names
 
 
-def engine_options(cfg: Config) -> dict[str, Any]:
-    p = cfg.parallel
-    offered = {
-        "reshard_after_forward": p.reshard_after_forward,
-        "mixed_precision": MixedPrecision.parse(p.mixed_precision),
-        "bucket_size_bytes": int(p.bucket_size_mb * 2**20),
-        "prefetch": p.prefetch,
-        "shard_size": p.shard_size,
-        "offload": CPUOffload.parse(p.offload),
-    }
-    accepted = engine_class(p.strategy).options
-    return {k: v for k, v in offered.items() if k in accepted}
-
-
 def make_optimizer(cfg: Config, params) -> torch.optim.Optimizer:
     t = cfg.train
     params = list(params)
@@ -96,19 +89,6 @@ def make_optimizer(cfg: Config, params) -> torch.optim.Optimizer:
     # so every engine's update is the same arithmetic as single's.
     return torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
                              foreach=False)
-
-
-def make_schedule(cfg: Config, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-    t = cfg.train
-
-    def factor(step: int) -> float:
-        if step < t.warmup_steps:
-            return (step + 1) / t.warmup_steps
-        span = max(1, t.steps - t.warmup_steps)
-        progress = min(1.0, (step - t.warmup_steps) / span)
-        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
 def uses_fp16(cfg: Config) -> bool:
@@ -164,6 +144,9 @@ class Run:
     state: TrainState
     accumulation: int
     num_parameters: int
+    num_trainable: int                # parameters with requires_grad (LoRA: the adapters)
+    resumed_from: str | None = None   # the checkpoint this run resumed from
+    batches: StepBatches | None = None  # this rank's micro batches, step by step (data/loader.py)
 
     def save_if_due(self, final: bool = False) -> None:
         if self.manager is None:
@@ -182,7 +165,7 @@ class Run:
             self.state.loss_scaler = self.scaler.state_dict()
         m = self.manager
         if m.last_saved_step != self.state.step:
-            m._refuse_non_finite(self.model, self.state.step)
+            m.refuse_non_finite(self.model, self.state.step)
             m.save(self.model, self.opt, self.sched, self.state, blocking=True)
         m.wait()
         from shardlab.checkpoint import step_dir_name
@@ -200,37 +183,53 @@ def build_run(cfg: Config, rt: Runtime, *, data: Any = None,
     data = data if data is not None else build_datasets(cfg)
     # Sharded engines materialize only their shard from the meta device; the others materialize whole.
     model = build_model_for(cfg, data.vocab_size, "meta")
-    if cfg.model.sync_batchnorm and cfg.parallel.strategy != "single":
+    if cfg.model.sync_batchnorm and engine_class(cfg.parallel.strategy).distributed:
         model = convert_sync_batchnorm(model, rt.device)
     if adapt_model is not None:
         model = adapt_model(model)
-    n_params = count_parameters(model)
+    n_params, n_trainable = count_parameters(model), count_parameters(model, trainable_only=True)
     model = shardlab.parallelize(model, cfg.parallel.strategy, wrap=wrap_units(cfg, model), device=rt.device,
                                  activation_checkpointing=t.activation_checkpointing, **engine_options(cfg))
     engine = engine_of(model)
     if not engine.local_parameters():
         raise ValueError(f"rank {rt.rank} holds no parameter with parallel.strategy={cfg.parallel.strategy} at world "
-                         f"size {rt.world_size}: the model has fewer parameter tensors than ranks. Use fewer "
-                         "workers or parallel.strategy=fsdp, which slices every tensor.")
+                         f"size {rt.world_size} (the engine's warning above says why): use fewer workers or a "
+                         "parallel.strategy that slices every tensor.")
     opt = make_optimizer(cfg, model.parameters())
     sched = make_schedule(cfg, opt)
     scaler = make_loss_scaler(uses_fp16(cfg), rt.device, rt.distributed and rt.world_size > 1,
                               init_scale=t.loss_scale, growth_interval=t.loss_scale_growth_interval)
     state = TrainState()
     out_dir = run_dir(cfg)
-    manager = None
+    manager = resumed_from = None
     if cfg.checkpoint.every_steps > 0 or cfg.checkpoint.resume != "none" or cfg.preemption.enabled:
         # sharded save and exact resume: docs/checkpointing.md
         from shardlab.checkpoint import CheckpointManager
 
         manager = CheckpointManager.from_config(cfg, out_dir, rt)
-        manager.maybe_resume(model, opt, sched, state)
+        resumed_from = manager.maybe_resume(model, opt, sched, state)
     if scaler is not None and state.loss_scaler is not None:
         scaler.load_state_dict(state.loss_scaler)
+    _check_same_corpus(state, data.manifest_sha256, manager)
     sampler = GlobalBatchSampler(len(data.train), t.global_batch_size, cfg.seed, cfg.data.shuffle)
     accumulation = t.global_batch_size // (rt.world_size * t.micro_batch_size)
+    batches = StepBatches(data.train, sampler, rt.rank, rt.world_size, t.micro_batch_size, t.steps, rt.device,
+                          cfg.data.num_workers)
     return Run(cfg, rt, out_dir, data, model, engine, opt, sched, scaler, sampler, manager, state,
-               accumulation, n_params)
+               accumulation, n_params, n_trainable, resumed_from, batches)
+
+
+def _check_same_corpus(state: TrainState, manifest_sha256: str | None, manager) -> None:
+    """A checkpoint trained on one prepared corpus resumes on that corpus only."""
+    if state.data_manifest is not None and manifest_sha256 is not None and state.data_manifest != manifest_sha256:
+        from shardlab.checkpoint import CheckpointError
+
+        raise CheckpointError(
+            f"the checkpoint in {manager.root} was trained on the corpus with manifest SHA-256 "
+            f"{state.data_manifest[:16]}..., but this run's data has {manifest_sha256[:16]}...: its step would "
+            "index other data. Point data.path at the corpus it was trained on, or start a new run "
+            "(checkpoint.resume=none, or another output.run_name)")
+    state.data_manifest = manifest_sha256
 
 
 def write_run_args(run: Run) -> None:
@@ -240,7 +239,8 @@ def write_run_args(run: Run) -> None:
         os.makedirs(run.out_dir, exist_ok=True)
         M.write_json_atomic(os.path.join(run.out_dir, "run_args.json"), M.run_args(
             cfg.to_dict(), rt.world_size, hosts,
-            {"num_parameters": run.num_parameters, "accumulation_steps": run.accumulation, "data": run.data.info,
+            {"num_parameters": run.num_parameters, "num_trainable_parameters": run.num_trainable,
+             "accumulation_steps": run.accumulation, "data": run.data.info,
              "restart_count": rt.restart_count, "resumed_from_step": run.state.step}), default=str)
         with open(os.path.join(run.out_dir, "config.yaml"), "w") as f:
             f.write(dump_config(cfg))
@@ -250,10 +250,24 @@ def write_run_args(run: Run) -> None:
             SFTTokenizer(run.data.tokenizer_dir).save(os.path.join(run.out_dir, "tokenizer"))
 
 
+def announce(run: Run) -> None:
+    """Rank 0 says what the run starts from: the checkpoint it resumed, a schedule kept from it
+    (schedule.py), and what happened to the data (Datasets.report)."""
+    if not run.rt.is_main:
+        return
+    lines = list(run.data.report)
+    if run.resumed_from:
+        lines.insert(0, f"shardlab: resumed from step {run.state.step} of {run.out_dir} ({run.resumed_from})")
+        note = schedule_note(run.cfg, run.sched)
+        lines[1:1] = [note] if note else []
+    for line in lines:
+        print(line, flush=True)
+
+
 # -- one step ---------------------------------------------------------------------------------------
 @dataclass
 class StepResult:
-    loss: float           # global mean loss of the step
+    loss: float           # the step's loss: mean over every target token of the global batch
     grad_norm: float      # global gradient norm before clipping (inf/nan on an fp16 overflow)
     skipped: bool         # fp16 overflow: the optimizer did not step
 
@@ -267,19 +281,22 @@ def train_step(run: Run, tracker: memory.LiveMemoryTracker | None = None,
     rt, t = run.rt, run.cfg.train
     phase = tracker.phase if tracker is not None else memory.phase_range
     model, opt, scaler = run.model, run.opt, run.scaler
-    idx = run.sampler.rank_indices(run.state.step, rt.rank, rt.world_size)
-    local_loss = torch.zeros((), device=rt.device)
-    for i in range(run.accumulation):
-        x, y = collate(run.data.train, idx[i * t.micro_batch_size:(i + 1) * t.micro_batch_size])
+    # all k micro batches first: each weighs by its target tokens in the global batch ([Note:
+    # token-weighted loss] in loss.py), counted before any forward
+    batches = [run.batches.next(run.state.step) for _ in range(run.accumulation)]
+    weights = token_weights([y for _, y in batches], rt.world_size, rt.device, rt.distributed)
+    local_loss = None
+    for i, (x, y) in enumerate(batches):
         x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
         last = i == run.accumulation - 1
         # backward must run inside no_sync too: the engines read the flag while backward runs.
         with contextlib.nullcontext() if last else shardlab.no_sync(model):
             with phase("forward"), autocast(t.precision, rt.device):
-                loss = model(x, y) / run.accumulation
+                loss = weights.scale(model(x, y), i)
             with phase("backward"):
                 (scaler.scale(loss) if scaler is not None else loss).backward()
-        local_loss += loss.detach().float()
+        term = loss.detach().to(torch.promote_types(loss.dtype, torch.float32))
+        local_loss = term if local_loss is None else local_loss + term
     with phase("optimizer"):
         if scaler is not None:
             scaler.unscale_(opt)  # before clipping: the norm is of the true gradients
@@ -364,9 +381,10 @@ def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
 def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str, Any]:
     t0 = time.perf_counter()
     rt = rt or init_runtime(cfg.parallel.backend, cfg.parallel.timeout_s,
-                            force_group=cfg.parallel.strategy != "single")
+                            force_group=engine_class(cfg.parallel.strategy).distributed)
     run = build_run(cfg, rt)
     write_run_args(run)
+    announce(run)
     logger = StepLogger(run)
     state, t = run.state, cfg.train
     timer = M.StepTimer(warmup=1)
@@ -409,12 +427,12 @@ def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str,
             state.skipped_steps += r.skipped
             logger.log(r, timer.times[-1])
             if t.eval_every and state.step % t.eval_every == 0 and state.step < t.steps:
-                val_losses[state.step] = evaluate(run.model, run.data.val, cfg, rt, cfg.seed + 1)
+                val_losses[state.step] = evaluate(run.model, run.data.val, cfg, rt)
                 logger.scalar("val/loss", val_losses[state.step], state.step)
             run.save_if_due()
         train_comm = _comm_since(comm_before_loop, run.engine.comm_stats())  # before the final eval's traffic
         run.save_if_due(final=True)
-        val_losses[state.step] = evaluate(run.model, run.data.val, cfg, rt, cfg.seed + 1)
+        val_losses[state.step] = evaluate(run.model, run.data.val, cfg, rt)
         if cfg.export.format == "hf":  # every rank gathers, rank 0 writes (export_hf.py)
             from shardlab.export_hf import export_at_end
 
@@ -445,6 +463,7 @@ def summarize(run: Run, timer: M.StepTimer, per_rank: list[dict], val_losses: di
     steps_run = len(timer.times)
     train_seconds = sum(timer.times)
     samples = steps_run * cfg.train.global_batch_size
+    waits = [run.batches.wait_s.get(s, 0.0) for s in range(state.step - steps_run, state.step)] if run.batches else []
     result: dict[str, Any] = {
         "wall_clock_s": wall,
         "train_time_s": train_seconds,
@@ -459,6 +478,7 @@ def summarize(run: Run, timer: M.StepTimer, per_rank: list[dict], val_losses: di
         "sharded": is_sharded(cfg.parallel.strategy),
         "device": M.device_name(rt.device),
         "num_parameters": run.num_parameters,
+        "num_trainable_parameters": run.num_trainable,
         "peak_memory_bytes": [r["peak_memory_bytes"] for r in per_rank],
         # live tensor bytes at each rank's peak and what they were then (shardlab.memory); null: not tracked
         "peak_live_bytes": None if per_rank[0]["live"] is None else [r["live"]["peak_live_bytes"] for r in per_rank],
@@ -470,6 +490,9 @@ def summarize(run: Run, timer: M.StepTimer, per_rank: list[dict], val_losses: di
         # per rank: collective kind -> seconds in each step of this run (as step_times_s), as the
         # caller saw them (engines/collectives.py; docs/benchmarks.md); null: not timed
         "comm_seconds_per_step": [r["comm_seconds"] for r in per_rank],
+        # seconds each step of this run waited for its micro batches (data/loader.py), and their share
+        "data_wait_s_per_step": waits,
+        "data_wait_fraction": sum(waits) / train_seconds if train_seconds else None,
         "final_loss": state.losses[-1] if state.losses else None,
         "losses": state.losses,
         "val_loss": val_losses[state.step],
@@ -512,7 +535,8 @@ def print_summary(result: dict[str, Any], out_dir: str) -> None:
         row("trained in this run", f"nothing: resumed at step {result['steps']}, the last")
     if "loss_scale" in result:
         row("fp16 loss scale (final), skipped steps", f"{result['loss_scale']:g}, {result['skipped_steps']}")
-    row("parameters", f"{result['num_parameters'] / 1e6:.2f} M")
+    row("parameters (trainable)", f"{result['num_parameters'] / 1e6:.2f} M "
+        f"({result['num_trainable_parameters'] / 1e6:.2f} M)")
     row("model state / rank (params+grads+optim)", ", ".join(f"{b / 2**20:.1f} MiB" for b in result["model_state_bytes"]))
     row("peak memory / rank", ", ".join(f"{b / 2**30:.2f} GiB" for b in result["peak_memory_bytes"]))
     if result.get("peak_live_bytes"):
@@ -524,11 +548,12 @@ def print_summary(result: dict[str, Any], out_dir: str) -> None:
 def worker_main(cfg: Config) -> int:
     """Entry point of one worker process (under shardlab's launcher, torchrun, srun or a pod).
     Exit codes: 0 done, PREEMPTED_EXIT_CODE (75) a signal was turned into a checkpoint."""
-    rt = init_runtime(cfg.parallel.backend, cfg.parallel.timeout_s, force_group=cfg.parallel.strategy != "single")
+    rt = init_runtime(cfg.parallel.backend, cfg.parallel.timeout_s,
+                      force_group=engine_class(cfg.parallel.strategy).distributed)
     clean = False
     try:
-        if not cfg.output.run_name:
-            cfg.output.run_name = _agree_on_run_name(cfg, rt)
+        if not cfg.output.run_name:  # the same on every rank: a function of the config
+            cfg.output.run_name = default_run_name(cfg)
         result = train(cfg, rt)
         if rt.is_main:
             print_summary(result, run_dir(cfg))
@@ -560,15 +585,21 @@ def _is_peer_failure(e: BaseException) -> bool:
                             "connectFullMesh", "Connection refused"))
 
 
+# how a run is watched, stopped or resumed, not what it trains: changing these keeps the run name
+RUN_NAME_IGNORES = ("train.steps", "train.log_every", "train.eval_every", "train.memory_tracking", "train.profile",
+                    "train.profile_steps", "parallel.timeout_s", "checkpoint", "preemption", "output", "export")
+
+
 def default_run_name(cfg: Config) -> str:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return f"{cfg.model.name}-{cfg.parallel.strategy}-{stamp}"
+    """<model>-<strategy>-<8 hex digits of the config without RUN_NAME_IGNORES>: the same command
+    names the same run directory, so it resumes from that run's latest checkpoint (also with a
+    higher train.steps, to train longer), under any launcher, restart or requeue."""
+    import hashlib
+    import json
 
-
-def _agree_on_run_name(cfg: Config, rt: Runtime) -> str:
-    """Outside shardlab's launcher nobody chose a run name: take a stable job id when the
-    launcher offers one (so restarts find their checkpoints), else rank 0's timestamp."""
-    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("JOB_NAME")
-    if job:
-        return f"{cfg.model.name}-{cfg.parallel.strategy}-{job}"
-    return all_gather_object(default_run_name(cfg), rt)[0]
+    d = cfg.to_dict()
+    for key in RUN_NAME_IGNORES:
+        section, _, name = key.partition(".")
+        d[section].pop(name) if name else d.pop(section)
+    digest = hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return f"{cfg.model.name}-{cfg.parallel.strategy}-{digest}"

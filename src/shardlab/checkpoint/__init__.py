@@ -23,12 +23,12 @@ data position, per-step losses) and every rank's RNG states (torch CPU, CUDA, py
 numpy) under `rng/<rank>/...`. Tensors go through DCP, the rest is JSON.
 
 Loading never runs code from the checkpoint: DCP's `.metadata` is a pickle, so it is read by
-an unpickler that admits only the classes DCP's metadata is made of (`_SafeReader`), the
+an unpickler that admits only the classes DCP's metadata is made of (`SafeReader`), the
 data files are read by `torch.load(weights_only=True)`, and every file's SHA-256 is checked
 against the manifest before anything is read (see "Security and integrity" in the docs).
 
 The package, one concern a module:
-    format.py      names on disk, the manifest, CheckpointError
+    format.py      names on disk, the manifest, when a checkpoint is complete, listing, CheckpointError
     planners.py    what a rank holds (Engine.shard_layout) and the DCP save/load planners
     rng.py         every rank's RNG states as tensors
     integrity.py   SHA-256 of every file; DCP metadata read without running code

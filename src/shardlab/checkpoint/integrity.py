@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from shardlab.checkpoint.format import _STEP_DIR, DCP_METADATA, MANIFEST, CheckpointError
+from shardlab.checkpoint.format import DCP_METADATA, MANIFEST, CheckpointError, what_to_do
 
 log = logging.getLogger("shardlab.checkpoint")
 
@@ -58,22 +58,8 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def _what_to_do(path: str) -> str:
-    """The way out when checkpoint `path` cannot be used: name the previous complete checkpoint."""
-    path = os.path.abspath(path.rstrip("/"))
-    m = _STEP_DIR.match(os.path.basename(path))
-    from shardlab.checkpoint.reader import list_checkpoints  # the reader verifies with this module
-
-    earlier = [p for s, p in list_checkpoints(os.path.dirname(path))
-               if m and s < int(m.group(1)) and os.path.abspath(p) != path]
-    if earlier:
-        return (f"delete it (or move it out of {os.path.dirname(path)}) and resume from the previous complete "
-                f"checkpoint, {earlier[-1]} (checkpoint.resume=auto then picks it), or restore the file from a copy")
-    return "delete it and restore the checkpoint from a copy; no earlier complete checkpoint exists beside it"
-
-
 def _corrupt(path: str, what: str) -> CheckpointError:
-    return CheckpointError(f"checkpoint {path} is corrupt or was modified: {what}; {_what_to_do(path)}")
+    return CheckpointError(f"checkpoint {path} is corrupt or was modified: {what}; {what_to_do(path)}")
 
 
 def check_file_hashes(path: str, manifest: dict[str, Any], names: list[str] | None = None) -> None:
@@ -176,7 +162,7 @@ def read_dcp_metadata(path: str, manifest: dict[str, Any] | None = None) -> Meta
         raise CheckpointError(
             f"checkpoint {path}: {DCP_METADATA} refers to {e}, which DCP metadata never contains; refusing to "
             f"load it (nothing was run). The file was crafted to run code or is corrupt: do not use this checkpoint; "
-            f"{_what_to_do(path)}") from None
+            f"{what_to_do(path)}") from None
     except Exception as e:  # noqa: BLE001 - any malformed pickle is a corrupt checkpoint
         raise _corrupt(path, f"{DCP_METADATA} is not valid DCP metadata ({type(e).__name__}: {e})") from None
     problem = _metadata_problem(md, None if manifest is None else set(manifest.get("files", {})))
@@ -217,7 +203,7 @@ def _metadata_problem(md: Any, files: set[str] | None) -> str | None:
     return None
 
 
-class _SafeReader(FileSystemReader):
+class SafeReader(FileSystemReader):
     """DCP's FileSystemReader whose read_metadata goes through read_dcp_metadata. It reads
     (and verifies) once and returns that same metadata to DCP's later calls.
 

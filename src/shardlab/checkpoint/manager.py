@@ -30,7 +30,7 @@ from shardlab.checkpoint.format import (
     _fsync_dir,
     step_dir_name,
 )
-from shardlab.checkpoint.integrity import HASH_KEY, _SafeReader, check_file_hashes, file_sha256
+from shardlab.checkpoint.integrity import HASH_KEY, SafeReader, check_file_hashes, file_sha256
 from shardlab.checkpoint.planners import (
     _flat_local,
     _FlatPieceLoadPlanner,
@@ -148,11 +148,11 @@ class CheckpointManager:
 
     def maybe_save(self, model: nn.Module, opt, sched, state) -> str | None:
         if self.every_steps > 0 and state.step % self.every_steps == 0 and state.step != self.last_saved_step:
-            self._refuse_non_finite(model, state.step)
+            self.refuse_non_finite(model, state.step)
             return self.save(model, opt, sched, state)
         return None
 
-    def _refuse_non_finite(self, model: nn.Module, step: int) -> None:
+    def refuse_non_finite(self, model: nn.Module, step: int) -> None:
         """The loss of step s is computed before step s's update, so a non-finite gradient turns
         the parameters to NaN one step before the loss shows it. Saving them would replace the
         last good checkpoint by a poisoned one: check first (all ranks decide together)."""
@@ -409,7 +409,7 @@ class CheckpointManager:
         self._apply(path, manifest, reads, opt, sched, state)
         return manifest
 
-    def _resolve_for_load(self, path: str, model: nn.Module, opt) -> tuple[str, dict[str, Any], _SafeReader, Any]:
+    def _resolve_for_load(self, path: str, model: nn.Module, opt) -> tuple[str, dict[str, Any], SafeReader, Any]:
         """The checkpoint directory, its verified manifest, a safe reader and its DCP metadata;
         any rank's problem stops every rank with the same error."""
         error, found = None, None
@@ -430,7 +430,7 @@ class CheckpointManager:
         self._agree(self._hash_error(path, manifest))
         shapes = self._param_shapes(checkpoint_layout(model))
         self._agree(_compatibility_error(path, manifest, shapes, _model_buffers(model), opt))
-        reader = _SafeReader(path, manifest)
+        reader = SafeReader(path, manifest)
         md = None
         try:
             md = reader.read_metadata().state_dict_metadata

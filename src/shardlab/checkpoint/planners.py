@@ -109,9 +109,9 @@ class _FlatPieceSavePlanner(DefaultSavePlanner):
         return super().resolve_data(write_item)
 
 
-class _TensorOnlyLoadPlanner(DefaultLoadPlanner):
+class TensorOnlyLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, minus the one path that unpickles freely: a "bytes" entry is
-    read by `torch.load(weights_only=False)`. shardlab saves tensors only, and `_SafeReader`
+    read by `torch.load(weights_only=False)`. shardlab saves tensors only, and `SafeReader`
     already refuses metadata that declares bytes entries; this refuses them a second time."""
 
     def load_bytes(self, read_item, value) -> None:
@@ -119,7 +119,7 @@ class _TensorOnlyLoadPlanner(DefaultLoadPlanner):
                               "never saves; refusing to unpickle it (the checkpoint was not written by shardlab)")
 
 
-class _FlatPieceLoadPlanner(_TensorOnlyLoadPlanner):
+class _FlatPieceLoadPlanner(TensorOnlyLoadPlanner):
     """Reads each flat piece this rank holds from whichever saved chunks overlap it (resharding)."""
 
     def __init__(self, pieces: list[_Piece]):

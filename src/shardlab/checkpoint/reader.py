@@ -12,9 +12,21 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from shardlab.checkpoint.format import _STEP_DIR, DCP_METADATA, MANIFEST, CheckpointError, read_manifest
-from shardlab.checkpoint.integrity import _SafeReader, _what_to_do, check_file_hashes
-from shardlab.checkpoint.planners import _TensorOnlyLoadPlanner
+from shardlab.checkpoint.format import (
+    DCP_METADATA,
+    MANIFEST,
+    STEP_DIR,
+    CheckpointError,
+    check_complete,
+    list_checkpoints,
+    what_to_do,
+)
+from shardlab.checkpoint.integrity import SafeReader, check_file_hashes
+from shardlab.checkpoint.planners import TensorOnlyLoadPlanner
+from shardlab.models import rebuild_model
+
+__all__ = ["verify_checkpoint", "list_checkpoints", "resolve_checkpoint", "read_tensors", "read_model_state",
+           "build_model_from_record"]
 
 log = logging.getLogger("shardlab.checkpoint")
 
@@ -23,51 +35,16 @@ def verify_checkpoint(path: str, *, hashes: bool = False) -> dict[str, Any]:
     """Check that `path` is a complete checkpoint (every listed file there at its listed size;
     cheap: stats only) and, with hashes=True, intact (check_file_hashes: reads every byte);
     return its manifest."""
-    if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint {path} does not exist (or is not a directory)")
-    if path.rstrip("/").endswith(".tmp"):
-        raise CheckpointError(f"checkpoint {path} is incomplete: a save still in progress or torn by a crash "
-                              "(its name ends in .tmp); resume from an earlier checkpoint")
-    if not os.path.exists(os.path.join(path, DCP_METADATA)):
-        raise CheckpointError(f"checkpoint {path} is incomplete: no {DCP_METADATA}; resume from an earlier one")
-    manifest = read_manifest(path)
-    for name, size in manifest.get("files", {}).items():
-        fp = os.path.join(path, name)
-        if not os.path.exists(fp):
-            raise CheckpointError(f"checkpoint {path} is incomplete: file {name} is missing")
-        actual = os.path.getsize(fp)
-        if actual != size:
-            raise CheckpointError(f"checkpoint {path} is corrupted: {name} has {actual} bytes, the manifest "
-                                  f"says {size}; resume from an earlier checkpoint")
+    manifest = check_complete(path)
     if hashes:
         check_file_hashes(path, manifest)
     return manifest
 
 
-def list_checkpoints(root: str, *, complete_only: bool = True) -> list[tuple[int, str]]:
-    """(step, path) of the checkpoints under `root`, oldest first; torn or corrupted ones skipped."""
-    if not os.path.isdir(root):
-        return []
-    found = []
-    for name in os.listdir(root):
-        m = _STEP_DIR.match(name)
-        if not m:
-            continue
-        path = os.path.join(root, name)
-        if complete_only:
-            try:
-                verify_checkpoint(path)
-            except CheckpointError as e:
-                log.warning("skipping %s", e)
-                continue
-        found.append((int(m.group(1)), path))
-    return sorted(found)
-
-
 def resolve_checkpoint(path: str) -> str:
     """A checkpoint directory from a checkpoint, a checkpoints directory or a run directory."""
     if os.path.exists(os.path.join(path, MANIFEST)) or os.path.exists(os.path.join(path, DCP_METADATA)) \
-            or _STEP_DIR.match(os.path.basename(path.rstrip("/"))) or path.rstrip("/").endswith(".tmp"):
+            or STEP_DIR.match(os.path.basename(path.rstrip("/"))) or path.rstrip("/").endswith(".tmp"):
         verify_checkpoint(path)
         return path
     for root in (path, os.path.join(path, "checkpoints")):
@@ -85,19 +62,19 @@ def read_tensors(path: str, prefix: str = "", *, manifest: dict[str, Any] | None
     is given."""
     if manifest is None:
         manifest = verify_checkpoint(path, hashes=True)
-    reader = _SafeReader(path, manifest)
+    reader = SafeReader(path, manifest)
     md = reader.read_metadata()
     state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
              if k.startswith(prefix)}
     try:
         with warnings.catch_warnings():  # DCP warns that no process group exists: that is the point here
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, storage_reader=reader, planner=_TensorOnlyLoadPlanner(), no_dist=True)
+            dcp.load(state, storage_reader=reader, planner=TensorOnlyLoadPlanner(), no_dist=True)
     except CheckpointError:
         raise
     except Exception as e:
         raise CheckpointError(f"reading checkpoint {path} failed ({type(e).__name__}: {e}); it is damaged: "
-                              f"{_what_to_do(path)}") from e
+                              f"{what_to_do(path)}") from e
     return state
 
 
@@ -116,7 +93,7 @@ def read_model_state(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]
             out[key] = t if key == canonical else t.clone()  # safetensors refuses shared storage
     except (KeyError, RuntimeError, TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} and the stored tensors disagree ({type(e).__name__}: "
-                              f"{e}); the checkpoint is damaged: {_what_to_do(path)}") from None
+                              f"{e}); the checkpoint is damaged: {what_to_do(path)}") from None
     return out, manifest
 
 
@@ -124,8 +101,6 @@ def read_model_state(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]
 # ============================================================================ model description
 def build_model_from_record(record: dict[str, Any], device: str | torch.device = "cpu") -> nn.Module:
     """The checkpointed architecture (shardlab.models.rebuild_model), without the training data."""
-    from shardlab.models import rebuild_model
-
     if "gpt_config" in record:  # manifests written before the model registry
         record = {**record, "kwargs": record["gpt_config"]}
     return rebuild_model(record, device)

@@ -1,83 +1,40 @@
-"""Data sources behind `data.source`: builtin (the embedded corpus), text, cifar10, synthetic.
+"""Data sources behind `data.source`, one module each, each bringing a `DataSource`
+(data/source.py): tokens.py (tokens, a directory `shardlab prepare` wrote; builtin, the embedded
+corpus; text, your files: both prepared into the cache), sft.py, cifar.py, synthetic.py.
 
 `build_datasets(cfg)` returns the train and validation datasets and what the model needs
 to know about them (vocab size); `GlobalBatchSampler` decides which samples each rank
-reads at each step (disjoint slices of one global batch).
+reads at each step (disjoint slices of one global batch); `StepBatches` (loader.py) delivers
+them through torch's DataLoader.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 
+from shardlab.data import cifar, sft, synthetic, tokens
+from shardlab.data.datasets import Datasets
 from shardlab.data.sampler import GlobalBatchSampler
+from shardlab.data.source import DataSource
 
-__all__ = ["GlobalBatchSampler", "Datasets", "DATA_SOURCES", "build_datasets", "collate"]
+__all__ = ["GlobalBatchSampler", "Datasets", "DataSource", "DATA_SOURCES", "PREPARED_SOURCES", "data_source",
+           "build_datasets", "collate"]
 
-# data.source -> what it yields (a ModelSpec.data_kind); None: whatever the model takes.
-DATA_SOURCES: dict[str, str | None] = {"builtin": "tokens", "text": "tokens", "sft": "tokens", "cifar10": "images",
-                                       "synthetic": None}
+# data.source -> its DataSource (data/source.py). The order is the order help texts list them in.
+DATA_SOURCES: dict[str, DataSource] = {s.name: s for s in (tokens.BUILTIN, tokens.TEXT, tokens.TOKENS, sft.SOURCE,
+                                                            cifar.SOURCE, synthetic.SOURCE)}
+# the sources that train on a corpus in `shardlab prepare`'s format (DataSource.prepared)
+PREPARED_SOURCES = tuple(name for name, s in DATA_SOURCES.items() if s.prepared)
 
 
-@dataclass
-class Datasets:
-    train: torch.utils.data.Dataset
-    val: torch.utils.data.Dataset | None
-    vocab_size: int | None = None       # text sources
-    tokens_per_sample: int | None = None
-    info: dict[str, Any] | None = None  # goes to run_args.json (e.g. corpus hash)
-    tokenizer_dir: str | None = None    # sft: the tokenizer used (exports copy it)
-    # sft: non-padding tokens of each training sample (tokens_processed counts these, not padding)
-    real_tokens: torch.Tensor | None = None
+def data_source(name: str) -> DataSource:
+    if name not in DATA_SOURCES:
+        raise ValueError(f"unknown data source {name!r}; valid: {', '.join(DATA_SOURCES)}")
+    return DATA_SOURCES[name]
 
 
 def build_datasets(cfg) -> Datasets:
-    d, m = cfg.data, cfg.model
-    if d.source in ("builtin", "text"):
-        from shardlab.data import corpus, text
-
-        tok = text.Tokenizer(d.tokenizer)
-        info: dict[str, Any] = {}
-        if d.source == "builtin":
-            path = corpus.corpus_path()
-            raw = path.read_text(encoding="utf-8")
-            info = {"corpus": "python stdlib docstrings", "corpus_path": str(path),
-                    "corpus_sha256": corpus.corpus_sha256(path), "corpus_bytes": path.stat().st_size}
-        else:
-            raw = text.read_text_files(d.path)
-        tokens = tok.encode(raw)
-        train_t, val_t = text.split_tokens(tokens, d.val_fraction, d.seq_len)
-        info["tokens"] = int(tokens.numel())
-        return Datasets(text.TokenWindows(train_t, d.seq_len),
-                        text.TokenWindows(val_t, d.seq_len) if val_t.numel() > d.seq_len else None,
-                        vocab_size=tok.vocab_size, tokens_per_sample=d.seq_len, info=info)
-    if d.source == "sft":
-        from shardlab.data import sft
-
-        return sft.build(cfg)
-    if d.source == "cifar10":
-        from shardlab.data.cifar import CIFAR10, find_cifar_dir
-
-        folder = find_cifar_dir(d.path)
-        train = CIFAR10(folder, train=True)
-        try:
-            val = CIFAR10(folder, train=False)
-        except FileNotFoundError:
-            val = None
-        return Datasets(train, val, info={"cifar10": folder, "train_samples": len(train)})
-    if d.source == "synthetic":
-        from shardlab.data.synthetic import SyntheticDataset
-        from shardlab.models import model_spec
-
-        spec = model_spec(m.name)  # synthetic data shaped for the model: its kind and sizes
-        kind, kw = spec.data_kind, {"seq_len": d.seq_len, **spec.synthetic(m)}
-        train = SyntheticDataset(kind, d.synthetic_samples, cfg.seed, **kw)
-        val = SyntheticDataset(kind, max(64, d.synthetic_samples // 20), cfg.seed + 7919, **kw)
-        return Datasets(train, val, vocab_size=kw.get("vocab_size") if kind == "tokens" else None,
-                        tokens_per_sample=d.seq_len if kind == "tokens" else None, info={"synthetic": kind})
-    raise ValueError(d.source)
+    return data_source(cfg.data.source).build(cfg)
 
 
 def collate(dataset: torch.utils.data.Dataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

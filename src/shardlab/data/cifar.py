@@ -13,6 +13,10 @@ import pickle
 import numpy as np
 import torch
 
+from shardlab.data.datasets import Datasets
+from shardlab.data.source import DataSource
+from shardlab.errors import ConfigError
+
 _ALLOWED = {
     ("numpy", "ndarray"), ("numpy", "dtype"),
     ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
@@ -73,3 +77,26 @@ def write_fake_cifar(folder: str, per_batch: int = 20, seed: int = 0) -> str:
         with open(os.path.join(out, name), "wb") as f:
             pickle.dump(d, f)
     return out
+
+
+# -- the source (shardlab.data.DATA_SOURCES) ---------------------------------------------------------
+def _build(cfg) -> Datasets:
+    folder = find_cifar_dir(cfg.data.path)
+    train = CIFAR10(folder, train=True)
+    try:
+        val = CIFAR10(folder, train=False)
+    except FileNotFoundError:
+        val = None
+    return Datasets(train, val, info={"cifar10": folder, "train_samples": len(train)})
+
+
+def _check(cfg) -> None:
+    d = cfg.data
+    if d.path is None:
+        raise ConfigError("data.source=cifar10 needs data.path (the folder holding cifar-10-batches-py)")
+    if find_cifar_dir(d.path) is None:
+        raise ConfigError(f"data.path {d.path!r}: no cifar-10-batches-py folder with data_batch_1 there; download "
+                          "CIFAR-10 (python version) and point data.path at it")
+
+
+SOURCE = DataSource(name="cifar10", kind="images", build=_build, check=_check)

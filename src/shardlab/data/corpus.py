@@ -36,11 +36,12 @@ def _docstrings(source: str) -> list[str]:
     return out
 
 
-def build_corpus_text(max_bytes: int = DEFAULT_MAX_BYTES) -> str:
-    """Concatenated stdlib docstrings, at most max_bytes of UTF-8, deterministic for this Python."""
+def corpus_documents(max_bytes: int = DEFAULT_MAX_BYTES) -> list[str]:
+    """The docstrings, each one document, at most max_bytes of UTF-8 in all (with a blank line
+    after each), deterministic for this Python."""
     root = _stdlib_dir()
     skip = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__", "dist-packages"}
-    pieces, size = [], 0
+    docs, size = [], 0
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in skip)
         for name in sorted(filenames):
@@ -51,12 +52,16 @@ def build_corpus_text(max_bytes: int = DEFAULT_MAX_BYTES) -> str:
             except (OSError, UnicodeDecodeError):
                 continue
             for doc in _docstrings(source):
-                piece = doc + "\n\n"
-                size += len(piece.encode())
+                size += len(doc.encode()) + 2
                 if size > max_bytes:
-                    return "".join(pieces)
-                pieces.append(piece)
-    return "".join(pieces)
+                    return docs
+                docs.append(doc)
+    return docs
+
+
+def build_corpus_text(max_bytes: int = DEFAULT_MAX_BYTES) -> str:
+    """The docstrings concatenated, each followed by a blank line."""
+    return "".join(doc + "\n\n" for doc in corpus_documents(max_bytes))
 
 
 def cache_dir() -> Path:
@@ -65,21 +70,37 @@ def cache_dir() -> Path:
     return Path(base)
 
 
-def corpus_path(max_bytes: int = DEFAULT_MAX_BYTES) -> Path:
-    """Build (once) and cache the corpus; the write is atomic, so concurrent builders are safe."""
-    import sys
-
-    tag = f"py{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}-{max_bytes}"
-    path = cache_dir() / f"stdlib-docstrings-{tag}.txt"
+def _write_once(path: Path, write) -> Path:
+    """Build (once) and cache a file; the write is atomic, so concurrent builders are safe."""
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = build_corpus_text(max_bytes)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".corpus-")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
+        write(f)
     os.replace(tmp, path)
     return path
+
+
+def _tag(max_bytes: int) -> str:
+    import sys
+
+    return f"py{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}-{max_bytes}"
+
+
+def corpus_path(max_bytes: int = DEFAULT_MAX_BYTES) -> Path:
+    """The corpus as one text file (docstrings separated by blank lines), cached."""
+    return _write_once(cache_dir() / f"stdlib-docstrings-{_tag(max_bytes)}.txt",
+                       lambda f: f.write(build_corpus_text(max_bytes)))
+
+
+def corpus_jsonl_path(max_bytes: int = DEFAULT_MAX_BYTES) -> Path:
+    """The corpus as JSONL, one docstring a record ({"text": ...}): what data.source=builtin
+    prepares, so that its validation split is held-out docstrings."""
+    import json
+
+    return _write_once(cache_dir() / f"stdlib-docstrings-{_tag(max_bytes)}.jsonl",
+                       lambda f: f.writelines(json.dumps({"text": d}) + "\n" for d in corpus_documents(max_bytes)))
 
 
 def corpus_sha256(path: Path) -> str:

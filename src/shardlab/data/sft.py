@@ -7,18 +7,21 @@ Formats (one record per JSONL line, or a JSON list of records; detected per reco
 
 Prompt template: the tokenizer's chat template when it has one; otherwise DEFAULT_TEMPLATE
 (docs/sft.md): "### Instruction:/### Input:/### Response:" for alpaca, "### User:/### Assistant:"
-turns for chat. The loss is on response tokens only (assistant turns and the end-of-text token);
-prompt tokens get target -100. Rows are `data.seq_len` tokens: an example longer than that is
-truncated, and one whose response is cut away entirely is dropped (counted in run_args.json).
+turns for chat, each assistant turn ending in the end-of-text token. The loss is on what the model
+must produce: response tokens up to and including that end-of-text token; prompt tokens get target
+-100. A chat record must end with an assistant turn (else an error names its line). Rows are
+`data.seq_len` tokens: an example longer than that is truncated, and one whose response is cut
+away entirely is dropped; rank 0 prints what happened (`report_lines`), with a warning above 5 %.
 With `data.packing=true` several examples share a row: inputs are [2, T] (token ids, position
 ids restarting at 0 per example; models/hf.py turns them into a block-diagonal mask) and the
 padding at the end of a row has target -100 and counts in no token total.
 
 The tokenizer: `data.tokenizer_path` (a local directory with tokenizer.json), else the model's
-directory (model.hf_path) when it has one, else a byte-level BPE trained at run time with
+directory (model.hf_path), which must then have one (pretrained weights need their own
+tokenizer), else (a randomly initialized model) a byte-level BPE trained at run time with
 `tokenizers` on the examples (cached by content hash). Tokenization is done once per machine
-(local rank 0, or `shardlab train --nproc` before the workers start), cached by content hash,
-and read by the others.
+(local rank 0, or `shardlab train` before the workers start), cached by a hash of the data, the
+tokenizer files, the chat template and the row settings, and read by the others.
 """
 
 from __future__ import annotations
@@ -35,9 +38,15 @@ from typing import Any
 
 import torch
 
+from shardlab.data.datasets import Datasets
+from shardlab.data.source import DataSource
+from shardlab.errors import ConfigError
+
 IGNORE = -100
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: EOS after every default chat turn, no double BOS, counts in info
 SPECIALS = {"pad": "<pad>", "bos": "<s>", "eos": "</s>"}
+EOS = None  # a piece of `pieces`: the end-of-text token (a token id, not text)
+WARN_FRACTION = 0.05  # report_lines warns when more examples than this are dropped or truncated
 DEFAULT_TEMPLATE = {
     "alpaca": ("### Instruction:\n{instruction}\n\n", "### Input:\n{input}\n\n", "### Response:\n"),
     "chat_turn": "### {Role}:\n",
@@ -90,6 +99,10 @@ def check_example(r: Any, where: str) -> dict[str, Any]:
         if not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
             raise SFTDataError(f"{where}: no response: the messages hold no non-empty assistant turn; add one "
                                "or remove the example")
+        if msgs[-1]["role"] != "assistant":
+            raise SFTDataError(f"{where}: the conversation ends with a {msgs[-1]['role']} turn, after the last "
+                               "response: nothing would teach the model to answer it. End each record with an "
+                               "assistant turn (remove the trailing turn or add its answer)")
         return {"messages": msgs}
     if "instruction" in r or "output" in r:
         if not isinstance(r.get("instruction"), str) or not r["instruction"].strip():
@@ -172,11 +185,14 @@ class SFTTokenizer:
         return self.tok.encode(text, add_special_tokens=False)
 
     def sha256(self) -> str:
+        """What the rows depend on: the tokenizer files and the chat template as loaded (from
+        tokenizer_config.json or chat_template.jinja; none: the default template's version)."""
         h = hashlib.sha256()
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             p = os.path.join(self.directory, name)
             if os.path.isfile(p):
                 h.update(Path(p).read_bytes())
+        h.update(json.dumps(getattr(self.tok, "chat_template", None) or "default").encode())
         return h.hexdigest()
 
     def save(self, out_dir: str) -> None:
@@ -201,29 +217,34 @@ class SFTTokenizer:
         if msgs is None:
             a = DEFAULT_TEMPLATE["alpaca"]
             prompt = a[0].format(instruction=ex["instruction"]) + (a[1].format(input=ex["input"]) if ex["input"] else "")
-            return [(prompt + a[2], False), (ex["output"], True)]
+            return [(prompt + a[2], False), (ex["output"], True), (EOS, True)]
         out = []
-        for m in msgs:
+        for m in msgs:  # an assistant turn ends in the end-of-text token: the model learns to stop
             head = DEFAULT_TEMPLATE["chat_turn"].format(Role=m["role"].capitalize())
             if m["role"] == "assistant":
-                out += [(head, False), (m["content"], True), ("\n\n", False)]
+                out += [(head, False), (m["content"], True), (EOS, True)]
             else:
                 out.append((head + m["content"] + "\n\n", False))
         return out
 
     def encode_example(self, ex: dict[str, Any]) -> tuple[list[int], list[int]]:
-        """Token ids and their labels (-100 on prompt tokens); the end-of-text token is trained."""
-        ids: list[int] = [self.bos_id] if self.bos_id is not None else []
-        labels: list[int] = [IGNORE] * len(ids)
-        pieces = self.pieces(ex)
-        for text, is_response in pieces:
-            t = self.encode(text)
+        """Token ids and their labels (-100 on prompt tokens): one BOS first (the tokenizer's,
+        unless the chat template already renders it), responses and their end-of-text trained."""
+        ids: list[int] = []
+        labels: list[int] = []
+        for text, is_response in self.pieces(ex):
+            t = self.encode(text) if text is not EOS else [self.eos_id] if self.eos_id is not None else []
             ids += t
             labels += t if is_response else [IGNORE] * len(t)
-        if self.eos_id is not None and not self.has_chat_template:
-            ids.append(self.eos_id)
-            labels.append(self.eos_id)
+        if self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids, labels = [self.bos_id, *ids], [IGNORE, *labels]
         return ids, labels
+
+    def prompt_ids(self, instruction: str) -> list[int]:
+        """What a model fine-tuned on this template reads before its answer to `instruction`: the
+        ids of a one-turn example up to its first trained token (`shardlab generate --chat`)."""
+        ids, labels = self.encode_example({"instruction": instruction, "input": "", "output": "."})
+        return ids[:next(i for i, label in enumerate(labels) if label != IGNORE)]
 
 
 def _alpaca_as_messages(ex: dict[str, Any]) -> list[dict[str, str]] | None:
@@ -272,12 +293,30 @@ def _model_vocab(cfg) -> int | None:
     return getattr(cfg.model, "vocab_size", None)
 
 
+def _hf_path(cfg) -> str | None:
+    return getattr(cfg.model, "hf_path", None) if cfg.model.name == "hf" else None
+
+
+def tokenizer_problem(cfg) -> str | None:
+    """Pretrained weights need the tokenizer they were trained with: a BPE trained here would
+    give token ids that mean nothing to the weights. None: fine."""
+    hf_path = _hf_path(cfg)
+    if cfg.data.tokenizer_path or not hf_path or os.path.isfile(os.path.join(hf_path, "tokenizer.json")):
+        return None
+    return (f"model.hf_path {hf_path!r} holds pretrained weights but no tokenizer.json: a tokenizer trained here "
+            "would not match them. Copy the model's tokenizer files into that directory, or give "
+            "data.tokenizer_path=<directory with the model's tokenizer.json>")
+
+
 def tokenizer_dir(cfg, examples: list[dict[str, Any]], data_hash: str) -> tuple[str, bool]:
     d = cfg.data
     if d.tokenizer_path:
         return d.tokenizer_path, False
-    hf_path = getattr(cfg.model, "hf_path", None) if cfg.model.name == "hf" else None
-    if hf_path and os.path.isfile(os.path.join(hf_path, "tokenizer.json")):
+    problem = tokenizer_problem(cfg)
+    if problem:
+        raise SFTDataError(problem)
+    hf_path = _hf_path(cfg)
+    if hf_path:
         return hf_path, False
     from shardlab.data.corpus import cache_dir
 
@@ -296,52 +335,86 @@ def tokenizer_dir(cfg, examples: list[dict[str, Any]], data_hash: str) -> tuple[
     return str(out), True
 
 
+def check_vocab(cfg, tok: SFTTokenizer) -> None:
+    """Pretrained weights (model.hf_path) have a fixed embedding: a tokenizer with more tokens
+    would index past it. (A randomly initialized model is built with room for the tokenizer.)"""
+    hf_path, model_vocab = _hf_path(cfg), _model_vocab(cfg)
+    if hf_path and model_vocab is not None and tok.vocab_size > model_vocab:
+        raise SFTDataError(f"the tokenizer in {tok.directory} has {tok.vocab_size} tokens, but the model in "
+                           f"model.hf_path {hf_path!r} has {model_vocab} (config.json vocab_size): ids from "
+                           f"{model_vocab} up would index past its embedding. Use the tokenizer the model was "
+                           "trained with (the one in model.hf_path, or data.tokenizer_path)")
+
+
 def cache_path(cfg) -> tuple[Path, list[dict[str, Any]], str, str]:
+    """The cache file of this data config, the examples, their source and the tokenizer directory.
+    The key covers what the rows depend on: data, tokenizer files, chat template, row settings."""
     from shardlab.data.corpus import cache_dir
 
     examples, data_hash, source = _examples(cfg)
     tdir, trained = tokenizer_dir(cfg, examples, data_hash)
     tok = SFTTokenizer(tdir, trained)
+    check_vocab(cfg, tok)
     key = json.dumps([FORMAT_VERSION, data_hash, tok.sha256(), cfg.data.seq_len, cfg.data.packing,
                       cfg.data.val_fraction])
     return cache_dir() / f"sft-{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt", examples, source, tdir
 
 
-def prepare(cfg) -> Path:
-    """Tokenize, mask, truncate, pack and cache; returns the cache file (reused when present)."""
+def prepare(cfg) -> tuple[Path, str]:
+    """Tokenize, mask, truncate, pack and cache; returns the cache file (reused when present) and
+    the tokenizer directory of this config (not the cache's: two directories may share rows)."""
     path, examples, source, tdir = cache_path(cfg)
     if path.exists():
-        return path
+        return path, tdir
     tok = SFTTokenizer(tdir)
     T = cfg.data.seq_len
-    chunks, dropped, truncated = [], 0, 0
+    chunks, dropped, truncated, longest = [], 0, 0, 0
     for ex in examples:
         ids, labels = tok.encode_example(ex)
-        if len(ids) > T + 1:
-            ids, labels = ids[:T + 1], labels[:T + 1]
-            truncated += 1
+        longest = max(longest, len(ids))
+        cut = len(ids) > T + 1
+        ids, labels = ids[:T + 1], labels[:T + 1]
         x, y = ids[:-1], labels[1:]
         if all(v == IGNORE for v in y):
             dropped += 1  # the response was cut away entirely
             continue
+        truncated += cut
         chunks.append((x, y))
     if not chunks:
-        raise SFTDataError(f"{source}: every example's response lies beyond data.seq_len={T} tokens; raise "
-                           "data.seq_len")
+        raise SFTDataError(f"{source}: every example's response lies beyond data.seq_len={T} tokens (the longest "
+                           f"example has {longest}); raise data.seq_len")
     n_val = int(len(chunks) * cfg.data.val_fraction)
     split = {"train": chunks[:len(chunks) - n_val], "val": chunks[len(chunks) - n_val:]}
-    out: dict[str, Any] = {}
-    for name, part in split.items():
-        out[name] = _rows(part, T, tok.pad_id, cfg.data.packing)
+    out = {name: _rows(part, T, tok.pad_id, cfg.data.packing) for name, part in split.items()}
     info = {"sft_source": source, "examples": len(examples), "dropped_no_response_after_truncation": dropped,
-            "truncated": truncated, "tokenizer": tdir, "packing": cfg.data.packing,
-            "train_rows": int(out["train"][0].shape[0]), "val_rows": int(out["val"][0].shape[0])}
+            "truncated": truncated, "longest_example_tokens": longest, "seq_len": T, "tokenizer": tdir,
+            "packing": cfg.data.packing}
+    for name, (_, y, _) in out.items():
+        info[f"{name}_rows"] = int(y.shape[0])
+        info[f"{name}_target_tokens"] = int((y != IGNORE).sum())
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="tmp-sft-", suffix=".pt")
     os.close(fd)
-    torch.save({"train": out["train"], "val": out["val"], "info": info, "tokenizer_dir": tdir}, tmp)
+    torch.save({"train": out["train"], "val": out["val"], "info": info}, tmp)
     os.replace(tmp, path)
-    return path
+    return path, tdir
+
+
+def report_lines(info: dict[str, Any]) -> list[str]:
+    """What happened to the examples, for rank 0 to print at the start of a run."""
+    n, dropped, cut = info["examples"], info["dropped_no_response_after_truncation"], info["truncated"]
+    lines = [f"data: {n} examples from {info['sft_source']}: {dropped} dropped, {cut} truncated at "
+             f"data.seq_len={info['seq_len']}; {info['train_rows']} train rows ({info['train_target_tokens']} "
+             f"target tokens), {info['val_rows']} validation rows ({info['val_target_tokens']} target tokens)"
+             + (", packed" if info["packing"] else "")]
+    if dropped > WARN_FRACTION * n or cut > WARN_FRACTION * n:
+        lines.append(f"warning: {dropped / n:.0%} of the examples were dropped (their response lies beyond "
+                     f"data.seq_len) and {cut / n:.0%} truncated; the longest has {info['longest_example_tokens']} "
+                     "tokens: raise data.seq_len to keep them whole")
+    if info["val_rows"] == 0:
+        lines.append("warning: no validation rows (data.val_fraction of the examples rounds to 0): no "
+                     "validation loss; raise data.val_fraction")
+    return lines
 
 
 def _rows(chunks: list[tuple[list[int], list[int]]], T: int, pad: int, packing: bool):
@@ -383,19 +456,31 @@ def build(cfg):
     """The Datasets of data.source=sft; local rank 0 prepares the cache, the others wait and read it."""
     import torch.distributed as dist
 
-    from shardlab.data import Datasets
-
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         if int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:
-            path = prepare(cfg)
+            prepare(cfg)
         dist.barrier()
-        path = prepare(cfg)  # present now: only reads the hash inputs
-    else:
-        path = prepare(cfg)
+    path, tdir = prepare(cfg)  # after the barrier: present, only the hash inputs are read
     blob = torch.load(path, weights_only=True)
-    tok = SFTTokenizer(blob["tokenizer_dir"])
+    tok = SFTTokenizer(tdir)
     train = SFTRows(*blob["train"])
     val = SFTRows(*blob["val"]) if blob["val"][0].shape[0] else None
-    info = {**blob["info"], "cache": str(path)}
+    info = {**blob["info"], "tokenizer": tdir, "cache": str(path)}
     return Datasets(train, val, vocab_size=tok.vocab_size, tokens_per_sample=None, info=info,
-                    tokenizer_dir=blob["tokenizer_dir"], real_tokens=train.real)
+                    tokenizer_dir=tdir, real_tokens=train.real, report=report_lines(info))
+
+
+# -- the source (shardlab.data.DATA_SOURCES) ---------------------------------------------------------
+def _check(cfg) -> None:
+    """data.source=sft: the data file exists; pretrained weights come with their tokenizer."""
+    d = cfg.data
+    if d.path is not None and not os.path.isfile(d.path):
+        raise ConfigError(f"data.path {d.path!r}: no such file; give a JSON or JSONL file of alpaca or chat records "
+                          "(or null for the embedded instruction set)")
+    problem = tokenizer_problem(cfg)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+# prepare: read, check (errors name file and line), tokenize and cache once, before the workers
+SOURCE = DataSource(name="sft", kind="tokens", build=build, check=_check, prepare=prepare, packing=True)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from shardlab.data.datasets import Datasets
+from shardlab.data.source import DataSource
+from shardlab.models import model_spec
+
 
 class SyntheticDataset(torch.utils.data.Dataset):
     """kind="tokens": (seq_len tokens, next tokens); "images": (3x32x32, label); "vectors": (d, label)."""
@@ -28,3 +32,18 @@ class SyntheticDataset(torch.utils.data.Dataset):
             return x, (x[: self.num_classes].argmax() if self.in_features >= self.num_classes
                        else torch.randint(0, self.num_classes, (), generator=g))
         raise ValueError(f"unknown synthetic kind {self.kind!r}")
+
+
+# -- the source (shardlab.data.DATA_SOURCES) ---------------------------------------------------------
+def _build(cfg) -> Datasets:
+    """Synthetic data shaped for the model: its kind and sizes."""
+    d, m = cfg.data, cfg.model
+    spec = model_spec(m.name)
+    kind, kw = spec.data_kind, {"seq_len": d.seq_len, **spec.synthetic(m)}
+    train = SyntheticDataset(kind, d.synthetic_samples, cfg.seed, **kw)
+    val = SyntheticDataset(kind, max(64, d.synthetic_samples // 20), cfg.seed + 7919, **kw)
+    return Datasets(train, val, vocab_size=kw.get("vocab_size") if kind == "tokens" else None,
+                    tokens_per_sample=d.seq_len if kind == "tokens" else None, info={"synthetic": kind})
+
+
+SOURCE = DataSource(name="synthetic", kind=None, build=_build)

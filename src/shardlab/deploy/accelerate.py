@@ -7,6 +7,8 @@ so the rendered directory is usable as-is; give it `train.py --args` to run your
 
 from __future__ import annotations
 
+import argparse
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import yaml
 
 from shardlab.deploy.common import (
     RESOLVED_CONFIG_NAME,
+    DeployTarget,
     RenderError,
     check_positive,
     resolve_config,
@@ -117,3 +120,25 @@ def render(req: AccelerateRequest) -> tuple[list[Path], str]:
     hint = (f"accelerate launch --config_file {sh_quote(str(out / ACCELERATE_CONFIG_NAME))} your_script.py"
             f"   # or on each node: MACHINE_RANK=<i> {sh_quote(str(out / LAUNCH_SCRIPT_NAME))}")
     return written, hint
+
+
+# -- the command (shardlab render accelerate) --------------------------------------------------------
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layer-cls", default="Block",
+                   help="transformer layer class to wrap (shardlab GPT: Block; HF: e.g. LlamaDecoderLayer)")
+    p.add_argument("--mixed-precision", default="fp16", choices=["fp16", "bf16", "no"],
+                   help="fp16 for T4 (default); bf16 on Ampere or newer")
+    p.add_argument("--main-process-ip", default=None, help="address of machine 0 (multi-node)")
+    p.add_argument("--main-process-port", type=int, default=29500)
+
+
+def _render_args(args: argparse.Namespace, common: dict) -> tuple[list[Path], str]:
+    if args.max_restarts != 3:
+        print("note: --max-restarts does not apply to accelerate configs", file=sys.stderr)
+    return render(AccelerateRequest(
+        **common, layer_cls=args.layer_cls, mixed_precision=args.mixed_precision,
+        main_process_ip=args.main_process_ip, main_process_port=args.main_process_port))
+
+
+TARGET = DeployTarget("accelerate", "an accelerate FSDP2 config and a per-node launch script", _add_arguments,
+                      _render_args)

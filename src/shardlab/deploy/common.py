@@ -6,12 +6,17 @@ request leaves the output directory untouched.
 
 from __future__ import annotations
 
-import os
+import argparse
 import re
 import shlex
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from shardlab import config as shardlab_config
+from shardlab.errors import RenderError
+from shardlab.shipped import config_path as shipped_or_file
 
 RESOLVED_CONFIG_NAME = "shardlab-config.yaml"
 
@@ -20,8 +25,35 @@ RESOLVED_CONFIG_NAME = "shardlab-config.yaml"
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
-class RenderError(ValueError):
-    """A request that cannot be rendered; the message says what to change."""
+@dataclass(frozen=True)
+class DeployTarget:
+    """One `shardlab render/submit` target (the registry: shardlab.deploy.DEPLOY_TARGETS).
+
+    add_arguments: its options, beside the common ones (`add_common_arguments`);
+    render: (parsed args, the common request fields) -> (written files, how to submit them);
+    submit: (parsed args, output directory) -> exit code, for targets that can be submitted,
+    with submit_arguments for the options only submitting takes."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    render: Callable[[argparse.Namespace, dict], tuple[list[Path], str]]
+    submit: Callable[[argparse.Namespace, Path], int] | None = None
+    submit_arguments: Callable[[argparse.ArgumentParser], None] = lambda p: None
+
+
+def add_common_arguments(p: argparse.ArgumentParser, target: str) -> None:
+    p.add_argument("config", metavar="CONFIG.yaml", help="shardlab config file")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.steps=100")
+    p.add_argument("--nodes", type=int, default=1, help="machines (default 1)")
+    p.add_argument("--gpus-per-node", type=int, default=1,
+                   help="GPUs per machine; 0 = CPU workers with gloo (slurm, k8s) (default 1)")
+    p.add_argument("--out", type=Path, default=None, help=f"output directory (default deploy/{target})")
+    p.add_argument("--max-restarts", type=int, default=3, help="torchrun agent restarts before giving up (default 3)")
+
+
+def out_dir(args: argparse.Namespace) -> Path:
+    return args.out if args.out is not None else Path("deploy") / args.target
 
 
 @dataclass
@@ -61,13 +93,9 @@ def with_defaults(overrides: list[str], defaults: dict[str, str]) -> list[str]:
 
 def resolve_config(config_path: str | None, overrides: list[str], world_size: int) -> ResolvedRun:
     """Load, override and validate the config for `world_size` ranks; raise RenderError."""
-    try:
-        from shardlab import config as shardlab_config
-    except ImportError as e:  # the lead's module; say so instead of a bare traceback
-        raise RenderError(f"shardlab.config is not available ({e}); cannot resolve the config") from e
-
-    if config_path is not None and not os.path.isfile(config_path):
-        raise RenderError(f"config file {config_path!r} does not exist")
+    if config_path is not None and shipped_or_file(config_path) is None:
+        raise RenderError(f"config file {config_path!r} does not exist (nor is it a shipped config's name: "
+                          "`shardlab configs`)")
     try:
         cfg = shardlab_config.load_config(config_path, list(overrides))
         shardlab_config.validate_for_world(cfg, world_size)

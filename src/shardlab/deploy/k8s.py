@@ -23,8 +23,11 @@ On GKE spot nodes the kubelet gives pods 15 s whatever the spec says (FIELD-NOTE
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
+import shutil
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,9 +36,11 @@ import yaml
 from shardlab import preemption
 from shardlab.deploy.common import (
     RESOLVED_CONFIG_NAME,
+    DeployTarget,
     RenderError,
     check_dns_label,
     check_positive,
+    out_dir,
     resolve_config,
     sh_quote,
     with_defaults,
@@ -488,9 +493,44 @@ def default_infra_config_yaml() -> str:
     return resolve_config(DEFAULT_INFRA_CONFIG, k8s_overrides(req, []), req.nodes * req.nproc).yaml_text
 
 
-def _main(argv: list[str] | None = None) -> int:
-    import argparse
+# -- the command (shardlab render/submit k8s) -------------------------------------------------------
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--image", default="shardlab:0.1.0", help="container image (Artifact Registry path, tag or @digest)")
+    p.add_argument("--name", default="shardlab-train", help="Job / Service name")
+    p.add_argument("--namespace", default="shardlab")
+    p.add_argument("--bucket", default="shardlab-data", help="GCS bucket for checkpoints and data (terraform output)")
+    p.add_argument("--service-account", default="shardlab-trainer",
+                   help="Kubernetes service account bound to the bucket by workload identity")
+    p.add_argument("--accelerator", default="nvidia-tesla-t4", help="value of cloud.google.com/gke-accelerator")
+    p.add_argument("--cpu-per-node", default="4", help="CPU request per pod (default 4)")
+    p.add_argument("--memory-per-node", default="16Gi", help="memory request and limit per pod (default 16Gi)")
+    p.add_argument("--shm-size", default="8Gi", help="size limit of the /dev/shm memory volume (default 8Gi)")
+    p.add_argument("--no-namespace-object", dest="create_namespace", action="store_false",
+                   help="do not create the Namespace (it exists already)")
 
+
+def _render_args(args: argparse.Namespace, common: dict) -> tuple[list[Path], str]:
+    return render(K8sRequest(
+        **common, name=args.name, namespace=args.namespace, image=args.image, bucket=args.bucket,
+        service_account=args.service_account, accelerator=args.accelerator, cpu_per_node=args.cpu_per_node,
+        memory_per_node=args.memory_per_node, shm_size=args.shm_size, max_restarts=args.max_restarts,
+        create_namespace=args.create_namespace))
+
+
+def _submit_args(args: argparse.Namespace, out: Path) -> int:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        raise RenderError("kubectl is not on PATH")
+    cmd = [kubectl, "apply", "-k", str(out_dir(args).resolve())]
+    print(" ".join(cmd))
+    return 0 if subprocess.run(cmd, timeout=120).returncode == 0 else 1
+
+
+TARGET = DeployTarget("k8s", "an Indexed Job + headless Service (kustomize base and overlays)", _add_arguments,
+                      _render_args, submit=_submit_args)
+
+
+def _main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m shardlab.deploy.k8s")
     p.add_argument("command", choices=["write-infra"])
     p.add_argument("--dir", default="infra/kubernetes")

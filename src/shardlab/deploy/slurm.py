@@ -16,6 +16,7 @@ forwards SIGUSR1, waits the grace period (--shutdown-timeout) and exits 75 after
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
@@ -26,9 +27,11 @@ from pathlib import Path
 from shardlab import preemption
 from shardlab.deploy.common import (
     RESOLVED_CONFIG_NAME,
+    DeployTarget,
     RenderError,
     check_dns_label,
     check_positive,
+    out_dir,
     resolve_config,
     sh_quote,
     with_defaults,
@@ -221,3 +224,49 @@ def submit(sbatch_file: Path, extra_args: list[str], timeout_s: float = 60.0) ->
         sys.stderr.write(proc.stderr)
         raise RenderError(f"sbatch failed with exit code {proc.returncode}")
     return proc.stdout.strip().split(";")[0]
+
+
+# -- the command (shardlab render/submit slurm) -----------------------------------------------------
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="workers per node (default: --gpus-per-node, or 1 on CPU nodes)")
+    p.add_argument("--cpus-per-task", type=int, default=None, help="CPUs per node's task (default 4 per GPU, 2 on CPU)")
+    p.add_argument("--job-name", default="shardlab")
+    p.add_argument("--partition", default=None, help="Slurm partition (default: the cluster's default)")
+    p.add_argument("--account", default=None)
+    p.add_argument("--qos", default=None)
+    p.add_argument("--time", dest="time_limit", default="01:00:00", help="time limit (default 01:00:00)")
+    p.add_argument("--mem", default=None, help="memory per node, e.g. 64G (default: the cluster's default)")
+    p.add_argument("--rdzv-port", type=int, default=29500)
+    p.add_argument("--socket-ifname", default=None,
+                   help="network interface for NCCL and gloo (default: NCCL avoids lo/docker0, gloo picks)")
+    p.add_argument("--python", default="python3", help="Python on the compute nodes that has shardlab installed")
+    p.add_argument("--setup", default="", help="shell line run before training, e.g. 'source ~/venv/bin/activate'")
+    p.add_argument("--workdir", default=None, help="job working directory (default: the current directory)")
+    p.add_argument("--requeue", action=argparse.BooleanOptionalAction, default=True,
+                   help="#SBATCH --requeue, and `scontrol requeue` after a preemption save (default: on; "
+                        "docs/preemption.md)")
+
+
+def _render_args(args: argparse.Namespace, common: dict) -> tuple[list[Path], str]:
+    return render(SlurmRequest(
+        **common, nproc_per_node=args.nproc_per_node, cpus_per_task=args.cpus_per_task,
+        job_name=args.job_name, partition=args.partition, account=args.account, qos=args.qos,
+        time_limit=args.time_limit, mem=args.mem, max_restarts=args.max_restarts, rdzv_port=args.rdzv_port,
+        socket_ifname=args.socket_ifname, python=args.python, setup=args.setup, workdir=args.workdir,
+        requeue=args.requeue))
+
+
+def _submit_args(args: argparse.Namespace, out: Path) -> int:
+    job_id = submit(out / SBATCH_NAME, list(args.sbatch_arg))
+    print(f"submitted Slurm job {job_id}; log: {(out_dir(args) / 'logs').resolve()}/{args.job_name}-{job_id}.out")
+    return 0
+
+
+def _add_submit_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
+                   help="extra sbatch option, repeatable, e.g. --sbatch-arg=--dependency=afterok:123")
+
+
+TARGET = DeployTarget("slurm", "an sbatch script: one torchrun agent per node", _add_arguments, _render_args,
+                      submit=_submit_args, submit_arguments=_add_submit_arguments)

@@ -7,12 +7,14 @@ lazily, so `single` needs nothing distributed).
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable import checkpoint
 
 from shardlab.engines.api import (
     ENGINE_ATTR,
@@ -65,8 +67,6 @@ def is_sharded(strategy: str) -> bool:
 
 def default_device() -> torch.device:
     if torch.cuda.is_available():
-        import os
-
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
 
@@ -90,7 +90,7 @@ def parallelize(model: nn.Module, strategy: str = "fsdp", wrap: Any = None, *,
     if unknown:
         raise TypeError(f"strategy {strategy!r} takes no option(s) {unknown}; "
                         f"its options are: {', '.join(cls.options) or 'none'}")
-    if strategy != "single" and not dist.is_initialized():
+    if cls.distributed and not dist.is_initialized():
         raise RuntimeError(f"strategy {strategy!r} needs torch.distributed initialized "
                            "(torch.distributed.init_process_group, or run through `shardlab train`)")
     if hasattr(model, ENGINE_ATTR):
@@ -98,8 +98,6 @@ def parallelize(model: nn.Module, strategy: str = "fsdp", wrap: Any = None, *,
     device = torch.device(device) if device is not None else default_device()
     units = resolve_units(model, wrap)
     if activation_checkpointing:
-        from torch.distributed._composable import checkpoint
-
         for unit in units:
             checkpoint(unit)
     engine = cls(model, group=group, device=device, units=units, **options)

@@ -1,12 +1,21 @@
-"""The hook machinery the sharded engines (`zero3`, `fsdp`) share.
+"""The hook machinery the engines that communicate from hooks (`ddp`, `zero3`, `fsdp`) share.
 
-Both engines run the model's own code unchanged and communicate from hooks: a forward
+The engines run the model's own code unchanged and communicate from hooks: a forward
 pre-hook gathers a unit, a forward hook frees it and hooks the outputs' gradients (the
 pre-backward), gradient hooks reduce, and a callback at the end of backward waits for what is
 still in flight. What differs is what a unit is made of (whole owned tensors vs flat slices);
-the pieces below are the same and live here once. The reasoning they follow is written once,
-in `engines/api.py`: [Note: why average], [Note: when the hooks fire], [Note: why we wait
-where we wait].
+the pieces below are the same and live here once: the hooks, the local accumulation inside
+`no_sync` (`NoSyncGrad`), a reduced gradient's way into `.grad` (`accumulate_grad_`, and
+`HostGrads` with CPU offload). Collectives, and the counting of what they move, are
+`engines/collectives.py`'s. The reasoning they follow is written once, in `engines/api.py`:
+[Note: why average], [Note: when the hooks fire], [Note: why we wait where we wait].
+
+[Note: names in the engines]
+What an engine built is public and read-only to everyone else: its layout (units, groups,
+slots, owners, shards), its policies (offload, dtypes) and its counters. What changes while a
+step runs (gathers alive, collectives in flight, the end-of-backward callback, gradients kept
+under no_sync or on their way to the host) is private, read by no other module: the tools
+get it through the contract (`Engine.memory_buffers`, engines/api.py).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from shardlab.engines import collectives
+from shardlab.engines.api import CPUOffload
 
 
 def weak_hook(method: Callable[..., Any], *args: Any) -> Callable[..., Any]:
@@ -107,6 +117,65 @@ class BackwardEnd:
     def _run(self) -> None:
         self.queued = False
         self._callback()
+
+
+@dataclass(eq=False)
+class NoSyncGrad:
+    """A gradient accumulated locally inside `no_sync()` (one per parameter or flat group): the
+    sum of the unsynced backwards' gradients, reduced together with the next synced backward's.
+    Whole (unsharded) and in the parameters' dtype, so accumulation trades memory for traffic."""
+
+    kept: torch.Tensor | None = None
+
+    def keep(self, grad: torch.Tensor, dtype: torch.dtype, *, copy: bool) -> None:
+        """Inside no_sync: add `grad` to what is kept (the first one becomes it, in `dtype`;
+        copy=False when the engine owns `grad` alone, as autograd handed it over)."""
+        if self.kept is None:
+            self.kept = grad.to(dtype, copy=copy)
+        else:
+            self.kept.add_(grad)
+
+    def take(self, grad: torch.Tensor) -> torch.Tensor:
+        """The first synced backward: what was kept plus `grad` (in place), and nothing kept after."""
+        if self.kept is None:
+            return grad
+        total, self.kept = self.kept.add_(grad), None
+        return total
+
+
+@torch.no_grad()
+def accumulate_grad_(param: nn.Parameter, grad: torch.Tensor) -> None:
+    """Add a reduced gradient into `param.grad`, which it becomes when there is none (cast to the
+    parameter's dtype: no copy when it already has it)."""
+    if param.grad is None:
+        param.grad = grad.to(param.dtype)
+    else:
+        param.grad.add_(grad)
+
+
+class HostGrads:
+    """With CPU offload, a reduced gradient goes back to host memory: copied asynchronously into a
+    fresh (pinned) host tensor as soon as its reduction completes, and added into its parameter's
+    `.grad` only at the end of backward, after synchronizing the stream (the host must not read
+    a copy still in flight)."""
+
+    def __init__(self, offload: CPUOffload, device: torch.device):
+        self.offload, self.device = offload, device
+        self._copies: list[tuple[nn.Parameter, torch.Tensor]] = []
+
+    def copy(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        host = self.offload.host_tensor(grad)
+        host.copy_(grad, non_blocking=host.is_pinned())  # device-to-host, asynchronous into pinned memory
+        self._copies.append((param, host))
+
+    def flush(self) -> None:
+        if not self._copies:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the D2H copies have landed
+        for param, host in self._copies:
+            accumulate_grad_(param, host)
+        self._copies.clear()
 
 
 @torch.no_grad()

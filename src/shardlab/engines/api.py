@@ -52,18 +52,43 @@ on the autograd engine (`_hooks.BackwardEnd`) that runs after the last node, sti
 launch (parameters unused in this step still take part, in the same order on every rank,
 so the collectives pair up), waits for everything in flight, and frees what is still
 gathered. Gathers are waited for right before their values are read.
+
+[Note: how many reductions may be in flight]
+zero3 and fsdp launch a gradient reduction asynchronously as soon as its input is complete,
+so it overlaps the backward of earlier units, and must keep that input alive until the
+reduction completes: bounding what is in flight bounds the backward peak. Each bounds it by
+what its reductions are made of, and the two choices answer each other:
+- fsdp reduce-scatters a unit's whole flat gradient in one collective per group, once the unit
+  is done: the thing in flight is a unit, so it counts units (MAX_UNITS_REDUCING = 1: a new
+  unit's reduce-scatter waits for the previous unit's). A byte cap set by the largest unit (a
+  GPT's embedding) would let many small blocks pile up; a count of units holds the peak to one
+  unit's gradient in flight whatever the sizes (fsdp.py's Note has the measurements).
+- zero3 reduces each owner's piece of a unit as soon as that owner's tensors are in: a unit
+  leaves as up to N reduces of very different sizes (a whole embedding owned by one rank, a
+  bias by another), launched at different moments and interleaved with the next unit's. No
+  unit is ever "in flight" as one thing, and counting pieces would let a bias-sized piece
+  stand for a unit's worth of bytes; so it counts bytes, waiting for the oldest reduce once
+  the buffers in flight exceed twice the largest unit's parameter bytes (`max_inflight_bytes`).
+  fsdp's objection applies to it: with a large root unit the cap admits several blocks'
+  gradients at once. It is kept as measured (docs/memory.md's zero3 peaks are with it); a cap
+  in bytes per block, not per largest unit, is the tighter bound it leaves open.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar, NamedTuple, Protocol, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from shardlab.engines.collectives import CommCounter, merged_seconds, merged_totals
+from shardlab.models import outermost_modules, repeated_blocks
+from shardlab.models.init import materialize_
 
 ENGINE_ATTR = "_shardlab_engine"
 
@@ -144,35 +169,86 @@ def resolve_units(model: nn.Module, wrap: WrapSpec) -> list[nn.Module]:
     A callable: every module for which wrap(module) is true (outermost only).
     """
     if wrap is None:
-        from shardlab.models import repeated_blocks
-
         return repeated_blocks(model)
     if isinstance(wrap, (set, frozenset, tuple, list)):
         classes = tuple(wrap)
         if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
             raise TypeError(f"wrap as a collection must hold nn.Module classes, got {wrap!r}")
-        predicate: Callable[[nn.Module], bool] = lambda m: isinstance(m, classes)  # noqa: E731
-    elif callable(wrap):
-        predicate = wrap
-    else:
-        raise TypeError(f"wrap must be None, a set of module classes or a predicate, not {type(wrap).__name__}")
-    units: list[nn.Module] = []
-    taken: set[int] = set()
-    for name, m in model.named_modules():
-        if m is model or any(id(a) in taken for a in _ancestors(model, name)):
-            continue
-        if predicate(m):
-            units.append(m)
-            taken.add(id(m))
-    return units
+        return outermost_modules(model, lambda m: isinstance(m, classes))
+    if callable(wrap):
+        return outermost_modules(model, wrap)
+    raise TypeError(f"wrap must be None, a set of module classes or a predicate, not {type(wrap).__name__}")
 
 
-def _ancestors(model: nn.Module, name: str) -> Iterator[nn.Module]:
-    parts = name.split(".") if name else []
-    m = model
-    for part in parts[:-1]:
-        m = getattr(m, part)
-        yield m
+class LocalTensor(NamedTuple):
+    """One tensor a rank keeps between steps, as plan counts its model state: elements,
+    bytes per element, and whether it trains (then it has a gradient and optimizer state)."""
+
+    numel: int
+    element_size: int
+    trainable: bool
+
+
+@dataclass(frozen=True)
+class ModelTraffic:
+    """What an engine's traffic per step depends on, measured on the (meta) model: parameter
+    bytes in the dtype they are communicated in, and the wrap units."""
+
+    param_bytes: float          # every parameter
+    trainable_bytes: float      # those that get a gradient
+    root_bytes: float           # those outside every wrap unit (the root's own)
+    units: int                  # wrap units, the root not counted
+    micro_batches: int          # forward/backward passes per rank per step
+    world: int
+
+
+class Collective(NamedTuple):
+    """One kind of collective in a step: its full (unsharded) bytes per call, calls per step,
+    and ranks in the group it runs over."""
+
+    kind: str
+    nbytes: float
+    calls: int
+    ranks: int
+
+
+def bucketed_all_reduce(model: ModelTraffic, bucket_bytes: int) -> list[Collective]:
+    """DDP's traffic: every trainable gradient all-reduced once per step, in buckets."""
+    calls = max(1, math.ceil(model.trainable_bytes / bucket_bytes))
+    return [Collective("all_reduce", model.trainable_bytes / calls, calls, model.world)]
+
+
+def gathered_unit_traffic(model: ModelTraffic, gather: str, reduce: str, group: int, *,
+                          root_kept: bool) -> list[Collective]:
+    """A sharded engine's traffic: every unit (the root one of them) gathered for forward at
+    every micro batch and again for backward (`root_kept`: the root stays gathered between the
+    two, so it is not gathered again), and its gradients reduced once per step, all within a
+    group of `group` ranks; with hybrid sharding (group < world) each unit's reduced 1/group
+    slice is then all-reduced across the world/group replicas."""
+    n = model.units + 1
+    again = n - 1 if root_kept else n
+    out = [Collective(gather, model.param_bytes / n, n * model.micro_batches, group),
+           Collective(gather, (model.param_bytes - (model.root_bytes if root_kept else 0)) / max(1, again),
+                      again * model.micro_batches, group),
+           Collective(reduce, model.trainable_bytes / n, n, group)]
+    if group < model.world:
+        out.append(Collective("all_reduce", model.trainable_bytes / n / group, n, model.world // group))
+    return out
+
+
+class MemoryTracking(Protocol):
+    """What the live-memory tracker (shardlab.memory.LiveMemoryTracker) offers an engine."""
+
+    tracking: bool              # a step is being tracked now
+
+    def hook_leaf(self, leaf: torch.Tensor, part: str) -> None:
+        """Claim as `part` the gradient autograd accumulates into `leaf`, after the engine's hooks."""
+
+    def hook_incoming(self, leaf: torch.Tensor, part: str) -> None:
+        """Claim as `part` the gradient flowing into `leaf`, before AccumulateGrad and its hooks."""
+
+    def keep_handle(self, handle: Any) -> None:
+        """Remove `handle` (a hook the engine registered for the tracker) when the tracker closes."""
 
 
 @dataclass(frozen=True)
@@ -196,14 +272,28 @@ class ShardPiece:
 class Engine:
     """Per-model state of one strategy. The defaults suit replicated engines (every rank holds
     the whole module); sharded engines set `grads_sharded` and override `full_state_dict`,
-    `load_full_state_dict`, `shard_layout` and, where storage is not plain, `model_state_bytes`."""
+    `load_full_state_dict`, `shard_layout` and, where storage is not plain, `model_state_bytes`.
+
+    Besides training, an engine answers what the tools ask of it (plan, memory, bench, config;
+    they hold no engine names): the class attributes below, `planned_state` (its exact state per
+    rank), `step_traffic` (what it sends per step), `memory_buffers` and `hook_memory_tracker`
+    (what it holds in flight, by part), `comm_counters` (what it counted)."""
 
     strategy: ClassVar[str]
     #: True when each rank's gradients are a disjoint part of the whole (sharded engines),
     #: False when every rank holds the whole gradient (replicated engines).
     grads_sharded: ClassVar[bool] = False
-    #: option names this engine accepts, for a clear error on a misspelt one.
+    #: option names this engine accepts, for a clear error on a misspelt one. The config keys
+    #: `parallel.<name>` reach it through them (config.engine_options), and config refuses a
+    #: key the strategy does not take (shard_size, offload) by asking them too.
     options: ClassVar[tuple[str, ...]] = ()
+    #: False for an engine that runs in one process without torch.distributed (`single`): no
+    #: process group is made for it and it runs at world size 1 only.
+    distributed: ClassVar[bool] = True
+    #: False when plan cannot probe the engine on a fake process group, whose collectives return
+    #: at once without peers (PyTorch's DDP reducer needs real ones); plan then probes it on a
+    #: real one-rank group, which is exact only when a rank's memory does not depend on N.
+    fake_group_probe: ClassVar[bool] = True
 
     def __init__(self, module: nn.Module, *, group: dist.ProcessGroup | None, device: torch.device,
                  units: list[nn.Module]):
@@ -275,14 +365,61 @@ class Engine:
         """The user's module (for engines that wrap it in another module, the inner one)."""
         return getattr(self, "inner", self.module)
 
+    def comm_counters(self) -> list[CommCounter]:
+        """The counters this engine's collectives add to (engines/collectives.py); none: not counted."""
+        return []
+
     def comm_stats(self) -> dict[str, dict[str, int]] | None:
         """Bytes per collective kind since wrap, when the engine counts them."""
-        return None
+        counters = self.comm_counters()
+        return merged_totals(counters) if counters else None
 
     def comm_seconds(self) -> dict[str, float] | None:
         """Seconds per collective kind since wrap, when the engine times them (what is timed:
         engines/collectives.py's docstring)."""
-        return None
+        counters = self.comm_counters()
+        return merged_seconds(counters) if counters else None
+
+    # -- what the tools ask (plan, memory) ------------------------------------------------------
+    @classmethod
+    def planned_state(cls, params: list[nn.Parameter], world: int, options: Mapping[str, Any]
+                      ) -> list[list[LocalTensor]] | None:
+        """The tensors each rank keeps between steps (its local parameters), by the engine's rule,
+        without building it: `params` are the model's unique parameters (on the meta device),
+        `options` the engine's. One list per distinct rank (plan takes the largest). None when
+        only building the engine tells: plan then builds it on the meta device on a fake
+        process group of `world` ranks, at the ranks `planned_ranks(world)`, and asks
+        `rank_states()`. Default (replicated): every rank holds every parameter whole."""
+        return [[LocalTensor(p.numel(), p.element_size(), p.requires_grad) for p in params]]
+
+    @classmethod
+    def planned_ranks(cls, world: int) -> list[int]:
+        """The ranks plan builds the engine at when `planned_state` says None (the largest state
+        is taken over what they report)."""
+        return [0]
+
+    def rank_states(self) -> list[list[LocalTensor]]:
+        """What a built engine knows of the ranks' local tensors: by default this rank's own."""
+        return [[LocalTensor(p.numel(), p.element_size(), p.requires_grad) for p in self.local_parameters()]]
+
+    @classmethod
+    def step_traffic(cls, model: ModelTraffic, options: Mapping[str, Any]) -> list[Collective]:
+        """The collectives one training step issues, by design (docs/engines.md), for the time
+        model of `shardlab plan`. Default: none (one process)."""
+        return []
+
+    def memory_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(part, tensor) for the transient buffers this engine holds right now, by the part
+        names of shardlab.memory ("gathered_params", "unsharded_grads", "comm", "grads"), for
+        the live-memory tracker. Read-only. Local parameters, their `.grad` and optimizer state
+        are not listed (the tracker reads them directly). Default: none."""
+        return iter(())
+
+    def hook_memory_tracker(self, tracker: MemoryTracking) -> None:
+        """Let `tracker` claim the gradients autograd delivers to the leaves this engine makes
+        (gathered parameters), the moment they arrive ([Note: a gradient is a gradient from
+        birth], shardlab/memory.py). Called when the tracker starts and at every step's end
+        (leaves made since); a leaf already hooked is skipped by the tracker. Default: none."""
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -346,8 +483,6 @@ def materialize_whole_(module: nn.Module, device: torch.device) -> nn.Module:
     """For engines that keep the whole model: give a meta model real storage, initialized
     exactly as the same model built directly (see shardlab.models.init)."""
     if is_meta(module):
-        from shardlab.models.init import materialize_
-
         materialize_(module, device, getattr(module, "init_seed", 0))
     return module.to(device)
 
@@ -361,6 +496,7 @@ class LocalEngine(Engine):
     """`single`: one process (or each rank on its own, unsynchronized). The reference."""
 
     strategy = "single"
+    distributed = False
 
     def __init__(self, module: nn.Module, **kw: Any):
         super().__init__(module, **kw)

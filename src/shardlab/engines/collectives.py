@@ -25,6 +25,7 @@ not transfer times (docs/benchmarks.md).
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -70,6 +71,26 @@ class CommCounter:
     def reset(self) -> None:
         self.totals.clear()
         self.seconds.clear()
+
+
+def merged_totals(counters: list[CommCounter]) -> dict[str, dict[str, int]]:
+    """Per-kind totals of several counters (an engine counting over two groups) summed."""
+    out: dict[str, dict[str, int]] = {}
+    for c in counters:
+        for kind, totals in c.totals.items():
+            mine = out.setdefault(kind, {})
+            for k, v in totals.items():
+                mine[k] = mine.get(k, 0) + v
+    return out
+
+
+def merged_seconds(counters: list[CommCounter]) -> dict[str, float]:
+    """Per-kind seconds of several counters summed."""
+    out: dict[str, float] = {}
+    for c in counters:
+        for kind, seconds in c.seconds.items():
+            out[kind] = out.get(kind, 0.0) + seconds
+    return out
 
 
 class TimedWork(dist.Work):
@@ -126,7 +147,8 @@ def _world(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def nbytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor's elements: what a collective counts as its payload."""
     return t.numel() * t.element_size()
 
 
@@ -136,7 +158,7 @@ def all_reduce(tensor: torch.Tensor, group=None, *, average: bool = False, async
     world = _world(group)
     issued = time.perf_counter()
     if counter is not None:
-        counter.add("all_reduce", _nbytes(tensor), world)
+        counter.add("all_reduce", nbytes(tensor), world)
     if world == 1:
         return timed(counter, "all_reduce", issued, None)
     if average:
@@ -152,7 +174,7 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, *, async_op: bool = Fa
     world = _world(group)
     issued = time.perf_counter()
     if counter is not None:
-        counter.add("broadcast", _nbytes(tensor), world)
+        counter.add("broadcast", nbytes(tensor), world)
     if world == 1:
         return timed(counter, "broadcast", issued, None)
     return timed(counter, "broadcast", issued,
@@ -166,7 +188,7 @@ def reduce(tensor: torch.Tensor, dst: int, group=None, *, average: bool = False,
     world = _world(group)
     issued = time.perf_counter()
     if counter is not None:
-        counter.add("reduce", _nbytes(tensor), world)
+        counter.add("reduce", nbytes(tensor), world)
     if world == 1:
         return timed(counter, "reduce", issued, None)
     if average:
@@ -242,7 +264,7 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, *, as
         raise ValueError(f"all_gather_into: output has {output.numel()} elements, expected {world} x {shard.numel()}")
     issued = time.perf_counter()
     if counter is not None:
-        counter.add("all_gather", _nbytes(output), world)
+        counter.add("all_gather", nbytes(output), world)
     if world == 1:
         output.copy_(shard.view_as(output))
         return timed(counter, "all_gather", issued, None)
@@ -264,7 +286,7 @@ def reduce_scatter_into(shard: torch.Tensor, full: torch.Tensor, group=None, *, 
         raise ValueError(f"reduce_scatter_into: input has {full.numel()} elements, expected {world} x {shard.numel()}")
     issued = time.perf_counter()
     if counter is not None:
-        counter.add("reduce_scatter", _nbytes(full), world)
+        counter.add("reduce_scatter", nbytes(full), world)
     if average and world > 1:
         full.div_(world)
     if world == 1:
@@ -284,8 +306,6 @@ def ranks_per_node() -> int | None:
     """The ranks on this node, from the launcher's environment: torchrun's LOCAL_WORLD_SIZE, or
     Slurm's SLURM_NTASKS_PER_NODE when srun starts the workers itself (no torchrun: RANK unset,
     as runtime.env_world reads it); None when neither says."""
-    import os
-
     env = os.environ
     candidates = [env.get("LOCAL_WORLD_SIZE", "")]
     if "RANK" not in env and "SLURM_PROCID" in env:

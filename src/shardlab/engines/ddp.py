@@ -34,6 +34,7 @@ mixed_precision: only its `reduce_dtype` applies here: gradients are communicate
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +43,14 @@ from torch import nn
 
 from shardlab.engines import _hooks
 from shardlab.engines import collectives as C
-from shardlab.engines.api import Engine, MixedPrecision, materialize_whole_
+from shardlab.engines.api import (
+    Collective,
+    Engine,
+    MixedPrecision,
+    ModelTraffic,
+    bucketed_all_reduce,
+    materialize_whole_,
+)
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
@@ -67,6 +75,10 @@ class DDPEngine(Engine):
     strategy = "ddp"
     grads_sharded = False
     options = ("bucket_size_bytes", "mixed_precision")
+
+    @classmethod
+    def step_traffic(cls, model: ModelTraffic, options: Mapping[str, Any]) -> list[Collective]:
+        return bucketed_all_reduce(model, options.get("bucket_size_bytes", DEFAULT_BUCKET_BYTES))
 
     def __init__(self, module: nn.Module, *, bucket_size_bytes: int = DEFAULT_BUCKET_BYTES,
                  mixed_precision: Any = None, **kw: Any):
@@ -191,8 +203,9 @@ class DDPEngine(Engine):
     # freed at zero_grad), or accumulates into the view itself otherwise (then nothing to copy).
 
     # -- the rest of the contract ---------------------------------------------------------------
-    def comm_stats(self) -> dict[str, dict[str, int]]:
-        return self.counter.snapshot()
+    def comm_counters(self) -> list[C.CommCounter]:
+        return [self.counter]
 
-    def comm_seconds(self) -> dict[str, float]:
-        return self.counter.seconds_snapshot()
+    def memory_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for b in self.buckets:
+            yield "comm", b.buffer                     # "grads" once `.grad` are views into it

@@ -1,4 +1,6 @@
 """FSDP from scratch: every parameter, gradient and optimizer state is sliced across ranks.
+How the model is cut into units and flat groups is engines/fsdp_layout.py; this file is the
+engine: when units are gathered, freed and reduced.
 
 The algorithm
 -------------
@@ -118,80 +120,29 @@ forward (no grad) or of the backward.
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from shardlab.engines import _hooks, collectives
-from shardlab.engines.api import CPUOffload, Engine, MixedPrecision, ShardPiece, is_meta
-from shardlab.models.init import RANGE_READERS_ATTR, canonical_names, init_parameters_
-
-
-class UnitState(enum.Enum):
-    """Where a unit's full buffers are: freed, being all-gathered (async), or usable."""
-
-    SHARDED = "sharded"
-    GATHERING = "gathering"
-    GATHERED = "gathered"
-
+from shardlab.engines.api import (
+    Collective,
+    CPUOffload,
+    Engine,
+    LocalTensor,
+    MemoryTracking,
+    MixedPrecision,
+    ModelTraffic,
+    ShardPiece,
+    gathered_unit_traffic,
+    is_meta,
+)
+from shardlab.engines.fsdp_layout import FlatGroup, FlatUnit, ShardSpec, UnitState, build_flat_units
+from shardlab.models.init import canonical_names
 
 MAX_UNITS_REDUCING = 1  # see [Note: how many reduce-scatters may be in flight]
-
-
-@dataclass(eq=False)
-class FlatEntry:
-    """One original parameter inside a group's flat buffer."""
-
-    name: str                              # canonical name (first in named_parameters)
-    shape: torch.Size
-    offset: int                            # first element in the flat buffer
-    numel: int
-    bindings: list[tuple[nn.Module, str]]  # every (module, attribute) that refers to it
-
-
-@dataclass(eq=False)
-class FlatGroup:
-    """Parameters of one unit that share requires_grad and dtype, as one sharded flat buffer."""
-
-    unit: FlatUnit
-    entries: list[FlatEntry]
-    shard: nn.Parameter                    # this rank's slice, in the parameters' dtype: what the optimizer sees
-    full: torch.Tensor                     # gathered buffer (leaf, compute dtype), storage freed when sharded
-    full_data: torch.Tensor                # full.data: same storage, own version counter
-    sizes: list[int]                       # split sizes: entries, then padding
-    handle: Any = None                     # in-flight all-gather
-    send: torch.Tensor | None = None       # kept alive while the all-gather runs
-    unsharded_grad: torch.Tensor | None = None  # no_sync accumulation (full size, the shard's dtype)
-    grads_computed: bool = False           # its parameters' gradients are all in (SplitBackward is next)
-
-    @property
-    def trainable(self) -> bool:
-        return self.shard.requires_grad
-
-
-@dataclass(eq=False)
-class FlatUnit:
-    """A wrap unit (or the root's remaining parameters): its groups are gathered, used and freed
-    together. One group per (requires_grad, dtype) found in it, trainable groups first."""
-
-    module: nn.Module
-    is_root: bool
-    groups: list[FlatGroup] = field(default_factory=list)
-    state: UnitState = UnitState.SHARDED
-    tracked_views: bool = False            # autograd-connected views installed for this step
-    needs_backward: bool = False           # ran forward with grad; its post-backward is due
-    grads_due: int = 0                     # trainable groups whose gradient has not arrived yet
-    splits_due: int = 0                    # trainable groups whose SplitBackward has not started yet
-    input_hooks: int = 0                   # input-gradient hooks armed this step (units with frozen groups)
-    inputs_due: int = 0                    # ... of which not fired yet
-
-    @property
-    def has_frozen(self) -> bool:
-        return any(not g.trainable for g in self.groups)
 
 
 class FSDPEngine(Engine):
@@ -212,176 +163,39 @@ class FSDPEngine(Engine):
         # [Note: CPU offload] shards, their gradients and the optimizer state on the host
         self.offload = CPUOffload.parse(offload)
         self.replica_counter = collectives.CommCounter()  # all-reduces over the replica group
-        self.host_grads: list[tuple[FlatGroup, torch.Tensor]] = []  # offload: reduced gradients copied to the host
-        self.pending_all_reduces: list[tuple[FlatGroup, torch.Tensor, Any]] = []  # HSDP: (group, shard grad, handle)
+        self._host_grads = _hooks.HostGrads(self.offload, self.device) if self.offload is not None else None
+        self._pending_all_reduces: list[tuple[FlatGroup, torch.Tensor, Any]] = []  # HSDP: (group, shard grad, handle)
         mp = MixedPrecision.parse(mixed_precision) or MixedPrecision()
         # None: each group computes and communicates in its parameters' own dtype.
         self.param_dtype = mp.param_dtype
         self.reduce_dtype = mp.reduce_dtype or mp.param_dtype
         self.counter = collectives.CommCounter()
         self.sync_grads = True
-        self.backward_end = _hooks.BackwardEnd(self._finish_backward)
+        self._backward_end = _hooks.BackwardEnd(self._finish_backward)
         # reduce-scatters in flight, oldest first: (group, output shard, input full gradient, handle)
-        self.pending_reduces: list[tuple[FlatGroup, torch.Tensor, torch.Tensor, Any]] = []
-        self.forward_order: list[FlatUnit] = []
-        self._build_groups(module)
+        self._pending_reduces: list[tuple[FlatGroup, torch.Tensor, torch.Tensor, Any]] = []
+        self._forward_order: list[FlatUnit] = []
+        self._build(module)
         self._install_hooks()
 
     # -- construction ---------------------------------------------------------------------------
-    def _build_groups(self, root: nn.Module) -> None:
+    def _build(self, root: nn.Module) -> None:
+        """The flat units (engines/fsdp_layout.py), buffers equal to rank 0's, hooks on the gradients."""
         names = canonical_names(root)
-        seed = getattr(root, "init_seed", 0)
         meta = is_meta(root)
         self.state_keys = _hooks.StateDictMirror(root, lambda p: names[id(p)])
-
-        # Group tree: the root, then the units; each module belongs to the innermost unit.
-        owners = [root, *self.units]
-        unit_ids = {id(u) for u in self.units}
-        group_of_module: dict[int, int] = {}
-        parent: dict[int, int | None] = {0: None}
-        for gi, owner in enumerate(owners):
-            stack, seen = [owner], set()
-            while stack:
-                m = stack.pop()
-                if id(m) in seen:
-                    continue
-                seen.add(id(m))
-                if m is not owner and id(m) in unit_ids:
-                    parent[owners.index(m)] = gi
-                    continue
-                group_of_module[id(m)] = gi
-                stack.extend(m.children())
-
-        def ancestry(gi: int) -> list[int]:
-            path = [gi]
-            while parent.get(path[-1]) is not None:
-                path.append(parent[path[-1]])
-            return path[::-1]
-
-        # Parameters by id, with all their bindings; a tied parameter goes to the innermost
-        # unit that contains all of its bindings (so that unit is gathered at every use).
-        bindings: dict[int, list[tuple[nn.Module, str]]] = {}
-        tensors: dict[int, nn.Parameter] = {}
-        for m in root.modules():
-            for attr, p in m._parameters.items():
-                if p is not None:
-                    bindings.setdefault(id(p), []).append((m, attr))
-                    tensors[id(p)] = p
-        members: list[list[int]] = [[] for _ in owners]
-        order = {pid: i for i, pid in enumerate(names)}
-        for pid in sorted(bindings, key=order.__getitem__):
-            paths = [ancestry(group_of_module[id(m)]) for m, _ in bindings[pid]]
-            common = 0
-            for level in zip(*paths):
-                if len(set(level)) > 1:
-                    break
-                common = level[0]
-            members[common].append(pid)
-
-        self.flat_units: list[FlatUnit] = []
-        self.groups: list[FlatGroup] = []
-        materialized: dict[int, str] = dict(names)
-        range_readers = getattr(root, RANGE_READERS_ATTR, None) if meta else None
-        readers: dict[int, Any] = {}  # pid -> read(start, end): left on meta, only our range is read
-        for gi, owner in enumerate(owners):
-            pids = members[gi]
-            region = [m for m in owner.modules() if group_of_module.get(id(m)) == gi]
-            if meta:
-                # Materialize this unit only: its parameters and its modules' buffers. Parameters
-                # the model reads by range (pretrained weights) stay meta: _make_group reads the
-                # range this rank keeps (see [Note: reading a flat range by rows] in models/hf.py).
-                if range_readers is not None:
-                    readers.update(range_readers([tensors[pid] for pid in pids], names))
-                for pid in pids:
-                    if pid in readers:
-                        continue
-                    p = tensors[pid]
-                    new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.device),
-                                       p.requires_grad)
-                    materialized[id(new)] = names[pid]
-                    for m, attr in bindings[pid]:
-                        m._parameters[attr] = new
-                    tensors[pid] = new
-                for m in region:
-                    for bname, b in m._buffers.items():
-                        if b is not None and b.device.type == "meta":
-                            m._buffers[bname] = torch.empty_like(b, device=self.device)
-                init_modules = region + [m for pid in pids for m, _ in bindings[pid]]
-                init_parameters_(root, seed, modules=init_modules, names=materialized)
-            else:
-                for m in region:
-                    for bname, b in m._buffers.items():
-                        if b is not None:
-                            m._buffers[bname] = b.to(self.device)
-            if pids:
-                unit = FlatUnit(owner, gi == 0)
-                # [Note: frozen and trainable parameters in one unit]
-                # One flat group per (requires_grad, dtype): a shard is one Parameter, so it is
-                # either trained or not, and holds one dtype. Frozen groups are gathered and
-                # freed with the unit's trainable ones, but their shard has requires_grad=False
-                # (torch optimizers and clip_grad_norm_ skip it: it never has a .grad), their
-                # full buffer is no autograd leaf, and nothing of theirs is reduce-scattered.
-                keys: dict[tuple[bool, torch.dtype], list[int]] = {}
-                for pid in pids:
-                    keys.setdefault((tensors[pid].requires_grad, tensors[pid].dtype), []).append(pid)
-                first_dtype = tensors[pids[0]].dtype
-                for (trainable, dtype), group_pids in sorted(keys.items(), key=lambda kv: not kv[0][0]):
-                    name = "flat_shard" + ("" if trainable else "_frozen")
-                    name += "" if dtype == first_dtype else "_" + str(dtype).removeprefix("torch.")
-                    params = [(names[pid], tensors.pop(pid), bindings[pid], readers.pop(pid, None))
-                              for pid in group_pids]
-                    unit.groups.append(self._make_group(unit, params, name))
-                    del params  # the full tensors die here: one unit materialized at a time
-                self.flat_units.append(unit)
-                self.groups.extend(unit.groups)
+        spec = ShardSpec(self.device, self.shard_size, self.shard_rank, self.offload, self.param_dtype)
+        self.flat_units: list[FlatUnit] = build_flat_units(root, self.units, names, spec, meta=meta)
+        self.groups: list[FlatGroup] = [g for u in self.flat_units for g in u.groups]
         # Buffers stay whole on every rank; rank 0's values win (as in DDP).
         _hooks.broadcast_from_rank0(root.buffers(), self.group, self.counter)
         first = self.flat_units[0] if self.flat_units else None
         self.root_unit: FlatUnit | None = first if first is not None and first.is_root else None
         self.wrap_units = [u for u in self.flat_units if not u.is_root]
-        self.unit_index = {id(u): i for i, u in enumerate(self.wrap_units)}
-
-    def _compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return self.param_dtype if self.param_dtype is not None and dtype.is_floating_point else dtype
-
-    @torch.no_grad()
-    def _make_group(self, unit: FlatUnit, params: list, shard_name: str) -> FlatGroup:
-        """Flatten `params` (name, full tensor, bindings, range reader or None), all of one
-        requires_grad and dtype, keep this rank's slice, drop the rest. A parameter with a range
-        reader is a meta tensor: only the elements of this rank's slice are read."""
-        dtype, trainable = params[0][1].dtype, params[0][1].requires_grad
-        entries, offset = [], 0
-        for name, p, binds, _read in params:
-            entries.append(FlatEntry(name, p.shape, offset, p.numel(), binds))
-            offset += p.numel()
-        padded = -(-offset // self.shard_size) * self.shard_size
-        shard_numel = padded // self.shard_size
-        lo = self.shard_rank * shard_numel
-        if self.offload is not None:
-            shard = self.offload.host_tensor(params[0][1], shard_numel).zero_()
-        else:
-            shard = torch.zeros(shard_numel, dtype=dtype, device=self.device)
-        for e, (_, p, _, read) in zip(entries, params):
-            a, b = max(lo, e.offset), min(lo + shard_numel, e.offset + e.numel)
-            if a < b:
-                value = read(a - e.offset, b - e.offset) if read is not None else p.detach().reshape(-1)[a - e.offset:b - e.offset]
-                shard[a - lo:b - lo].copy_(value)
-        for e in entries:  # the full tensors are freed here: no attribute refers to them now
-            for m, attr in e.bindings:
-                del m._parameters[attr]
-        shard_param = nn.Parameter(shard, requires_grad=trainable)
-        unit.module.register_parameter(shard_name, shard_param)
-        compute_dtype = self._compute_dtype(dtype)
-        full = torch.empty(padded, dtype=compute_dtype, device=self.device)
-        full.requires_grad_(trainable)
-        full.untyped_storage().resize_(0)
-        group = FlatGroup(unit, entries, shard_param, full, full.data, [e.numel for e in entries] + [padded - offset])
-        if trainable:
-            full.register_post_accumulate_grad_hook(_hooks.weak_hook(self._post_backward, group))
-        for e in entries:  # outside forward/backward the original names are shape-only placeholders
-            for m, attr in e.bindings:
-                setattr(m, attr, torch.empty(e.shape, dtype=compute_dtype, device="meta"))
-        return group
+        self._unit_index = {id(u): i for i, u in enumerate(self.wrap_units)}
+        for g in self.groups:
+            if g.trainable:
+                g.full.register_post_accumulate_grad_hook(_hooks.weak_hook(self._post_backward, g))
 
     def _install_hooks(self) -> None:
         root = self.module
@@ -478,7 +292,7 @@ class FSDPEngine(Engine):
         if _hooks.in_backward():
             return None
         if not any(u.needs_backward for u in self.flat_units):
-            self.forward_order.clear()  # the last forward's backward is done (or never comes)
+            self._forward_order.clear()  # the last forward's backward is done (or never comes)
         first_unit = self.wrap_units[0] if self.wrap_units else None
         if self.root_unit is not None:
             self._gather_for_forward(self.root_unit, first_unit)
@@ -511,11 +325,11 @@ class FSDPEngine(Engine):
         if _hooks.in_backward():  # activation-checkpointing recompute: just make sure we are gathered
             self._gather(u)
             return None
-        i = self.unit_index[id(u)]
+        i = self._unit_index[id(u)]
         nxt = self.wrap_units[i + 1] if i + 1 < len(self.wrap_units) else None
         self._gather_for_forward(u, nxt)
         if torch.is_grad_enabled():
-            self.forward_order.append(u)
+            self._forward_order.append(u)
         args, kwargs = self._cast_inputs(args, kwargs)
         self._arm_inputs(u, args, kwargs)
         return args, kwargs
@@ -535,13 +349,13 @@ class FSDPEngine(Engine):
 
     # -- backward hooks -------------------------------------------------------------------------
     def _pre_backward(self, u: FlatUnit) -> None:
-        self.backward_end.arm()
+        self._backward_end.arm()
         if not u.needs_backward:
             return
         if u.state is UnitState.SHARDED:
             self._start_gather(u, async_op=True)
         if self.prefetch and not u.is_root:
-            order = self.forward_order
+            order = self._forward_order
             i = len(order) - 1 - order[::-1].index(u) if u in order else -1
             for prev in reversed(order[:max(i, 0)]):
                 if prev is not u and prev.needs_backward:
@@ -597,13 +411,13 @@ class FSDPEngine(Engine):
         self._reshard(u)
 
     def _inputs_done(self, u: FlatUnit) -> None:
-        self.backward_end.arm()
+        self._backward_end.arm()
         u.inputs_due = max(0, u.inputs_due - 1)
         if u.needs_backward and self._unit_backward_done(u):
             self._finish_unit(u)
 
     def _post_backward(self, g: FlatGroup, _full: torch.Tensor | None = None) -> None:
-        self.backward_end.arm()
+        self._backward_end.arm()
         u = g.unit
         full_grad = g.full.grad
         g.full.grad = None
@@ -613,25 +427,22 @@ class FSDPEngine(Engine):
         if full_grad is None:
             return
         if not self.sync_grads:
-            # [no_sync] keep the whole local gradient; reduce the sum on the next synced backward.
-            if g.unsharded_grad is None:
-                g.unsharded_grad = full_grad.to(g.shard.dtype)  # ours alone: autograd handed it over
-            else:
-                g.unsharded_grad.add_(full_grad)
+            # [no_sync] keep the whole local gradient (ours alone: autograd handed it over); reduce
+            # the sum on the next synced backward.
+            g.unsynced.keep(full_grad, g.shard.dtype, copy=False)
             return
-        if g.unsharded_grad is not None:
-            full_grad = g.unsharded_grad.add_(full_grad)
-            g.unsharded_grad = None
+        full_grad = g.unsynced.take(full_grad)
         reduce_dtype = self.reduce_dtype or g.shard.dtype
         full_grad = full_grad.to(reduce_dtype)
         out = torch.empty(g.shard.numel(), dtype=reduce_dtype, device=self.device)
         handle = collectives.reduce_scatter_into(out, full_grad, self.shard_group, average=True, async_op=True,
                                                  counter=self.counter)
-        self.pending_reduces.append((g, out, full_grad, handle))
-        while len({id(p[0].unit) for p in self.pending_reduces}) > MAX_UNITS_REDUCING:
+        self._pending_reduces.append((g, out, full_grad, handle))
+        while len({id(p[0].unit) for p in self._pending_reduces}) > MAX_UNITS_REDUCING:
             self._complete_oldest_reduce()
 
-    # [Note: how many reduce-scatters may be in flight]
+    # [Note: how many reduce-scatters may be in flight] (zero3's choice beside it: [Note: how many
+    # reductions may be in flight], engines/api.py)
     # A reduce-scatter's input is the unit's whole unsharded gradient (4 bytes per parameter
     # in fp32, not divided by N), and it must stay alive until the collective completes.
     # Keeping every one until the end of backward would hold the whole model's gradient at
@@ -649,55 +460,41 @@ class FSDPEngine(Engine):
     def _complete_oldest_reduce(self) -> None:
         """Wait for the oldest reduce-scatter in flight and free its input; then (HSDP) start the
         all-reduce of its averaged shard over the replica group, or add it into `shard.grad`."""
-        g, out, _full_grad, handle = self.pending_reduces.pop(0)
+        g, out, _full_grad, handle = self._pending_reduces.pop(0)
         if handle is not None:
             handle.wait()
         if self.replica_group is not None:
             # averaged over the S ranks of the shard group, now over the R replicas: the mean over N
             ar = collectives.all_reduce(out, self.replica_group, average=True, async_op=True,
                                         counter=self.replica_counter)
-            self.pending_all_reduces.append((g, out, ar))
+            self._pending_all_reduces.append((g, out, ar))
             return
         self._accumulate_grad(g, out)
 
-    @torch.no_grad()
     def _accumulate_grad(self, g: FlatGroup, out: torch.Tensor) -> None:
-        """Add a fully reduced shard gradient into `shard.grad` (on the host with offload)."""
-        if self.offload is not None:
-            # device-to-host, asynchronous into pinned memory; added at the end of backward,
-            # once the stream is synchronized (see _finish_backward)
-            host = self.offload.host_tensor(out)
-            host.copy_(out, non_blocking=host.is_pinned())
-            self.host_grads.append((g, host))
-            return
-        if g.shard.grad is None:
-            g.shard.grad = out.to(g.shard.dtype)  # no copy when already in the shard's dtype
+        """Add a fully reduced shard gradient into `shard.grad` (on the host with offload: added
+        at the end of backward, once the copies have landed)."""
+        if self._host_grads is not None:
+            self._host_grads.copy(g.shard, out)
         else:
-            g.shard.grad.add_(out)
+            _hooks.accumulate_grad_(g.shard, out)
 
     @torch.no_grad()
     def _finish_backward(self) -> None:
-        while self.pending_reduces:
+        while self._pending_reduces:
             self._complete_oldest_reduce()
-        for g, out, handle in self.pending_all_reduces:  # in launch order, the same on every rank
+        for g, out, handle in self._pending_all_reduces:  # in launch order, the same on every rank
             if handle is not None:
                 handle.wait()
             self._accumulate_grad(g, out)
-        self.pending_all_reduces.clear()
-        if self.host_grads:
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()  # the D2H copies have landed
-            for g, host in self.host_grads:
-                if g.shard.grad is None:
-                    g.shard.grad = host.to(g.shard.dtype)
-                else:
-                    g.shard.grad.add_(host)
-            self.host_grads.clear()
+        self._pending_all_reduces.clear()
+        if self._host_grads is not None:
+            self._host_grads.flush()
         for u in self.flat_units:  # units whose backward never came, or gave no signal (frozen)
             self._finish_unit(u)
         for g in self.groups:
             g.full.grad = None
-        self.forward_order.clear()
+        self._forward_order.clear()
 
     # -- the contract ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -744,14 +541,44 @@ class FSDPEngine(Engine):
             layout.append((g.shard, pieces))
         return layout
 
-    def comm_stats(self) -> dict[str, dict[str, int]]:
-        """Bytes per collective kind: all-gathers and reduce-scatters over the shard group (and
-        the wrap-time broadcasts over the whole group), all-reduces over the replica group."""
-        return {**self.counter.snapshot(), **self.replica_counter.snapshot()}
+    def comm_counters(self) -> list[collectives.CommCounter]:
+        """All-gathers and reduce-scatters over the shard group (and the wrap-time broadcasts over
+        the whole group); all-reduces over the replica group."""
+        return [self.counter, self.replica_counter]
 
-    def comm_seconds(self) -> dict[str, float]:
-        """Seconds per kind; the two counters never share a kind (the replica group only all-reduces)."""
-        return {**self.counter.seconds_snapshot(), **self.replica_counter.seconds_snapshot()}
+    # -- what the tools ask (engines/api.py) ----------------------------------------------------
+    @classmethod
+    def planned_state(cls, params: list[nn.Parameter], world: int, options: Mapping[str, Any]
+                      ) -> list[list[LocalTensor]] | None:
+        """Flat groups per unit, padded: built, not re-derived."""
+        return None
+
+    @classmethod
+    def planned_ranks(cls, world: int) -> list[int]:
+        """Padding only shrinks the last rank's slice ([Note: padding]): the first and the last tell."""
+        return sorted({0, world - 1})
+
+    @classmethod
+    def step_traffic(cls, model: ModelTraffic, options: Mapping[str, Any]) -> list[Collective]:
+        """Every unit all-gathered in forward and again in backward (not the root, kept gathered),
+        gradients reduce-scattered once per step within the shard group ([Note: hybrid sharding])."""
+        group = options.get("shard_size") or model.world
+        return gathered_unit_traffic(model, "all_gather", "reduce_scatter", group, root_kept=True)
+
+    def memory_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for g in self.groups:
+            yield "gathered_params", g.full_data       # resized to 0 when sharded
+            if g.send is not None:
+                yield "comm", g.send                   # the low-precision all-gather input (fp32: the shard)
+            if g.unsynced.kept is not None:
+                yield "unsharded_grads", g.unsynced.kept  # no_sync accumulation
+        for _g, out, full_grad, _handle in self._pending_reduces:
+            yield "unsharded_grads", full_grad         # a unit's whole gradient, kept until its reduce-scatter completes
+            yield "grads", out                         # the reduce-scatter's output: becomes shard.grad
+
+    def hook_memory_tracker(self, tracker: MemoryTracking) -> None:
+        for g in self.groups:  # each group's flat buffer is one leaf for the whole step
+            tracker.hook_incoming(g.full, "unsharded_grads")
 
     def comm_stats_by_group(self) -> dict[str, dict[str, dict[str, int]]]:
         """The same, split by the group each collective ran over: "shard" (also the wrap-time

@@ -29,15 +29,30 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardlab.engines import collectives
-from shardlab.engines.api import CPUOffload, Engine, MixedPrecision, ShardPiece, is_meta, materialize_whole_
+from shardlab.engines.api import (
+    Collective,
+    CPUOffload,
+    Engine,
+    LocalTensor,
+    MemoryTracking,
+    MixedPrecision,
+    ModelTraffic,
+    ShardPiece,
+    bucketed_all_reduce,
+    gathered_unit_traffic,
+    is_meta,
+    materialize_whole_,
+)
 from shardlab.models.init import (
     INITIALIZER_ATTR,
     RANGE_READERS_ATTR,
@@ -54,6 +69,7 @@ from shardlab.models.init import (
 class TorchDDPEngine(Engine):
     strategy = "torch-ddp"
     options = ("bucket_size_bytes", "find_unused_parameters", "gradient_as_bucket_view")
+    fake_group_probe = False  # its reducer's collectives must run; a replica's memory does not depend on N
 
     def __init__(self, module: nn.Module, *, bucket_size_bytes: int = 25 * 2**20,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = True, **kw: Any):
@@ -70,14 +86,15 @@ class TorchDDPEngine(Engine):
         self.counter = collectives.CommCounter()
         self.module.register_comm_hook(None, _counting_allreduce_hook(self.counter, self.group, self.world_size))
 
-    def comm_stats(self) -> dict[str, dict[str, int]]:
-        return self.counter.snapshot()
-
-    def comm_seconds(self) -> dict[str, float]:
-        return self.counter.seconds_snapshot()
+    def comm_counters(self) -> list[collectives.CommCounter]:
+        return [self.counter]
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.module.no_sync()
+
+    @classmethod
+    def step_traffic(cls, model: ModelTraffic, options: Mapping[str, Any]) -> list[Collective]:
+        return bucketed_all_reduce(model, options.get("bucket_size_bytes", 25 * 2**20))
 
 
 class TorchFSDPEngine(Engine):
@@ -96,17 +113,16 @@ class TorchFSDPEngine(Engine):
     def __init__(self, module: nn.Module, *, reshard_after_forward: bool | int = True,
                  mixed_precision: Any = None, shard_size: int | None = None, offload: Any = None, **kw: Any):
         super().__init__(module, **kw)
-        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+        # deferred here and below: torch.distributed.fsdp (and .tensor) cost 0.5 s to import; only
+        # torch-fsdp needs them, and every engine class is imported to read its options
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-        from shardlab.engines.collectives import hybrid_groups
 
         # A meta model is sharded first and given storage afterwards: see
         # [Note: torch-fsdp from the meta device] at _materialize_sharded_.
         meta = is_meta(module)
         if not meta:
             materialize_whole_(module, self.device)
-        self.hybrid = hybrid_groups(self.group, shard_size)
+        self.hybrid = collectives.hybrid_groups(self.group, shard_size)
         if self.hybrid.replicas > 1:
             ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
             layout = torch.tensor(ranks).view(self.hybrid.replicas, self.hybrid.shard_size)
@@ -139,11 +155,8 @@ class TorchFSDPEngine(Engine):
             _materialize_sharded_(module, self.units, "cpu" if self.offload else self.device, self.device,
                                   getattr(module, "init_seed", 0))
 
-    def comm_stats(self) -> dict[str, dict[str, int]]:
-        return self.counter.snapshot()
-
-    def comm_seconds(self) -> dict[str, float]:
-        return self.counter.seconds_snapshot()
+    def comm_counters(self) -> list[collectives.CommCounter]:
+        return [self.counter]
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -187,6 +200,72 @@ class TorchFSDPEngine(Engine):
         grads = [p.grad.to_local() for p in params if p.grad is not None]
         return {"params": sum(t.numel() * t.element_size() for t in loc),
                 "grads": sum(t.numel() * t.element_size() for t in grads)}
+
+    # -- what the tools ask (engines/api.py) ----------------------------------------------------
+    @classmethod
+    def planned_state(cls, params: list[nn.Parameter], world: int, options: Mapping[str, Any]
+                      ) -> list[list[LocalTensor]] | None:
+        """FSDP2's rule, as it cannot be built on meta: Shard(0) per parameter over the shard group
+        (S ranks; S = N unless hybrid), every rank's storage padded to ceil(d0/S) rows."""
+        group = options.get("shard_size") or world
+        local = []
+        for p in params:
+            rows = p.shape[0] if p.dim() else 1
+            per_rank = math.ceil(rows / group) * (p.numel() // rows if rows else 0)
+            local.append(LocalTensor(per_rank, p.element_size(), p.requires_grad))
+        return [local]
+
+    @classmethod
+    def step_traffic(cls, model: ModelTraffic, options: Mapping[str, Any]) -> list[Collective]:
+        """As fsdp's: every unit all-gathered twice (the root kept), reduce-scattered once, in the shard group."""
+        group = options.get("shard_size") or model.world
+        return gathered_unit_traffic(model, "all_gather", "reduce_scatter", group, root_kept=True)
+
+    def memory_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """FSDP2's per-parameter all-gather outputs (the unsharded parameters), their gradients,
+        and the flat communication buffers of each parameter group. Private attributes of
+        torch 2.13's `_fully_shard`, read with getattr: another version degrades to
+        "activations" instead of failing (tests/test_memory.py checks they are found)."""
+        for fp, pg in self._fsdp2_params():
+            if fp is not None:
+                for t in getattr(fp, "all_gather_outputs", ()):
+                    yield "gathered_params", t
+                unsharded = getattr(fp, "_unsharded_param", None)
+                if unsharded is not None:
+                    yield "gathered_params", unsharded
+                    if unsharded.grad is not None:
+                        yield "unsharded_grads", unsharded.grad
+                continue
+            result = getattr(pg, "_all_gather_result", None)
+            if result is not None:
+                yield "comm", result.all_gather_output
+            partial = getattr(pg, "_partial_reduce_output", None)
+            if partial is not None:
+                yield "grads", partial
+            ctx = getattr(pg, "comm_ctx", None)
+            state = getattr(ctx, "all_gather_state", None)
+            if state is not None:
+                yield "comm", state.all_gather_result.all_gather_output
+            for rs in getattr(ctx, "reduce_scatter_states", ()):
+                yield "comm", rs.reduce_scatter_input
+
+    def hook_memory_tracker(self, tracker: MemoryTracking) -> None:
+        for fp, _pg in self._fsdp2_params():  # unsharded parameters exist from the first forward on
+            unsharded = getattr(fp, "_unsharded_param", None) if fp is not None else None
+            if unsharded is not None:
+                tracker.hook_leaf(unsharded, "unsharded_grads")
+
+    def _fsdp2_params(self) -> Iterator[tuple[Any, Any]]:
+        """(FSDPParam, None) for every parameter, then (None, group) for every parameter group."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.module.modules():
+            if isinstance(m, FSDPModule):
+                pg = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
+                if pg is not None:
+                    for fp in pg.fsdp_params:
+                        yield fp, None
+                    yield None, pg
 
     def shard_layout(self) -> list[tuple[nn.Parameter, list[ShardPiece]]]:
         """FSDP2 parameters are DTensors: Shard(0) rows [r0, r1) of a tensor are the contiguous
@@ -307,10 +386,8 @@ def _counting_allreduce_hook(counter: collectives.CommCounter, group: dist.Proce
     """A DDP communication hook: count the bucket, then DDP's default all-reduce hook, timed
     until its future completes. It closes over the counter, not the engine: DDP's reducer
     holds it from C++."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
     def hook(_state, bucket):  # unannotated: DDP rejects the string annotations of this module
-        counter.add("all_reduce", collectives._nbytes(bucket.buffer()), world)
+        counter.add("all_reduce", collectives.nbytes(bucket.buffer()), world)
         issued = time.perf_counter()
 
         def done(fut):
@@ -333,14 +410,14 @@ def _counting_fsdp2_comms(counter: collectives.CommCounter, replicas: int) -> tu
 
     class CountingAllGather(DefaultAllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            counter.add("all_gather", collectives._nbytes(output_tensor), group.size())
+            counter.add("all_gather", collectives.nbytes(output_tensor), group.size())
             issued = time.perf_counter()
             return collectives.timed(counter, "all_gather", issued,
                                      super().__call__(output_tensor, input_tensor, group, async_op))
 
     class CountingReduceScatter(DefaultReduceScatter):
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            counter.add("reduce_scatter", collectives._nbytes(input_tensor), group.size())
+            counter.add("reduce_scatter", collectives.nbytes(input_tensor), group.size())
             issued = time.perf_counter()
             work = collectives.timed(counter, "reduce_scatter", issued,
                                      super().__call__(output_tensor, input_tensor, group, op, async_op))
@@ -349,7 +426,7 @@ def _counting_fsdp2_comms(counter: collectives.CommCounter, replicas: int) -> tu
 
     def all_reduce_hook(reduce_output: torch.Tensor) -> None:
         # called by FSDP2 (HSDP) right after its blocking all-reduce of the reduce-scattered slice
-        counter.add("all_reduce", collectives._nbytes(reduce_output), replicas)
+        counter.add("all_reduce", collectives.nbytes(reduce_output), replicas)
         if last_reduce_scatter_end[0] is not None:
             counter.add_seconds("all_reduce", time.perf_counter() - last_reduce_scatter_end[0])
             last_reduce_scatter_end[0] = None

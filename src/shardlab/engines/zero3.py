@@ -2,16 +2,18 @@
 
 Algorithm
 ---------
-Ownership. Each parameter tensor is owned whole by one rank. Tensors are assigned largest
-first to the rank with the fewest bytes so far, which balances bytes to within one tensor
-(`ownership_imbalance()` reports max/mean). A non-owner keeps no storage: the parameter is
+Ownership. Each parameter tensor is owned whole by one rank, largest first onto the least
+loaded rank, trainable tensors before frozen ones (engines/zero3_layout.py says how and
+why; `ownership_imbalance()` reports max/mean). A non-owner keeps no storage: the parameter is
 removed from its module's `_parameters` and a meta-device placeholder of the same shape
 stands in its place, so `module.parameters()` yields what this rank owns and nothing else,
 and any `torch.optim` optimizer built from it holds state for exactly that.
 
 Units. The model is cut into units (its repeated blocks by default) plus the root, which
 holds everything outside them (embeddings, the tied head, the final norm). A unit's
-parameters are those registered in its modules that are not inside a nested unit.
+parameters are those registered in its modules that are not inside a nested unit
+(engines/zero3_layout.py: who owns what, the units, what each rank keeps; this file is the
+engine: when units are gathered, freed and reduced).
 
 Forward. Just before a unit runs (forward pre-hook), each owner broadcasts its tensors of
 the unit (one flat buffer per owner) and the unit's modules see the full tensors; right
@@ -42,9 +44,10 @@ elements, each rank sending roughly its own share.
 Limits
 ------
 A rank that owns no tensor (fewer tensors than ranks) has an empty `parameters()`, which
-`torch.optim` refuses: build no optimizer there. Units or parameters used on some ranks
-and not others (data-dependent control flow) make the ranks' collectives differ, as with
-any FSDP. A parameter no rank used in a backward gets a zero gradient, not None.
+`torch.optim` refuses: build no optimizer there. With fewer trainable tensors than ranks some
+ranks own only frozen ones. The engine warns of either when it is built. Units or parameters
+used on some ranks and not others (data-dependent control flow) make the ranks' collectives
+differ, as with any FSDP. A parameter no rank used in a backward gets a zero gradient, not None.
 
 Options
 -------
@@ -63,7 +66,8 @@ mixed_precision: gathered parameters and compute in `param_dtype`, gradients red
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+import weakref
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -73,53 +77,31 @@ from torch import nn
 
 from shardlab.engines import _hooks
 from shardlab.engines import collectives as C
-from shardlab.engines.api import CPUOffload, Engine, MixedPrecision, ShardPiece, is_meta
-from shardlab.models.init import canonical_names, init_parameters_
-
-
-@dataclass(eq=False)
-class _Slot:
-    """One original parameter (tied names share a slot)."""
-
-    name: str                                   # canonical name (first in named_parameters)
-    shape: torch.Size
-    dtype: torch.dtype
-    requires_grad: bool
-    owner: int
-    compute_dtype: torch.dtype                  # dtype of the gathered copy
-    placeholder: torch.Tensor                   # meta tensor standing in on non-owners
-    param: nn.Parameter | None = None           # the owner's tensor (its own dtype); None elsewhere
-    pending_grad: torch.Tensor | None = None    # local gradient accumulated under no_sync (param dtype)
-
-    @property
-    def numel(self) -> int:
-        return self.shape.numel()
-
-
-@dataclass(eq=False)
-class _Group:
-    """The slots of one unit owned by one rank: they travel in one flat buffer. Their gradients
-    travel in another, which holds the trainable slots only: frozen slots are never reduced."""
-
-    owner: int
-    dtype: torch.dtype                          # compute dtype of the gathered buffer
-    positions: list[int]                        # indices into unit.slots
-    offsets: list[int]
-    numel: int
-    grad_positions: list[int] = field(default_factory=list)  # the trainable ones among positions
-    grad_offsets: list[int] = field(default_factory=list)    # their offsets in the gradient buffer
-    grad_numel: int = 0
-
-
-@dataclass(eq=False)
-class _Unit:
-    module: nn.Module
-    slots: list[_Slot]
-    bindings: list[tuple[nn.Module, str, int]]  # (module, attribute, index into slots)
-    groups: list[_Group]
-    place: list[tuple[int, int]]                # per trainable slot: (index into groups, offset in its gradient buffer)
-    trainable: int                              # how many slots require grad
-    bound: _Gather | None = None                # the gather whose tensors the modules see now
+from shardlab.engines.api import (
+    Collective,
+    CPUOffload,
+    Engine,
+    LocalTensor,
+    MemoryTracking,
+    MixedPrecision,
+    ModelTraffic,
+    ShardPiece,
+    gathered_unit_traffic,
+    is_meta,
+)
+from shardlab.engines.zero3_layout import (
+    Slot,
+    SlotGroup,
+    SlotUnit,
+    assign_owners,
+    check_ownership,
+    keep_owned_only,
+    make_slots,
+    make_units,
+    materialize_owned,
+    offload_owned,
+)
+from shardlab.models.init import canonical_names
 
 
 class GatherState(enum.Enum):
@@ -133,10 +115,10 @@ class GatherState(enum.Enum):
 
 
 @dataclass(eq=False)
-class _Gather:
+class Gather:
     """One forward run of a unit: its full parameters and what is left of its backward."""
 
-    unit: _Unit
+    unit: SlotUnit
     buffers: list[torch.Tensor]                 # per group, flat
     fulls: list[torch.Tensor]                   # per slot, views into buffers (autograd leaves)
     state: GatherState = GatherState.FORWARD
@@ -157,7 +139,7 @@ class Zero3Engine(Engine):
         super().__init__(module, **kw)
         # offload: owned parameters, their gradients and the optimizer state on the host (see Options)
         self.offload = CPUOffload.parse(offload)
-        self._host_grads: list[tuple[_Slot, torch.Tensor]] = []
+        self._host_grads = _hooks.HostGrads(self.offload, self.device) if self.offload is not None else None
         self.counter = C.CommCounter()
         self.reshard_after_forward = bool(reshard_after_forward)
         mp = MixedPrecision.parse(mixed_precision)
@@ -165,39 +147,46 @@ class Zero3Engine(Engine):
         self.reduce_dtype = (mp.reduce_dtype or mp.param_dtype) if mp else None
         self.sync_grads = True
         self._backward_end = _hooks.BackwardEnd(self._finish_backward)
-        self._live: list[_Gather] = []              # gathers that may hold storage, oldest first
-        self._in_backward_of: dict[int, _Gather] = {}   # id(unit) -> gather whose backward runs
-        self._inflight: list[tuple[Any, _Unit, _Group, torch.Tensor]] = []   # async reduces, oldest first
+        self._live: list[Gather] = []              # gathers that may hold storage, oldest first
+        self._in_backward_of: dict[int, Gather] = {}   # id(unit) -> gather whose backward runs
+        self._inflight: list[tuple[Any, SlotUnit, SlotGroup, torch.Tensor]] = []   # async reduces, oldest first
         self._inflight_bytes = 0
+        self._memory_trackers: weakref.WeakSet = weakref.WeakSet()   # hook_memory_tracker's, once each
 
         meta = is_meta(module)
         if not meta:
             module.to(self.device)
             _hooks.broadcast_from_rank0([*module.parameters(), *module.buffers()], self.group, self.counter)
         params = list({id(p): p for p in module.parameters()}.values())
-        self.slots = self._make_slots(params, canonical_names(module))
+        owners = assign_owners(params, self.world_size)
+        check_ownership(params, owners, self.world_size)
+        self.slots = make_slots(params, canonical_names(module), owners, self._gathered_dtype_rule(module))
+        self.owned_bytes = [sum(s.nbytes for s in self.slots if s.owner == r) for r in range(self.world_size)]
         slot_of = {id(p): s for p, s in zip(params, self.slots)}
         self.state_keys = _hooks.StateDictMirror(module, lambda p: slot_of[id(p)])
-        self.unit_list = self._make_units(module, [module, *self.units], slot_of)
-        self._max_inflight_bytes = 2 * max(self.unit_param_bytes)
-        self._keep_owned_only(module, slot_of, meta)
+        self.unit_list = make_units(module, [module, *self.units], slot_of)
+        self.unit_param_bytes = [u.param_bytes for u in self.unit_list]
+        # see [Note: how many reductions may be in flight] (engines/api.py)
+        self.max_inflight_bytes = 2 * max(self.unit_param_bytes)
+        keep_owned_only(module, slot_of, self.rank, self.device, meta)
         if meta:
-            self._materialize_owned(module)
+            materialize_owned(module, self.slots, self.device)
+            _hooks.broadcast_from_rank0(module.buffers(), self.group, self.counter)
         if self.offload is not None:
-            self._offload_owned(module)
+            offload_owned(module, self.slots, self.offload)
         for unit in self.unit_list:
             unit.module.register_forward_pre_hook(partial(self._pre_forward, unit), with_kwargs=True)
             unit.module.register_forward_hook(partial(self._post_forward, unit))
 
     # -- setup ----------------------------------------------------------------------------------
-    def _make_slots(self, params: list[nn.Parameter], names: dict[int, str]) -> list[_Slot]:
-        """One slot per unique parameter, owners chosen greedily: largest tensor first, onto
-        the least loaded rank (ties: lowest rank)."""
-        # [Note: which parameters mixed precision casts]
-        # A module holding floating-point buffers (BatchNorm's running statistics) computes in
-        # their precision, and kernels want its parameters in the same dtype: such modules'
-        # parameters are gathered in their own dtype. Decided from buffers, not layer classes.
-        keep = {id(p) for m in self.module.modules()
+    def _gathered_dtype_rule(self, root: nn.Module):
+        """The dtype each parameter is gathered and computed in (mixed precision's param_dtype).
+
+        [Note: which parameters mixed precision casts]
+        A module holding floating-point buffers (BatchNorm's running statistics) computes in
+        their precision, and kernels want its parameters in the same dtype: such modules'
+        parameters are gathered in their own dtype. Decided from buffers, not layer classes."""
+        keep = {id(p) for m in root.modules()
                 if any(b is not None and b.is_floating_point() for b in m._buffers.values())
                 for p in m._parameters.values() if p is not None}
 
@@ -205,118 +194,17 @@ class Zero3Engine(Engine):
             cast = self.param_dtype is not None and p.is_floating_point() and id(p) not in keep
             return self.param_dtype if cast else p.dtype
 
-        order = sorted(range(len(params)), key=lambda i: -params[i].numel() * params[i].element_size())
-        self.owned_bytes = [0] * self.world_size
-        owners = [0] * len(params)
-        for i in order:
-            rank = min(range(self.world_size), key=lambda r: self.owned_bytes[r])
-            owners[i] = rank
-            self.owned_bytes[rank] += params[i].numel() * params[i].element_size()
-        return [_Slot(names[id(p)], p.shape, p.dtype, p.requires_grad, owners[i], compute_dtype(p),
-                      torch.empty(p.shape, dtype=p.dtype, device="meta"))
-                for i, p in enumerate(params)]
-
-    def _make_units(self, root: nn.Module, unit_modules: list[nn.Module], slot_of: dict[int, _Slot]) -> list[_Unit]:
-        """Assign every module to its nearest enclosing unit (the root for the rest), and
-        lay out each unit's parameters in one flat buffer per (owner, dtype)."""
-        is_unit = {id(m): i for i, m in enumerate(unit_modules)}
-        regions: list[list[nn.Module]] = [[] for _ in unit_modules]
-        seen: set[int] = set()
-
-        def walk(m: nn.Module, current: int) -> None:
-            if id(m) in seen:
-                return
-            seen.add(id(m))
-            current = is_unit.get(id(m), current)
-            regions[current].append(m)
-            for child in m.children():
-                walk(child, current)
-
-        walk(root, 0)
-        units = []
-        for m, region in zip(unit_modules, regions):
-            slots: list[_Slot] = []
-            bindings = []
-            for sub in region:
-                for attr, p in sub._parameters.items():
-                    if p is None:
-                        continue
-                    slot = slot_of[id(p)]
-                    if slot not in slots:
-                        slots.append(slot)
-                    bindings.append((sub, attr, slots.index(slot)))
-            by_key: dict[tuple[int, torch.dtype], _Group] = {}
-            for pos, slot in enumerate(slots):
-                key = (slot.owner, slot.compute_dtype)
-                group = by_key.setdefault(key, _Group(slot.owner, slot.compute_dtype, [], [], 0))
-                group.positions.append(pos)
-                group.offsets.append(group.numel)
-                group.numel += slot.numel
-                if slot.requires_grad:
-                    group.grad_positions.append(pos)
-                    group.grad_offsets.append(group.grad_numel)
-                    group.grad_numel += slot.numel
-            groups = sorted(by_key.values(), key=lambda g: (g.owner, str(g.dtype)))
-            place = [(0, 0)] * len(slots)
-            for gi, group in enumerate(groups):
-                for pos, off in zip(group.grad_positions, group.grad_offsets):
-                    place[pos] = (gi, off)
-            units.append(_Unit(m, slots, bindings, groups, place, sum(s.requires_grad for s in slots)))
-        self.unit_param_bytes = [sum(s.numel * s.placeholder.element_size() for s in u.slots) for u in units]
-        return units
-
-    def _keep_owned_only(self, root: nn.Module, slot_of: dict[int, _Slot], meta: bool) -> None:
-        """Owners keep (or, from meta, create) the parameter; everyone else drops it."""
-        for m in list({id(m): m for m in root.modules()}.values()):
-            for attr, p in list(m._parameters.items()):
-                if p is None:
-                    continue
-                slot = slot_of[id(p)]
-                if slot.owner != self.rank:
-                    del m._parameters[attr]
-                    m.__dict__[attr] = slot.placeholder
-                    continue
-                if slot.param is None:
-                    slot.param = (nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.device),
-                                               requires_grad=p.requires_grad) if meta else p)
-                m._parameters[attr] = slot.param
-
-    @torch.no_grad()
-    def _materialize_owned(self, root: nn.Module) -> None:
-        """Initialize what this rank owns exactly as a whole build would (name-keyed seeds),
-        give buffers storage, and make buffers equal to rank 0's."""
-        for m in root.modules():
-            for attr, b in m._buffers.items():
-                if b is not None and b.device.type == "meta":
-                    m._buffers[attr] = torch.empty_like(b, device=self.device)
-        owned = {id(s.param): s.name for s in self.slots if s.param is not None}
-        init_parameters_(root, getattr(root, "init_seed", 0), names=owned)
-        _hooks.broadcast_from_rank0(root.buffers(), self.group, self.counter)
-
-    @torch.no_grad()
-    def _offload_owned(self, root: nn.Module) -> None:
-        """Move every owned Parameter to host memory (pinned per the policy); buffers stay on the device."""
-        for slot in self.slots:
-            if slot.param is None:
-                continue
-            host = self.offload.host_tensor(slot.param)
-            host.copy_(slot.param)
-            new = nn.Parameter(host, requires_grad=slot.param.requires_grad)
-            for m in root.modules():
-                for attr, p in m._parameters.items():
-                    if p is slot.param:
-                        m._parameters[attr] = new
-            slot.param = new
+        return compute_dtype
 
     # -- gathering ------------------------------------------------------------------------------
-    def _gather(self, unit: _Unit) -> _Gather:
+    def _gather(self, unit: SlotUnit) -> Gather:
         buffers = [torch.empty(g.numel, dtype=g.dtype, device=self.device) for g in unit.groups]
         fulls: list[torch.Tensor] = [None] * len(unit.slots)  # type: ignore[list-item]
         for group, buffer in zip(unit.groups, buffers):
             for pos, off in zip(group.positions, group.offsets):
                 slot = unit.slots[pos]
                 fulls[pos] = buffer[off:off + slot.numel].view(slot.shape)
-        gather = _Gather(unit, buffers, fulls)
+        gather = Gather(unit, buffers, fulls)
         self._fill(gather, everything=True)
         if torch.is_grad_enabled():
             for pos, (slot, full) in enumerate(zip(unit.slots, fulls)):
@@ -327,7 +215,7 @@ class Zero3Engine(Engine):
         return gather
 
     @torch.no_grad()
-    def _fill(self, gather: _Gather, everything: bool = False) -> None:
+    def _fill(self, gather: Gather, everything: bool = False) -> None:
         """Broadcast every owner's tensors into the gather's buffers: all of them for a new
         gather, else those whose storage was freed (they get it back first).
 
@@ -352,7 +240,7 @@ class Zero3Engine(Engine):
                 h.wait()
 
     @staticmethod
-    def _free(gather: _Gather) -> None:
+    def _free(gather: Gather) -> None:
         for buffer in gather.buffers:
             buffer.untyped_storage().resize_(0)
 
@@ -363,12 +251,12 @@ class Zero3Engine(Engine):
     # `parameters()`, `state_dict()` and the optimizer keep seeing the owned Parameter.
     # Unbinding deletes the shadow (owners) or puts the meta placeholder back (others).
 
-    def _bind(self, gather: _Gather) -> None:
+    def _bind(self, gather: Gather) -> None:
         for m, attr, pos in gather.unit.bindings:
             m.__dict__[attr] = gather.fulls[pos]
         gather.unit.bound = gather
 
-    def _unbind(self, gather: _Gather) -> None:
+    def _unbind(self, gather: Gather) -> None:
         unit = gather.unit
         if unit.bound is not gather:
             return
@@ -379,7 +267,7 @@ class Zero3Engine(Engine):
                 m.__dict__[attr] = unit.slots[pos].placeholder
         unit.bound = None
 
-    def _release(self, gather: _Gather) -> None:
+    def _release(self, gather: Gather) -> None:
         self._free(gather)
         self._unbind(gather)
         gather.state = GatherState.RELEASED
@@ -398,7 +286,7 @@ class Zero3Engine(Engine):
     # free (backward still needs them). The recompute may also stop early, skipping the
     # forward hook altogether, so nothing may depend on the post hook running.
 
-    def _pre_forward(self, unit: _Unit, module: nn.Module, args: tuple, kwargs: dict):
+    def _pre_forward(self, unit: SlotUnit, module: nn.Module, args: tuple, kwargs: dict):
         args, kwargs = self._cast_inputs(args), self._cast_inputs(kwargs)
         if not unit.slots:
             return args, kwargs
@@ -418,7 +306,7 @@ class Zero3Engine(Engine):
                 gather.input_hooked = _hooks.hook_input_grads(args, kwargs, partial(self._on_inputs_grad, gather))
         return args, kwargs
 
-    def _post_forward(self, unit: _Unit, module: nn.Module, args: tuple, output: Any) -> None:
+    def _post_forward(self, unit: SlotUnit, module: nn.Module, args: tuple, output: Any) -> None:
         if _hooks.in_backward():
             return  # activation-checkpoint recompute: see the Note above
         gather = unit.bound
@@ -457,7 +345,7 @@ class Zero3Engine(Engine):
     # two units likewise arrives once per unit. Once every leaf of a gather has its
     # gradient, no backward node needs the gathered values any more: they are freed.
 
-    def _pre_backward(self, gather: _Gather, grad: torch.Tensor) -> None:
+    def _pre_backward(self, gather: Gather, grad: torch.Tensor) -> None:
         if gather.state is GatherState.BACKWARD:
             return  # another output of the same forward got here first
         # "released" too: a second backward through a graph kept with retain_graph=True
@@ -473,18 +361,13 @@ class Zero3Engine(Engine):
         self._bind(gather)  # for an activation-checkpoint recompute
 
     @torch.no_grad()
-    def _on_grad(self, gather: _Gather, pos: int, leaf: torch.Tensor) -> None:
+    def _on_grad(self, gather: Gather, pos: int, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
         slot = gather.unit.slots[pos]
         if not self.sync_grads:
-            if slot.pending_grad is None:
-                slot.pending_grad = grad.to(slot.dtype, copy=True)
-            else:
-                slot.pending_grad.add_(grad)
+            slot.unsynced.keep(grad, slot.dtype, copy=True)
         else:
-            if slot.pending_grad is not None:
-                grad = slot.pending_grad.add_(grad)
-                slot.pending_grad = None
+            grad = slot.unsynced.take(grad)
             gi, off = gather.unit.place[pos]
             buffer = gather.grad_buffers.get(gi)
             if buffer is None:
@@ -510,20 +393,20 @@ class Zero3Engine(Engine):
     # which takes token ids) there is no such signal: the gather is freed at the end of
     # backward. Reduces never wait for this: an owner's gradients go as soon as they are in.
 
-    def _backward_done(self, gather: _Gather) -> bool:
+    def _backward_done(self, gather: Gather) -> bool:
         unit = gather.unit
         if len(gather.arrived) < unit.trainable:
             return False
         return unit.trainable == len(unit.slots) or (gather.input_hooked and gather.inputs_done)
 
-    def _on_inputs_grad(self, gather: _Gather, _grads: Any) -> None:
+    def _on_inputs_grad(self, gather: Gather, _grads: Any) -> None:
         if gather.state is not GatherState.BACKWARD:
             return
         gather.inputs_done = True
         if self._backward_done(gather):
             self._release(gather)
 
-    def _reduce_complete_groups(self, gather: _Gather, flush: bool = False) -> None:
+    def _reduce_complete_groups(self, gather: Gather, flush: bool = False) -> None:
         """Reduce each owner's gradient buffer once all its gradients are in (or, at the end
         of backward, whatever arrived: parameters unused in this backward count as zero)."""
         for gi, group in enumerate(gather.unit.groups):
@@ -540,7 +423,7 @@ class Zero3Engine(Engine):
             gather.grad_buffers.pop(gi, None)
             self._inflight.append((handle, gather.unit, group, buffer))
             self._inflight_bytes += buffer.numel() * buffer.element_size()
-            while self._inflight_bytes > self._max_inflight_bytes:
+            while self._inflight_bytes > self.max_inflight_bytes:
                 self._complete_oldest_reduce()
 
     def _complete_oldest_reduce(self) -> None:
@@ -554,24 +437,17 @@ class Zero3Engine(Engine):
         for pos, off in zip(group.grad_positions, group.grad_offsets):
             slot = unit.slots[pos]
             g = buffer[off:off + slot.numel].view(slot.shape)
-            if self.offload is not None:
-                # device-to-host, asynchronous into pinned memory; added once the stream is synchronized
-                host = self.offload.host_tensor(g)
-                host.copy_(g, non_blocking=host.is_pinned())
-                self._host_grads.append((slot, host))
-                continue
-            g = g.to(slot.param.dtype)
-            if slot.param.grad is None:
-                slot.param.grad = g
+            if self._host_grads is not None:
+                self._host_grads.copy(slot.param, g)  # added at the end of backward, once landed
             else:
-                slot.param.grad.add_(g)
+                _hooks.accumulate_grad_(slot.param, g)
 
-    # [Note: how many reduces may be in flight]
+    # [Note: when reduces are waited for]
     # A reduce is launched asynchronously as soon as an owner's gradient buffer is complete,
     # so it overlaps the backward of earlier units; to bound memory, the oldest is waited
-    # for once the buffers in flight exceed twice the largest unit's gradients. The
-    # broadcasts that re-gather a unit are waited for at once: backward needs the values.
-    # At the end of backward ([Note: why we wait where we wait], engines/api.py) gradient
+    # for once the buffers in flight exceed `max_inflight_bytes` ([Note: how many reductions
+    # may be in flight], engines/api.py). The broadcasts that re-gather a unit are waited for
+    # at once: backward needs the values. At the end of backward ([Note: why we wait where we wait], engines/api.py) gradient
     # buffers left incomplete because some parameter got no gradient this time are reduced
     # (in the same order on every rank, so the reduces pair up), every reduce is waited
     # for, and whatever is still gathered is freed.
@@ -585,21 +461,13 @@ class Zero3Engine(Engine):
         while self._inflight:
             self._complete_oldest_reduce()
         self._in_backward_of.clear()
-        if self._host_grads:
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()  # the D2H copies have landed
-            for slot, host in self._host_grads:
-                host = host.to(slot.param.dtype)
-                if slot.param.grad is None:
-                    slot.param.grad = host
-                else:
-                    slot.param.grad.add_(host)
-            self._host_grads.clear()
+        if self._host_grads is not None:
+            self._host_grads.flush()
 
     # -- the rest of the contract ---------------------------------------------------------------
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        full: dict[_Slot, torch.Tensor] = {}
+        full: dict[Slot, torch.Tensor] = {}
         for slot in self.slots:
             t = slot.param.detach().to(self.device, copy=True) if slot.param is not None else torch.empty(
                 slot.shape, dtype=slot.dtype, device=self.device)
@@ -626,13 +494,63 @@ class Zero3Engine(Engine):
         mean = sum(self.owned_bytes) / len(self.owned_bytes)
         return max(self.owned_bytes) / mean if mean else 1.0
 
-    def gathered_bytes(self) -> int:
-        """Bytes of full parameters gathered right now (0 between steps when resharding)."""
-        return sum(b.untyped_storage().nbytes() for g in self._live for b in g.buffers)
+    def gathered_bytes(self, module: nn.Module | None = None) -> int:
+        """Bytes of full parameters gathered right now (0 between steps when resharding), of the
+        unit whose module is `module` when given."""
+        return sum(b.untyped_storage().nbytes() for g in self._live if module is None or g.unit.module is module
+                   for b in g.buffers)
 
-    def comm_stats(self) -> dict[str, dict[str, int]]:
-        return self.counter.snapshot()
+    def comm_counters(self) -> list[C.CommCounter]:
+        return [self.counter]
 
-    def comm_seconds(self) -> dict[str, float]:
-        return self.counter.seconds_snapshot()
+    # -- what the tools ask (engines/api.py) ----------------------------------------------------
+    @classmethod
+    def planned_state(cls, params: list[nn.Parameter], world: int, options: Mapping[str, Any]
+                      ) -> list[list[LocalTensor]] | None:
+        """One rank owns everything whole; over several, ownership is the engine's own choice
+        (engines/zero3_layout.py): built, not re-derived."""
+        return super().planned_state(params, world, options) if world == 1 else None
+
+    def rank_states(self) -> list[list[LocalTensor]]:
+        """Every rank's owned tensors: ownership is known on every rank."""
+        states: list[list[LocalTensor]] = [[] for _ in range(self.world_size)]
+        for s in self.slots:
+            states[s.owner].append(LocalTensor(s.numel, s.placeholder.element_size(), s.requires_grad))
+        return states
+
+    @classmethod
+    def step_traffic(cls, model: ModelTraffic, options: Mapping[str, Any]) -> list[Collective]:
+        """Every unit broadcast in forward and again in backward (the root too), gradients reduced
+        to their owners once per step, over all ranks."""
+        return gathered_unit_traffic(model, "broadcast", "reduce", model.world, root_kept=False)
+
+    def memory_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for gather in self._live:
+            for b in gather.buffers:
+                yield "gathered_params", b
+            for b in gather.grad_buffers.values():
+                yield "unsharded_grads", b             # a unit's gradients per owner, before the reduce
+        for _handle, _unit, _group, buffer in self._inflight:
+            yield "unsharded_grads", buffer            # being reduced (the owner's `.grad` views claim it later)
+        for slot in self.slots:
+            if slot.unsynced.kept is not None:
+                yield "unsharded_grads", slot.unsynced.kept
+
+    def hook_memory_tracker(self, tracker: MemoryTracking) -> None:
+        """New leaves are made at every gather: a forward pre-hook on each unit, after the
+        engine's (which gathered), hooks the gathered tensors of this forward. Once per tracker."""
+        if tracker in self._memory_trackers:
+            return
+        self._memory_trackers.add(tracker)
+        tracker_ref = weakref.ref(tracker)
+
+        def after_gather(unit: SlotUnit) -> None:
+            t = tracker_ref()
+            if t is not None and t.tracking and unit.bound is not None:
+                for full in unit.bound.fulls:
+                    t.hook_incoming(full, "unsharded_grads")
+
+        for unit in self.unit_list:
+            tracker.keep_handle(unit.module.register_forward_pre_hook(
+                lambda _m, *a, unit=unit: after_gather(unit), with_kwargs=True))
 

@@ -8,6 +8,7 @@ targets are given, so the training loop and the engines never look inside a mode
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from shardlab.models.resnet import ResNet
 from shardlab.models.spec import ModelSpec
 
 __all__ = ["GPT", "GPTConfig", "GPT_PRESETS", "MLPModel", "ResNet", "MODELS", "ModelSpec", "model_spec",
-           "build_model", "rebuild_model", "model_record", "repeated_blocks", "init_parameters_",
+           "build_model", "rebuild_model", "model_record", "repeated_blocks", "outermost_modules", "init_parameters_",
            "canonical_names", "count_parameters"]
 
 # name -> spec. The order is the order help texts list them in.
@@ -56,11 +57,9 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     """The default wrap units below the root: the modules of the classes the model names in
     `wrap_classes()` (a transformers model: its decoder layers), else every child of an
     nn.ModuleList of blocks (GPT blocks, MLP layers) and every ResNet stage, in forward order."""
-    classes = model.wrap_classes() if hasattr(model, "wrap_classes") else None
+    classes = tuple(model.wrap_classes()) if hasattr(model, "wrap_classes") else ()
     if classes:
-        from shardlab.engines.api import resolve_units
-
-        return resolve_units(model, set(classes))
+        return outermost_modules(model, lambda m: isinstance(m, classes))
     units: list[nn.Module] = []
     for module in model.modules():
         if isinstance(module, nn.ModuleList):
@@ -68,5 +67,28 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+def outermost_modules(model: nn.Module, predicate: Callable[[nn.Module], bool]) -> list[nn.Module]:
+    """The modules below the root for which `predicate` is true and no ancestor's is, in module
+    (forward) order."""
+    found: list[nn.Module] = []
+    taken: set[int] = set()
+    for name, m in model.named_modules():
+        if m is model or any(id(a) in taken for a in _ancestors(model, name)):
+            continue
+        if predicate(m):
+            found.append(m)
+            taken.add(id(m))
+    return found
+
+
+def _ancestors(model: nn.Module, name: str) -> Iterator[nn.Module]:
+    m = model
+    for part in name.split(".")[:-1] if name else []:
+        m = getattr(m, part)
+        yield m
+
+
+def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
+    """Elements of the distinct parameters (tied ones once); trainable_only: requires_grad only."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()
+               if p.requires_grad or not trainable_only)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardlab.errors import ConfigError
 from shardlab.models.init import INIT_STD_ATTR, init_parameters_
 from shardlab.models.spec import ModelSpec
 
@@ -150,8 +151,6 @@ def gpt_config(section, vocab_size: int | None = None) -> GPTConfig:
 
 
 def _check(section) -> None:
-    from shardlab.config import ConfigError
-
     if section.preset not in GPT_PRESETS:
         raise ConfigError(f"model.preset: unknown value {section.preset!r}; valid: {', '.join(GPT_PRESETS)}")
     for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
@@ -172,4 +171,7 @@ SPEC = ModelSpec(
     rebuild=lambda kwargs, seed: GPT(GPTConfig(**kwargs), seed=seed),
     check=_check,
     synthetic=lambda section: {"vocab_size": section.vocab_size or 256},
-    max_seq_len=lambda section: gpt_config(section).block_size)
+    max_seq_len=lambda section: gpt_config(section).block_size,
+    depth=lambda section: gpt_config(section).n_layer,
+    cut_depth=lambda raw, n_layer, tmpdir: raw.update(n_layer=n_layer),
+    vocab_key="vocab_size")

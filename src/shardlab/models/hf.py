@@ -35,14 +35,19 @@ import functools
 import json
 import math
 import os
+import warnings
 import zlib
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch import nn
 
+from shardlab.errors import ConfigError
+from shardlab.models.init import init_parameters_
 from shardlab.models.spec import ModelSpec
 
 IGNORE_INDEX = -100
@@ -52,7 +57,7 @@ SINGLE_FILE = "model.safetensors"
 
 
 def require_transformers():
-    try:
+    try:  # deferred: transformers costs 0.8 s to import and is an optional extra (shardlab[hf])
         import transformers
     except ImportError as e:  # pragma: no cover - the extra is installed by make setup
         raise RuntimeError("model.name=hf needs the `transformers` package: pip install 'shardlab[hf]'") from e
@@ -69,8 +74,6 @@ def weight_files(hf_path: str) -> dict[str, str]:
         return {k: os.path.join(hf_path, v) for k, v in weight_map.items()}
     single = os.path.join(hf_path, SINGLE_FILE)
     if os.path.isfile(single):
-        from safetensors import safe_open
-
         with safe_open(single, framework="pt") as f:
             return {k: single for k in f.keys()}
     raise FileNotFoundError(f"model.hf_path {hf_path!r}: neither {INDEX_FILE} nor {SINGLE_FILE} there; "
@@ -89,8 +92,6 @@ class SafetensorsReader:
 
     def _handle(self, path: str):
         if path not in self._open:
-            from safetensors import safe_open
-
             self._open[path] = safe_open(path, framework="pt")
         return self._open[path]
 
@@ -179,8 +180,6 @@ class HFCausalLM(nn.Module):
         self.model = model
         self._reader: SafetensorsReader | None = None
         if not any(t.device.type == "meta" for t in self.parameters()):
-            from shardlab.models.init import init_parameters_
-
             init_parameters_(self, seed)
 
     # the pieces the rest of shardlab asks for
@@ -297,7 +296,7 @@ class HFCausalLM(nn.Module):
                     value = reader.get(key)
                     self._check_shape(key, value.shape, p)
                     p.copy_(value.to(dtype=p.dtype))
-            _recompute_buffers_(m)
+            recompute_buffers_(m)
 
     def _open_reader(self) -> SafetensorsReader:
         if self._reader is None:
@@ -326,10 +325,10 @@ def _init_lora_(p: torch.Tensor, name: str, seed: int) -> None:
 
 
 @torch.no_grad()
-def _recompute_buffers_(m: nn.Module) -> None:
+def recompute_buffers_(m: nn.Module) -> None:
     """Non-persistent buffers computed at construction: rotary inverse frequencies."""
     if "RotaryEmbedding" in type(m).__name__ and hasattr(m, "inv_freq") and m.inv_freq.device.type != "meta":
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # deferred: see require_transformers
 
         fns = {"default": getattr(m, "compute_default_rope_parameters", None), **ROPE_INIT_FUNCTIONS}
         inv_freq, scaling = fns[m.rope_type](m.config)
@@ -340,13 +339,18 @@ def _recompute_buffers_(m: nn.Module) -> None:
 
 
 def _add_lora(model: nn.Module, lora: dict[str, Any]) -> nn.Module:
-    try:
+    try:  # deferred: peft costs 3 s to import and is an optional extra (shardlab[hf])
         from peft import LoraConfig, get_peft_model
     except ImportError as e:  # pragma: no cover
         raise RuntimeError("model.lora needs the `peft` package: pip install 'shardlab[hf]'") from e
     config = LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
                         target_modules=lora.get("target_modules"), task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # peft's PeftModel.__init__ reads transformers' deprecated `is_gradient_checkpointing`
+        # (FutureWarning, transformers 5): that one warning of that one call, nothing else
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 # -- registry entry (shardlab.models.MODELS) -------------------------------------------------------
@@ -361,7 +365,11 @@ class HFKeys:
 
 
 def config_file(section) -> str:
-    path = section.hf_path or section.hf_config
+    """The config JSON: model.hf_path's config.json, or model.hf_config (a file, a directory with
+    config.json, or the name of a shipped one: shardlab/configs/hf/, e.g. mistral-tiny)."""
+    from shardlab.shipped import hf_config_path
+
+    path = section.hf_path or hf_config_path(section.hf_config) or section.hf_config
     return os.path.join(path, "config.json") if os.path.isdir(path) else path
 
 
@@ -376,8 +384,6 @@ def load_hf_config(section, vocab_size: int | None = None):
 
 
 def _check(section) -> None:
-    from shardlab.config import ConfigError
-
     if section.name != "hf":
         return
     if (section.hf_path is None) == (section.hf_config is None):
@@ -391,8 +397,10 @@ def _check(section) -> None:
             raise ConfigError(f"model.hf_path {section.hf_path!r}: no {SINGLE_FILE} or {INDEX_FILE}; save the model "
                               "in safetensors (save_pretrained(..., safe_serialization=True))")
     elif not os.path.isfile(config_file(section)):
-        raise ConfigError(f"model.hf_config {section.hf_config!r}: no such file; give a config JSON "
-                          "(e.g. configs/hf/mistral-tiny.json) or a directory with config.json")
+        from shardlab.shipped import shipped_hf_configs
+
+        raise ConfigError(f"model.hf_config {section.hf_config!r}: no such file; give a config JSON, a directory "
+                          f"with config.json, or a shipped one's name ({', '.join(shipped_hf_configs())})")
     try:
         with open(config_file(section)) as f:
             raw = json.load(f)
@@ -408,6 +416,51 @@ def _check(section) -> None:
         raise ConfigError(f"model.lora.rank must be >= 0 (0 = full fine-tuning), got {lo.rank}")
     if lo.rank and (lo.alpha <= 0 or not 0 <= lo.dropout < 1):
         raise ConfigError("model.lora.alpha must be > 0 and model.lora.dropout in [0, 1)")
+    if lo.rank:
+        problem = lora_target_problem(section, raw["model_type"])
+        if problem:
+            raise ConfigError(problem)
+
+
+def lora_layer_names(section) -> dict[str, list[str]]:
+    """Last name component -> full names of the modules LoRA can adapt (Linear, GPT-2's Conv1D,
+    Embedding, Conv*d), from the architecture built on the meta device (no memory, no weights)."""
+    transformers = require_transformers()
+    from transformers.pytorch_utils import Conv1D
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(load_hf_config(section))
+    kinds = (nn.Linear, Conv1D, nn.Embedding, nn.Conv1d, nn.Conv2d)
+    out: dict[str, list[str]] = {}
+    for name, m in model.named_modules():
+        if name and isinstance(m, kinds):
+            out.setdefault(name.rsplit(".", 1)[-1], []).append(name)
+    return out
+
+
+def lora_target_problem(section, model_type: str) -> str | None:
+    """What is wrong with model.lora.target_modules for this architecture (None: nothing), found
+    before any worker starts; peft would fail with a traceback, or silently skip a bad name."""
+    targets = section.lora.target_modules
+    if targets is None:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
+
+        if model_type in defaults:
+            return None
+    names = lora_layer_names(section)
+    linear = sorted(names)
+    if targets is None:
+        return (f"model.lora.target_modules=null: peft has no default LoRA targets for model_type {model_type!r}; "
+                f"name them, e.g. model.lora.target_modules=[{', '.join(linear[:2])}] (the layers LoRA can adapt in "
+                f"this model: {', '.join(linear)})")
+    full = {n for group in names.values() for n in group}
+    unknown = [t for t in targets if t not in names and t not in full
+               and not any(n.endswith("." + t) for n in full)]
+    if unknown:
+        return (f"model.lora.target_modules: {unknown} match{'es' if len(unknown) == 1 else ''} no layer of this "
+                f"{model_type} model that LoRA can adapt; its Linear (and Conv1D, Embedding) layers: "
+                f"{', '.join(linear)}")
+    return None
 
 
 def _build(section, seed: int, vocab_size: int | None) -> HFCausalLM:
@@ -441,6 +494,19 @@ def _max_seq_len(section) -> int | None:
     return raw.get("max_position_embeddings") or raw.get("n_positions")
 
 
+def _cut_depth(raw: dict[str, Any], n_layer: int, tmpdir: str) -> None:
+    """A copy of the section's config with num_hidden_layers=n_layer written into tmpdir and used
+    as model.hf_config (random init: a plan probe measures memory, which the values do not
+    change); per-layer lists such as layer_types are cut to match."""
+    config = load_hf_config(SimpleNamespace(hf_path=raw.get("hf_path"), hf_config=raw.get("hf_config")))
+    config.num_hidden_layers = n_layer
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:n_layer]
+    path = os.path.join(tmpdir, f"hf-config-{n_layer}-layers.json")
+    config.to_json_file(path)
+    raw.update(hf_path=None, hf_config=path)
+
+
 def hf_vocab_size(section) -> int | None:
     try:
         with open(config_file(section)) as f:
@@ -453,4 +519,6 @@ SPEC = ModelSpec(
     name="hf", keys=HFKeys, data_kind="tokens",
     build=_build, record=_record, rebuild=_rebuild, check=_check,
     synthetic=lambda section: {"vocab_size": hf_vocab_size(section) or 256},
-    max_seq_len=_max_seq_len)
+    max_seq_len=_max_seq_len,
+    depth=lambda section: load_hf_config(section).num_hidden_layers,
+    cut_depth=_cut_depth)

@@ -96,6 +96,7 @@ def dtensor_local_rows(p: torch.Tensor) -> tuple[int, torch.Size]:
     """(first row, local shape) of a DTensor placed Shard(0) and/or Replicate (FSDP2's, HSDP's):
     its local shard is rows [first, first + shape[0]) of the whole tensor, i.e. one contiguous
     range of the flattened tensor. Any other placement raises ValueError."""
+    # deferred: torch.distributed.tensor costs 0.5 s to import; only FSDP2's DTensors come here
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 

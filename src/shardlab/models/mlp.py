@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardlab.errors import ConfigError
 from shardlab.models.init import init_parameters_
 from shardlab.models.spec import ModelSpec
 
@@ -43,8 +44,6 @@ class MLPKeys:
 
 
 def _check(section) -> None:
-    from shardlab.config import ConfigError
-
     if len(section.mlp_sizes) < 2 or any(s < 1 for s in section.mlp_sizes):
         raise ConfigError(f"model.mlp_sizes must list at least an input and an output size (>= 1), "
                           f"got {section.mlp_sizes}")

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardlab.errors import ConfigError
 from shardlab.models.init import init_parameters_
 from shardlab.models.spec import ModelSpec
 
@@ -73,8 +74,6 @@ class ResNetKeys:
 
 
 def _check(section) -> None:
-    from shardlab.config import ConfigError
-
     if not section.resnet_blocks or any(b < 1 for b in section.resnet_blocks):
         raise ConfigError(f"model.resnet_blocks must be a non-empty list of integers >= 1, got {section.resnet_blocks}")
     if section.resnet_width < 1 or section.num_classes < 2:

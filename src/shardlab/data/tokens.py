@@ -1,0 +1,186 @@
+"""The sources that train on prepared token shards: `data.source=tokens` maps a DATA_DIR
+written by `shardlab prepare`; `builtin` (the embedded corpus) and `text` (your files) prepare
+their inputs into the cache once per machine (keyed by the inputs' content hash, the tokenizer
+and data.val_fraction) and map that. No source reads a corpus into memory: a sample is
+seq_len + 1 tokens copied out of the map.
+
+`check(cfg)` is their DataSource's `prepare`: it runs before any worker starts (cli) and again
+in each worker (under torchrun); it says what to fix when the tokenizer's vocabulary exceeds
+the model's, the corpus is empty or shorter than one global batch, or the directory is no
+prepared corpus.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardlab.data.corpus import cache_dir, corpus_jsonl_path, corpus_sha256
+from shardlab.data.datasets import Datasets
+from shardlab.data.inputs import expand_inputs
+from shardlab.data.prepare import FORMAT_VERSION, prepare
+from shardlab.data.shards import (
+    MANIFEST,
+    DataError,
+    Manifest,
+    TokenShards,
+    file_sha256,
+    read_manifest,
+    verify_data_dir,
+)
+from shardlab.data.source import DataSource
+from shardlab.data.text import Tokenizer, text_files
+from shardlab.errors import ConfigError
+from shardlab.models.hf import hf_vocab_size
+
+
+class ShardWindows(torch.utils.data.Dataset):
+    """Non-overlapping windows over a split's stream: sample i is (tokens[iT : iT+T],
+    tokens[iT+1 : iT+T+1]); a window may cross document and shard boundaries (nanoGPT's)."""
+
+    def __init__(self, stream: TokenShards, seq_len: int):
+        self.stream, self.seq_len = stream, seq_len
+
+    def __len__(self) -> int:
+        return max(0, (self.stream.num_tokens - 1) // self.seq_len)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = torch.from_numpy(self.stream.read(int(i) * self.seq_len, self.seq_len + 1))
+        return chunk[:-1], chunk[1:]
+
+    def will_need(self, indices: list[int]) -> None:
+        """Start reading these samples' pages from storage now (StepBatches: the next step's)."""
+        for i in indices:
+            self.stream.will_need(int(i) * self.seq_len, self.seq_len + 1)
+
+
+def _inputs_of(cfg) -> tuple[list[str], str | None, dict[str, Any]]:
+    """builtin/text: what to prepare (specs, forced format) and what run_args.json says of it."""
+    d = cfg.data
+    if d.source == BUILTIN.name:
+        path = corpus_jsonl_path()
+        return [str(path)], None, {"corpus": "python stdlib docstrings", "corpus_path": str(path),
+                                   "corpus_sha256": corpus_sha256(path)}
+    return [d.path], "text", {}
+
+
+def cached_data_dir(cfg, prepare_if_missing: bool = True) -> str:
+    """The cache directory that holds data.source=builtin/text prepared (prepared here if missing)."""
+    d = cfg.data
+    specs, fmt, _ = _inputs_of(cfg)
+    inputs = expand_inputs(specs, fmt)
+    key = json.dumps([FORMAT_VERSION, Tokenizer(d.tokenizer).identity()["sha256"], d.val_fraction,
+                      [(i.format, file_sha256(i.path)) for i in inputs]])
+    out = str(cache_dir() / "tokens" / hashlib.sha256(key.encode()).hexdigest()[:24])
+    if prepare_if_missing and not os.path.isfile(os.path.join(out, MANIFEST)):
+        try:
+            prepare(specs, out, tokenizer=d.tokenizer, val_fraction=d.val_fraction, force_format=fmt, progress=False)
+        except (OSError, DataError):  # another process put its copy in place first
+            if not os.path.isfile(os.path.join(out, MANIFEST)):
+                raise
+    return out
+
+
+def data_dir(cfg) -> str:
+    return cfg.data.path if cfg.data.source == TOKENS.name else cached_data_dir(cfg)
+
+
+def fixed_model_vocab(cfg) -> int | None:
+    """The model's vocabulary when the config fixes it (model.vocab_size, or a pretrained HF
+    model's); None when the model takes the data's."""
+    m = cfg.model
+    vocab = getattr(m, "vocab_size", None)
+    if vocab is None and getattr(m, "hf_path", None):
+        vocab = hf_vocab_size(m)
+    return vocab
+
+
+def check(cfg, full_hash: bool | None = None) -> tuple[Manifest, str]:
+    """Prepare (builtin/text, once), read and verify the manifest, and check the corpus fits
+    the model and the batch. Returns the manifest and how it was verified ("size"/"sha256")."""
+    d, t = cfg.data, cfg.train
+    m = read_manifest(data_dir(cfg))
+    verified = verify_data_dir(m, full_hash)
+    where = f"data.path={d.path}" if d.source == TOKENS.name else f"data.source={d.source}"
+    model_vocab = fixed_model_vocab(cfg)
+    if model_vocab is not None and m.vocab_size > model_vocab:
+        raise DataError(f"{where}: the corpus's tokenizer has {m.vocab_size} token ids but the model's vocab_size is "
+                        f"{model_vocab}: token ids >= {model_vocab} would index past the embedding. Set "
+                        f"model.vocab_size >= {m.vocab_size}, or prepare the corpus with the model's tokenizer")
+    train_tokens = m.split("train")["tokens"]
+    if train_tokens == 0:
+        raise DataError(f"{where}: the corpus is empty (0 training tokens); prepare it from inputs that hold text")
+    samples = (train_tokens - 1) // d.seq_len
+    if samples < t.global_batch_size:
+        raise DataError(f"{where}: {train_tokens} training tokens make {samples} samples of data.seq_len="
+                        f"{d.seq_len}, fewer than one global batch (train.global_batch_size={t.global_batch_size}); "
+                        "give more text, or lower train.global_batch_size or data.seq_len")
+    return m, verified
+
+
+def _checked_on_every_rank(cfg) -> tuple[Manifest, str]:
+    """Local rank 0 prepares and (if this machine has not yet) hashes; the others then find
+    the cache and the verification marker in place and check sizes only."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        first = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
+        if first:
+            result = check(cfg)
+        dist.barrier()
+        if not first:
+            result = check(cfg)
+        return result
+    return check(cfg)
+
+
+def build(cfg) -> Datasets:
+    m, verified = _checked_on_every_rank(cfg)
+    T = cfg.data.seq_len
+    train = ShardWindows(TokenShards(m, "train"), T)
+    val = ShardWindows(TokenShards(m, "val"), T)
+    raw = m.raw
+    info = {**_inputs_of(cfg)[2], "data_dir": m.path, "manifest_sha256": m.sha256, "shards_verified_by": verified,
+            "tokenizer": raw["tokenizer"], "dtype": raw["dtype"], "train_tokens": raw["splits"]["train"]["tokens"],
+            "val_tokens": raw["splits"]["val"]["tokens"], "documents": raw["counts"]["documents"],
+            "replaced_invalid_utf8_bytes": raw["counts"]["replaced_invalid_utf8_bytes"]}
+    return Datasets(train, val if len(val) > 0 else None, vocab_size=m.vocab_size, tokens_per_sample=T, info=info,
+                    manifest_sha256=m.sha256)
+
+
+# -- the sources (shardlab.data.DATA_SOURCES) --------------------------------------------------------
+def _check_text(cfg) -> None:
+    d = cfg.data
+    if d.path is None:
+        raise ConfigError("data.source=text needs data.path (a file, directory or glob of text files)")
+    if not text_files(d.path):
+        raise ConfigError(f"data.path {d.path!r}: no such file, directory or glob match; point it at existing text files")
+
+
+def _check_tokens(cfg) -> None:
+    if cfg.data.path is None:
+        raise ConfigError("data.source=tokens needs data.path (a directory written by `shardlab prepare INPUT... "
+                          "--out DATA_DIR`)")
+
+
+def _tokenizer_vocab(cfg) -> int:
+    """builtin/text: the vocabulary of data.tokenizer (bytes: 256), what their prepare records."""
+    return Tokenizer(cfg.data.tokenizer).vocab_size
+
+
+def _manifest_vocab(cfg) -> int:
+    """tokens: the vocabulary the corpus was prepared with, from its manifest (no shard is read)."""
+    return read_manifest(cfg.data.path).vocab_size
+
+
+# prepare (check): builtin/text are tokenized into the cache once, shards new to this machine
+# hashed once, and the corpus checked against the model and the batch, before the workers start
+BUILTIN = DataSource(name="builtin", kind="tokens", build=build, prepare=check, vocab_size=_tokenizer_vocab,
+                     prepared=True)
+TEXT = DataSource(name="text", kind="tokens", build=build, check=_check_text, prepare=check,
+                  vocab_size=_tokenizer_vocab, prepared=True)
+TOKENS = DataSource(name="tokens", kind="tokens", build=build, check=_check_tokens, prepare=check,
+                    vocab_size=_manifest_vocab, prepared=True)

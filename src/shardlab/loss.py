@@ -1,0 +1,77 @@
+"""Token-weighted loss: the loss of a step is the mean over every target token of its global
+batch, whatever the world size, the micro batch size and the engine.
+
+[Note: token-weighted loss]
+A model's forward returns the mean loss over its micro batch's targets (the targets that are
+not IGNORE_INDEX, -100: masked prompts, padding). Averaging those means (over a rank's micro
+batches, then over ranks, as the engines average gradients) gives each micro batch the same
+weight whatever its number of target tokens. With SFT rows of 4 and of 216 target tokens the
+same global batch then has a different loss and gradient in each (world size, micro batch)
+layout, and a token of a short micro batch weighs up to 54x a token of a long one. (transformers
+fixed the same flaw in 4.46: its Trainer counts `num_items_in_batch` over the accumulated batch.)
+
+So before the forward passes of a step every rank counts the target tokens n_i of each of its
+micro batches, and one all-reduce gives G, the target tokens of the whole global batch. The
+backward of micro batch i uses
+
+    loss_i * n_i * N / G            (loss_i: the model's mean over its n_i targets, N: world size)
+
+= (sum of micro batch i's per-token losses) * N / G. The engines average gradients over the N
+ranks ([Note: why average] in engines/api.py), so the step's gradient is the gradient of (sum
+over all G target tokens) / G: the same for every engine, world size and accumulation. The
+reported loss is the sum of these terms over micro batches and ranks, divided by N: the same
+global token mean.
+
+Pretraining on fixed-length windows counts every target, so n_i * N / G = 1 / k (k micro
+batches per rank), the factor used before. The weight is kept as a reduced fraction and applied
+as `loss * numerator / denominator`, so that case still computes `loss / k`, bit for bit.
+
+A micro batch with no target at all (only hand-made data has one: SFT preparation drops rows
+without a target) has a NaN mean; it contributes zero loss and zero gradient, and still runs its
+backward, since the engines communicate in backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+import torch.distributed as dist
+
+IGNORE_INDEX = -100
+
+
+def count_targets(targets: torch.Tensor) -> int:
+    """Target tokens (or samples, for class labels) that count in the loss."""
+    return int((targets != IGNORE_INDEX).sum())
+
+
+@dataclass(frozen=True)
+class TokenWeights:
+    """How one rank's micro-batch losses enter the step (see [Note: token-weighted loss])."""
+
+    counts: tuple[int, ...]   # this rank's target tokens, per micro batch
+    total: int                # the global batch's target tokens, all ranks
+    world_size: int
+
+    def scale(self, loss: torch.Tensor, i: int) -> torch.Tensor:
+        """Micro batch i's mean loss -> the term its backward uses: loss * n_i * N / G."""
+        n = self.counts[i]
+        if n == 0 or self.total == 0:
+            return loss.nan_to_num() * 0  # the mean over no target is NaN; nothing to learn here
+        w = Fraction(n * self.world_size, self.total)
+        return loss * w.numerator / w.denominator
+
+
+def token_weights(targets: list[torch.Tensor], world_size: int, device: torch.device | str,
+                  distributed: bool) -> TokenWeights:
+    """Count each micro batch's targets (on the host, before any forward) and all-reduce the
+    total once: the step's only extra collective, one int64."""
+    counts = tuple(count_targets(y) for y in targets)
+    total = sum(counts)
+    if distributed and world_size > 1:
+        box = torch.tensor([total], dtype=torch.int64, device=device)
+        dist.all_reduce(box)
+        total = int(box.item())
+    return TokenWeights(counts, total, world_size)

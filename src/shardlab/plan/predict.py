@@ -1,0 +1,130 @@
+"""The prediction per engine: exact model state (plan/model.py), the probes' transients
+(plan/probe.py) scaled to the real model (plan/scaling.py), the notes that say how."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardlab.config import ConfigError, validate_for_world
+from shardlab.engines import STRATEGIES, engine_class
+from shardlab.memory import PARTS
+from shardlab.plan import probe as P
+from shardlab.plan.model import engine_config, in_child, model_state, n_layer, probe_param_bytes
+from shardlab.plan.scaling import scale_probe
+
+
+@dataclass
+class Prediction:
+    engine: str
+    nproc: int
+    peak_bytes: int
+    parts: dict[str, int]
+    phase: str
+    model_state: dict[str, int]          # params (+buffers), grads, optimizer: exact
+    probed: bool = True
+    notes: list[str] = field(default_factory=list)
+    host_bytes: int = 0                  # parallel.offload=cpu: state kept in host memory (not in peak_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def default_engines(nproc: int) -> list[str]:
+    """Every registered engine that runs at this world size."""
+    return [e for e in STRATEGIES if engine_class(e).distributed or nproc == 1]
+
+
+def predict_all(cfg, nproc: int, engines: list[str] | None = None, per_node: int | None = None
+                ) -> dict[str, Prediction]:
+    """Predicted peak per rank (device memory), by part, for each engine at world size nproc
+    (per_node: ranks per node, hybrid sharding's default shard group)."""
+    engines = list(engines or default_engines(nproc))
+    cfgs = {e: engine_config(cfg, e, nproc, per_node) for e in engines}
+    for e, c in cfgs.items():
+        if not engine_class(e).distributed and nproc != 1:
+            raise ConfigError(f"engine {e} runs one process; --nproc {nproc} asks for {nproc}")
+        validate_for_world(c, nproc)
+    L = n_layer(cfg)
+    layers: list[int | None] = [min(x, L) for x in P.PROBE_LAYERS] if L is not None else [None]
+    layers = sorted(set(layers), key=lambda x: -1 if x is None else x)
+    micro, seq, act_scale = P.probe_shape(cfg)
+    accumulation = cfg.train.global_batch_size // (nproc * cfg.train.micro_batch_size)
+    states = {e: model_state(cfgs[e], e, nproc) for e in engines}
+    probe_psi = probe_param_bytes(cfg, max(x or 0 for x in layers))
+    probe_ok = [e for e in engines if _probe_state_estimate(probe_psi, cfgs[e], e, nproc) <= P.PROBE_MAX_BYTES]
+    why_not = {e: f"the probe would need over {P.PROBE_MAX_BYTES / 2**30:.0f} GiB here (SHARDLAB_PLAN_PROBE_MAX_GIB "
+                  "raises the limit)" for e in engines if e not in probe_ok}
+    probes = {}
+    if probe_ok:
+        try:
+            probes = in_child(P.probe_child, {e: cfgs[e].to_dict() for e in probe_ok}, nproc, layers, micro, seq,
+                              min(accumulation, 2), timeout_s=P.PROBE_TIMEOUT_S)
+        except mp.TimeoutError:  # the pool's exit terminates the probe
+            why_not.update({e: f"the probes did not finish in {P.PROBE_TIMEOUT_S:g} s here "
+                               "(SHARDLAB_PLAN_PROBE_TIMEOUT_S gives them longer)" for e in probe_ok})
+    shape = (micro, seq, act_scale, L, layers)
+    return {e: _predicted(e, cfgs[e], nproc, states[e], probes[e], shape) if e in probes
+            else _not_probed(e, nproc, states[e], why_not[e]) for e in engines}
+
+
+def _not_probed(engine: str, nproc: int, state: dict[str, int], why: str) -> Prediction:
+    parts = dict.fromkeys(PARTS, 0)
+    # all three are live at the optimizer step, so their sum is a lower bound of the peak
+    parts.update(params=state["params"], grads=state["grads"], optimizer=state["optimizer"])
+    return Prediction(engine, nproc, sum(parts.values()), parts, "unknown", state, probed=False,
+                      notes=[f"not probed: {why}; the figure is parameters + gradients + optimizer "
+                             "state, all live at the optimizer step (a lower bound)"])
+
+
+def _predicted(engine: str, cfg, nproc: int, state: dict[str, int], per_layer: dict, shape: tuple) -> Prediction:
+    """An engine's probes scaled to the real model, with params and optimizer exact; the peak is
+    the larger of the step candidate and the forward candidate."""
+    micro, seq, act_scale, L, layers = shape
+    cls = engine_class(engine)
+    deepest = per_layer[max(per_layer, key=lambda k: -1 if k == "None" else int(k))]
+    parts_step, parts_fwd = scale_probe(per_layer, L, act_scale, cls.grads_sharded)
+    candidates = []
+    for parts, phase in ((parts_step, deepest["phase"]), (parts_fwd, "forward")):
+        parts["params"], parts["optimizer"] = state["params"], state["optimizer"]  # exact
+        candidates.append((sum(parts.values()), parts, phase))
+    total, parts, phase = max(candidates, key=lambda c: c[0])
+    notes = []
+    host = 0
+    if cfg.parallel.offload == "cpu":
+        # [Note: CPU offload] shards, their gradients and the optimizer state live in host memory;
+        # the device holds what the probe saw besides them (gathered units, unsharded gradients
+        # in flight, activations) plus a unit's shard on its way in or out, not modelled (1/S of a unit).
+        host = sum(state.values())  # params + grads + optimizer, all of them, between steps too
+        parts.update(params=0, grads=0, optimizer=0)
+        total = sum(parts.values())
+        notes.append(f"parallel.offload=cpu: {host / 2**30:.2f} GiB of shards, gradients and optimizer state per "
+                     "rank in host memory (not in the peak); the optimizer step runs on the CPU")
+    group = cfg.parallel.shard_size
+    if cls.grads_sharded and group and group < nproc:
+        notes.append(f"hybrid sharding: shards over {group} ranks, replicated {nproc // group} times "
+                     f"(model state 1/{group}, not 1/{nproc})")
+    if not cls.fake_group_probe and nproc > 1:
+        notes.append("probed on a real 1-rank gloo group (it cannot run on a fake group); "
+                     "a replica's memory does not depend on N")
+    if act_scale != 1:
+        notes.append(f"activations scaled x{act_scale:g} from a probe micro batch of {micro} x {seq} tokens")
+    if L is not None and L > max(x or 0 for x in layers):
+        notes.append(f"extrapolated from probes at {', '.join(str(x) for x in layers)} of {L} blocks")
+    out = Prediction(engine, nproc, int(round(total)), {k: int(round(v)) for k, v in parts.items()}, phase, state,
+                     notes=notes, host_bytes=host)
+    out.probe_step_seconds = {k: v["step_seconds"] for k, v in per_layer.items()}  # type: ignore[attr-defined]
+    return out
+
+
+def predict(cfg, engine: str, nproc: int) -> Prediction:
+    return predict_all(cfg, nproc, [engine])[engine]
+
+
+def _probe_state_estimate(psi: int, cfg, engine: str, nproc: int) -> int:
+    """Rough bytes the probe of `engine` holds (model state of the probe model, of `psi` parameter
+    bytes, + one gathered copy), to refuse probes that would not fit on this machine."""
+    group = cfg.parallel.shard_size or nproc
+    return int(psi * (5 if not engine_class(engine).grads_sharded else 4 / group + 2))

@@ -1,0 +1,147 @@
+"""The probes: each engine runs a real training step on CPU, in a child process, on a fake
+process group of N ranks (collectives return at once; the memory they use is allocated as in a
+real run), on the model cut to `PROBE_LAYERS` blocks, at a micro batch of at most `PROBE_TOKENS`
+tokens, measured by the live-memory tracker (shardlab.memory). The engine's real code runs, so
+its bounds (how many units are gathered, how many gradients are in flight) are measured, not
+assumed. Two figures per probe: the step's peak and the forward peak, each with its breakdown
+by part. An engine that cannot run on a fake group (`Engine.fake_group_probe` False: PyTorch's
+DDP reducer) is probed last, on a real one-rank gloo group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+import shardlab
+from shardlab import memory
+from shardlab.config import config_from_dict
+from shardlab.data import collate
+from shardlab.engines import engine_class
+from shardlab.models import MODELS
+from shardlab.plan.model import cut_depth, init_fake_group, vocab_size
+from shardlab.runtime import Runtime
+
+#: Blocks of the model the probes run with (GPT's n_layer, an HF decoder's num_hidden_layers;
+#: other models run whole).
+PROBE_LAYERS = (3, 4)
+#: Tokens (micro batch x sequence) a probe micro batch holds at most; activations scale from there.
+PROBE_TOKENS = 256
+#: A probe whose model state would exceed this is not run (the engine is then reported by its model state
+#: only); SHARDLAB_PLAN_PROBE_MAX_GIB raises it on a machine with more memory to spare.
+PROBE_MAX_BYTES = int(float(os.environ.get("SHARDLAB_PLAN_PROBE_MAX_GIB", "6")) * 2**30)
+#: Seconds the probes of all engines may take together; past it the engines are reported by their
+#: model state only. SHARDLAB_PLAN_PROBE_TIMEOUT_S changes it (a large model on a few CPU cores).
+PROBE_TIMEOUT_S = float(os.environ.get("SHARDLAB_PLAN_PROBE_TIMEOUT_S", "1800"))
+
+
+def probe_shape(cfg) -> tuple[int, int, float]:
+    """(micro batch, seq) the probe runs at and the factor activations scale by."""
+    b, seq = cfg.train.micro_batch_size, cfg.data.seq_len
+    pb, ps = b, seq
+    while pb * ps > PROBE_TOKENS and pb > 1:
+        pb = max(1, pb // 2)
+    while pb * ps > PROBE_TOKENS and ps > 16:
+        ps = max(16, ps // 2)
+    return pb, ps, (b * seq) / (pb * ps)
+
+
+def probe_config(cfg, n_layer: int | None, micro: int, seq: int, world: int, steps: int, accumulation: int,
+                 tmpdir: str):
+    raw = cfg.to_dict()
+    if n_layer is not None:
+        cut_depth(raw, n_layer, tmpdir)
+    raw["data"]["seq_len"] = seq
+    raw["train"].update(micro_batch_size=micro, global_batch_size=micro * world * accumulation, steps=steps,
+                        memory_tracking="none", eval_every=0, profile=False)
+    key = MODELS[cfg.model.name].vocab_key
+    if key is not None:  # the probe's data: synthetic tokens with the real vocabulary
+        raw["model"][key] = vocab_size(cfg)
+    # synthetic tokens of the same shape: memory does not depend on their values; SFT's packing
+    # changes only which tokens attend to which (a mask of the same size), so it is dropped here
+    raw["data"].update(source="synthetic", path=None, tokenizer=None, tokenizer_path=None, packing=False,
+                       synthetic_samples=max(64, 4 * micro * world))
+    raw["checkpoint"].update(every_steps=0, resume="none")
+    raw["output"].update(tensorboard=False, progress=False, run_name="plan-probe")
+    return config_from_dict(raw)
+
+
+def probe_child(raws: dict[str, dict], nproc: int, layers: list[int | None], micro: int, seq: int,
+                accumulation: int) -> dict:
+    """Run each engine for real on a fake N-rank group at each probe depth: an untracked step
+    (creates optimizer state), a tracked step (the peak) and a step whose forward alone is
+    tracked (the forward peak). raws: each engine's config (engine_config). Returns
+    {engine: {layers: {...}}}. Engines without `fake_group_probe` run last, on a real one-rank group."""
+    torch.set_num_threads(1)
+    out: dict = {}
+    init_fake_group(0, nproc)
+    rt = Runtime(0, 0, nproc, torch.device("cpu"), "fake")
+    tmp = tempfile.TemporaryDirectory(prefix="shardlab-plan-")
+    for engine in sorted(raws, key=lambda e: not engine_class(e).fake_group_probe):
+        cfg0 = config_from_dict(raws[engine])
+        if not engine_class(engine).fake_group_probe and rt.backend == "fake":
+            # a real one-rank gloo group (a FileStore, no network): exact for a replica, whose
+            # memory does not depend on N
+            dist.destroy_process_group()
+            dist.init_process_group("gloo", store=dist.FileStore(f"{tmp.name}/store", 1), rank=0, world_size=1)
+            rt = Runtime(0, 0, 1, torch.device("cpu"), "gloo")
+        out[engine] = {str(L): _probe_once(probe_config(cfg0, L, micro, seq, rt.world_size, 3, accumulation, tmp.name),
+                                           rt) for L in layers}
+    dist.destroy_process_group()
+    tmp.cleanup()
+    return out
+
+
+def _probe_once(cfg, rt) -> dict:
+    """One engine at one depth: the tracked step's peak and breakdown, and the forward peak's."""
+    # deferred: shardlab.train costs about 1 s to import (torch.distributed.checkpoint and the
+    # loop's dependencies); the probes run in a child, and `shardlab --help` need not pay it
+    from shardlab.train import build_run, train_step
+
+    run = build_run(cfg, rt)
+    run.model.train()
+    train_step(run)
+    run.opt.zero_grad(set_to_none=True)
+    run.state.step += 1
+    tracker = memory.LiveMemoryTracker(rt.device, engine=run.engine, optimizer=run.opt)
+    t0 = time.perf_counter()
+    with tracker.step(1):
+        train_step(run, tracker)
+    seconds = time.perf_counter() - t0
+    full = tracker.summary()
+    tracker.close()
+    run.opt.zero_grad(set_to_none=True)
+    run.state.step += 1
+    # the forward peak: only the forward of the last micro batch (after the no_sync ones) is tracked
+    fwd = _forward_peak(run, rt)
+    return {"peak": full["peak_live_bytes"], "parts": full["parts"], "phase": full["phase"],
+            "fwd_peak": fwd["peak_live_bytes"], "fwd_parts": fwd["parts"],
+            "end_parts": (full["step_end"] or {}).get("parts", {}), "step_seconds": seconds}
+
+
+def _forward_peak(run, rt) -> dict:
+    from shardlab.amp import autocast  # deferred: torch.distributed.fsdp costs 0.7 s to import
+
+    t = run.cfg.train
+    idx = run.sampler.rank_indices(run.state.step, rt.rank, rt.world_size)
+    for i in range(run.accumulation):
+        x, y = collate(run.data.train, idx[i * t.micro_batch_size:(i + 1) * t.micro_batch_size])
+        last = i == run.accumulation - 1
+        with contextlib.nullcontext() if last else shardlab.no_sync(run.model):
+            if last:
+                tracker = memory.LiveMemoryTracker(rt.device, engine=run.engine, optimizer=run.opt)
+                with tracker.step(2), tracker.phase("forward"), autocast(t.precision, rt.device):
+                    loss = run.model(x, y) / run.accumulation
+                summary = tracker.summary()
+                tracker.close()
+            else:
+                with autocast(t.precision, rt.device):
+                    loss = run.model(x, y) / run.accumulation
+            loss.backward()
+    run.opt.zero_grad(set_to_none=True)
+    return summary

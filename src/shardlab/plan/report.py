@@ -1,0 +1,154 @@
+"""`shardlab plan`'s verdict per engine on a GPU (fits or not, and what would change it), the
+command's arguments, and its report (tables or JSON)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from typing import Any
+
+from shardlab.config import ConfigError, load_config
+from shardlab.engines import STRATEGIES, engine_class
+from shardlab.plan.catalogue import GPU, GPUS, INTERCONNECTS, MFU, usable_bytes
+from shardlab.plan.model import engine_config, param_count
+from shardlab.plan.predict import Prediction, predict_all
+from shardlab.plan.traffic import hiding_limit, step_time
+
+
+def verdict(cfg, p: Prediction, gpu: GPU, others: dict[str, Prediction], world: int) -> dict[str, Any]:
+    usable = usable_bytes(gpu)
+    precision_problem = None
+    if not gpu.bf16 and "bf16" in (cfg.train.precision, cfg.parallel.mixed_precision):
+        precision_problem = (f"{gpu.name} has no bf16 (Turing): use train.precision=fp16 "
+                             "parallel.mixed_precision=fp16 (dynamic loss scaling turns on with it)")
+    fits = p.peak_bytes <= usable and precision_problem is None and p.probed
+    out: dict[str, Any] = {"usable_bytes": usable, "fits": fits, "margin_bytes": usable - p.peak_bytes,
+                           "changes": []}
+    ch = out["changes"]
+    if precision_problem:
+        ch.append(precision_problem)
+    if p.peak_bytes <= usable:
+        return out
+    sharded_state = p.parts["params"] + p.parts["grads"] + p.parts["optimizer"]
+    if engine_class(p.engine).grads_sharded and sharded_state > 0:
+        rest = p.peak_bytes - sharded_state
+        if rest < usable:
+            need = math.ceil(world * sharded_state / (usable - rest))
+            ch.append(f"more ranks: about {need} in all (model state {sharded_state / 2**30:.1f} GiB/rank now "
+                      f"scales as 1/N; the other {rest / 2**30:.1f} GiB do not); check with --nproc")
+        else:
+            ch.append(f"more ranks alone cannot help: {rest / 2**30:.1f} GiB of the peak do not shrink with N")
+    else:
+        fitting = [e for e, q in others.items() if q.probed and q.peak_bytes <= usable]
+        sharded = "/".join(e for e in STRATEGIES if engine_class(e).grads_sharded)
+        ch.append("a sharded engine: " + (", ".join(f"{e} ({others[e].peak_bytes / 2**30:.1f} GiB)" for e in fitting)
+                                           if fitting else f"{sharded} (none fits at this N either)"))
+    act = p.parts["activations"]
+    if act > 0.1 * p.peak_bytes and not cfg.train.activation_checkpointing:
+        ch.append(f"train.activation_checkpointing=true (activations are {act / 2**30:.1f} GiB of the peak; "
+                  "it keeps about one block's worth, at ~33% more compute)")
+    if act > 0 and cfg.train.micro_batch_size > 1:
+        room = usable - (p.peak_bytes - act)
+        b = int(cfg.train.micro_batch_size * room / act) if room > 0 else 0
+        if b >= 1:
+            ch.append(f"a smaller micro batch: train.micro_batch_size={min(b, cfg.train.micro_batch_size - 1)} "
+                      "(activations scale linearly; keep global_batch_size by accumulation)")
+    if cfg.train.precision == "fp32" and cfg.parallel.mixed_precision == "fp32":
+        if gpu.bf16:
+            ch.append("bf16: train.precision=bf16 parallel.mixed_precision=bf16 (about halves activations and "
+                      "gathered parameters; shards, gradients and Adam state stay fp32)")
+        else:
+            ch.append(f"{gpu.name} has no bf16: train.precision=fp16 parallel.mixed_precision=fp16 with loss "
+                      "scaling (about halves activations and gathered parameters)")
+    return out
+
+
+# -- the command -------------------------------------------------------------------------------------
+def add_arguments(p) -> None:
+    p.add_argument("config", nargs="?", help="YAML config file")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.micro_batch_size=2")
+    p.add_argument("--gpu", required=True, choices=list(GPUS), help="the GPU each rank runs on")
+    p.add_argument("--nproc", type=int, required=True, metavar="N", help="ranks (GPUs) per node")
+    p.add_argument("--nodes", type=int, default=1, metavar="K", help="nodes (world size = N x K)")
+    p.add_argument("--interconnect", default=None, choices=list(INTERCONNECTS),
+                   help="link between ranks for the time prediction (default: nvlink on one node, "
+                        "infiniband-400 across nodes)")
+    p.add_argument("--engines", default=None, help="comma-separated engines (default: all that apply)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def run(args) -> int:
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.nproc < 1 or args.nodes < 1:
+            raise ConfigError(f"--nproc and --nodes must be >= 1, got {args.nproc} and {args.nodes}")
+        engines = args.engines.split(",") if args.engines else None
+        if engines:
+            bad = [e for e in engines if e not in STRATEGIES]
+            if bad:
+                raise ConfigError(f"--engines: unknown {', '.join(bad)}; valid: {', '.join(STRATEGIES)}")
+        world = args.nproc * args.nodes
+        preds = predict_all(cfg, world, engines, per_node=args.nproc)  # validates every engine before probing
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    gpu = GPUS[args.gpu]
+    link = INTERCONNECTS[args.interconnect or ("nvlink" if args.nodes == 1 else "infiniband-400")]
+    report: dict[str, Any] = {"gpu": dataclasses.asdict(gpu), "usable_bytes": usable_bytes(gpu), "world": world,
+                              "nodes": args.nodes, "interconnect": dataclasses.asdict(link), "mfu": MFU,
+                              "engines": {}}
+    for e, p in preds.items():
+        c = engine_config(cfg, e, world, args.nproc)
+        v = verdict(c, p, gpu, preds, world)
+        ts = step_time(c, e, world, link, gpu, None, args.nodes)
+        ts["comm_stops_hiding_at_nodes"] = hiding_limit(c, e, args.nproc, link, ts["compute_s"])
+        report["engines"][e] = {**p.to_dict(), "verdict": v, "time": ts}
+    if args.json:
+        print(json.dumps(report, indent=1, default=str))
+        return 0
+    print_report(cfg, report)
+    return 0
+
+
+_UNIT = [2**30, "GiB"]
+
+
+def _gib(b: float) -> str:
+    return f"{b / _UNIT[0]:.2f}"
+
+
+def print_report(cfg, report: dict[str, Any]) -> None:
+    gpu = report["gpu"]
+    print(f"shardlab plan: {cfg.model.name} ({param_count(cfg) / 1e6:.1f} M parameters), micro batch "
+          f"{cfg.train.micro_batch_size} x {cfg.data.seq_len}, global batch {cfg.train.global_batch_size}, "
+          f"{report['world']} rank(s) = {report['world'] // report['nodes']} x {report['nodes']} node(s) of "
+          f"{gpu['name']} ({gpu['memory_bytes'] / 1e9:.0f} GB, usable {_gib(report['usable_bytes'])} GiB)")
+    small = max(r["peak_bytes"] for r in report["engines"].values()) < 2**30
+    _UNIT[:] = [2**20, "MiB"] if small else [2**30, "GiB"]
+    print(f"predicted peak per rank, {_UNIT[1]}, by part:")
+    cols = ["params", "gathered_params", "grads", "unsharded_grads", "optimizer", "activations", "comm"]
+    head = f"{'engine':11s} {'peak':>7s} " + " ".join(f"{c[:10]:>10s}" for c in cols) + "  verdict"
+    print(head)
+    for e, r in report["engines"].items():
+        v = r["verdict"]
+        word = (f"fits, {_gib(v['margin_bytes'])} {_UNIT[1]} spare" if v["fits"] else
+                ("does not fit" if r["probed"] else "does not fit (lower bound)" if v["margin_bytes"] < 0
+                 else "unknown (not probed)"))
+        print(f"{e:11s} {_gib(r['peak_bytes']):>7s} " + " ".join(f"{_gib(r['parts'][c]):>10s}" for c in cols)
+              + f"  {word}")
+    for e, r in report["engines"].items():
+        for n in r["notes"]:
+            print(f"  {e}: {n}")
+        for c in r["verdict"]["changes"]:
+            print(f"  {e}: change: {c}")
+    print(f"time per step on {report['interconnect']['name']} (alpha {report['interconnect']['alpha_s'] * 1e6:.0f} us, "
+          f"{report['interconnect']['bandwidth'] / 1e9:.1f} GB/s), compute at MFU {report['mfu']:g}:")
+    for e, r in report["engines"].items():
+        t = r["time"]
+        lim = t["comm_stops_hiding_at_nodes"]
+        print(f"  {e:11s} compute {t['compute_s'] * 1e3:9.1f} ms  comm {t['comm_s'] * 1e3:9.1f} ms  step "
+              f"{t['step_s'] * 1e3:9.1f} ms  {t['tokens_per_s'] or 0:12.0f} tokens/s  comm "
+              f"{'hidden' if t['comm_hidden'] else 'EXPOSED'}"
+              + (f"; stops hiding at {lim} node(s)" if lim else "; hidden up to 1024 nodes"))

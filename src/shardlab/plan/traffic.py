@@ -1,0 +1,102 @@
+"""Step time: compute from FLOPs (or the probe's measured CPU step) and communication from an
+alpha-beta model per collective kind, over the collectives each engine says a step issues
+(`Engine.step_traffic`, engines/api.py)."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+from shardlab.config import engine_options
+from shardlab.engines import engine_class
+from shardlab.engines.api import Collective, ModelTraffic
+from shardlab.models import MODELS, repeated_blocks
+from shardlab.plan.catalogue import GPU, MFU, Link
+from shardlab.plan.model import meta_model, param_count
+
+
+def collective_time(kind: str, nbytes: float, world: int, link: Link) -> float:
+    """Ring model: all_reduce 2(W-1) steps moving 2(W-1)/W of the buffer per rank; all_gather and
+    reduce_scatter (W-1) steps moving (W-1)/W of the full buffer; broadcast (pipelined chain)
+    ceil(log2 W) latency steps and the whole buffer once. nbytes: the full (unsharded) size."""
+    if world <= 1:
+        return 0.0
+    steps, bus = {"all_reduce": (2 * (world - 1), 2 * (world - 1) / world),
+                  "all_gather": (world - 1, (world - 1) / world),
+                  "reduce_scatter": (world - 1, (world - 1) / world),
+                  "broadcast": (math.ceil(math.log2(world)), 1.0),
+                  "reduce": (math.ceil(math.log2(world)), 1.0)}[kind]
+    alpha, bandwidth = link.constants(kind)
+    return steps * alpha + bus * nbytes / bandwidth
+
+
+def model_traffic(cfg, world: int) -> ModelTraffic:
+    """What the engines' traffic depends on, from the meta model: parameter bytes in the
+    communication dtype (parallel.mixed_precision), trainable and root bytes, wrap units."""
+    model = meta_model(cfg)
+    units = repeated_blocks(model)
+    in_units = {id(p) for u in units for p in u.parameters()}
+    params = list({id(p): p for p in model.parameters()}.values())
+    mp_bytes = {"bf16": 2, "fp16": 2}.get(cfg.parallel.mixed_precision)
+
+    def nbytes(ps) -> int:
+        return sum(p.numel() * (mp_bytes or p.element_size()) for p in ps)
+
+    return ModelTraffic(param_bytes=nbytes(params), trainable_bytes=nbytes([p for p in params if p.requires_grad]),
+                        root_bytes=nbytes([p for p in params if id(p) not in in_units]), units=len(units),
+                        micro_batches=max(1, cfg.train.global_batch_size // (world * cfg.train.micro_batch_size)),
+                        world=world)
+
+
+def comm_plan(cfg, engine: str, world: int) -> list[Collective]:
+    """(kind, full bytes per call, calls per step, ranks in the group) of an engine's training
+    collectives, as its design says (`Engine.step_traffic`); groups of one rank send nothing."""
+    if world == 1:
+        return []
+    c = copy.deepcopy(cfg)
+    c.parallel.strategy = engine
+    planned = engine_class(engine).step_traffic(model_traffic(cfg, world), engine_options(c))
+    return [x for x in planned if x.ranks > 1]
+
+
+def comm_seconds(cfg, engine: str, world: int, link: Link) -> float:
+    return sum(calls * collective_time(kind, b, ranks, link) for kind, b, calls, ranks in comm_plan(cfg, engine, world))
+
+
+def step_time(cfg, engine: str, world: int, link: Link, gpu: GPU | None, probe_seconds: float | None,
+              nodes: int = 1) -> dict[str, Any]:
+    """Predicted step time: compute (GPU: 6*Psi*tokens at peak FLOP/s x MFU; CPU: the probe's
+    measured step) and communication (alpha-beta); overlapped = max(compute, comm) for engines that
+    overlap (all do: bucketed all-reduce, prefetch), serial = compute + comm."""
+    t = cfg.train
+    tokens_per_sample = MODELS[cfg.model.name].tokens_per_sample(cfg.data.seq_len)
+    tokens_rank = t.global_batch_size // world * tokens_per_sample
+    flops = (8 if t.activation_checkpointing else 6) * param_count(cfg) * tokens_rank
+    if gpu is not None:
+        compute = flops / (gpu.peak_flops * MFU)
+        source = f"6*Psi*tokens at {gpu.peak_flops / 1e12:.0f} TFLOP/s x MFU {MFU:g}"
+    else:
+        compute = probe_seconds or float("nan")
+        source = "the probe's measured step on this CPU, scaled"
+    comm = comm_seconds(cfg, engine, world, link)
+    overlapped = max(compute, comm)
+    tokens_step = t.global_batch_size * tokens_per_sample
+    return {"compute_s": compute, "comm_s": comm, "step_s": overlapped, "step_serial_s": compute + comm,
+            "tokens_per_s": tokens_step / overlapped if overlapped else None, "compute_source": source,
+            "comm_hidden": comm <= compute, "link": link.name}
+
+
+def hiding_limit(cfg, engine: str, per_node: int, link: Link, compute_s: float, max_nodes: int = 1024) -> int | None:
+    """The first node count (at fixed micro batch per rank) at which the step's communication
+    exceeds its compute, i.e. stops hiding behind it; None if it never does up to max_nodes."""
+    c = copy.deepcopy(cfg)
+    k = 1
+    while k <= max_nodes:
+        world = per_node * k
+        c.train.global_batch_size = cfg.train.micro_batch_size * world * max(
+            1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * per_node))
+        if comm_seconds(c, engine, world, link) > compute_s:
+            return k
+        k *= 2
+    return None

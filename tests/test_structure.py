@@ -1,0 +1,105 @@
+"""The shape of src/ the team keeps (docs/architecture.md): files of at most 600 lines, functions
+of at most 80, no import circles among shardlab's modules (function-local imports included), and
+engine names only inside engines/ (outside it, the config's default alone: every list of engines
+comes from STRATEGIES and what the engines answer)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+SRC = pathlib.Path(__file__).resolve().parent.parent / "src"
+BUILT_IN_ENGINES = ("single", "ddp", "zero3", "fsdp", "torch-ddp", "torch-fsdp")
+
+
+def _files() -> list[pathlib.Path]:
+    return sorted(SRC.rglob("*.py"))
+
+
+def _module(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_files_and_functions_stay_small():
+    too_big = []
+    for p in _files():
+        text = p.read_text()
+        if text.count("\n") > 600:
+            too_big.append(f"{p.relative_to(SRC)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                too_big.append(f"{p.relative_to(SRC)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not too_big, too_big
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the shardlab modules it imports, anywhere in it (a package's parent is not counted)."""
+    modules = {_module(p): p for p in _files()}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for m, p in modules.items():
+        package = m if p.name == "__init__.py" else m.rpartition(".")[0]
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            for name in names:
+                target = resolve(name) if name.startswith("shardlab") else None
+                if target is not None and target != m:
+                    graph[m].add(target)
+    return graph
+
+
+def test_no_import_circles():
+    graph = import_graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not circles, circles
+
+
+def test_engine_names_only_inside_engines():
+    names = "|".join(re.escape(n) for n in BUILT_IN_ENGINES)
+    literal = re.compile(rf"""["']({names})["']""")
+    found = [f"{p.relative_to(SRC)}:{i}: {line.strip()}" for p in _files() if "engines" not in p.parts
+             for i, line in enumerate(p.read_text().splitlines(), 1) if literal.search(line)]
+    # the config's default strategy, and the public API docstring's example
+    assert len(found) <= 3, found
