@@ -5,8 +5,8 @@ hybrid sharding with offload and mixed precision, against ddp, LoRA on an HF dec
 --layers), BatchNorm with and without synchronised statistics, dropout kept, and faults planted
 through test-only engine and model subclasses (tests/verify_faults.py): a rank that skips
 averaging one parameter's gradient, a frozen weight that moves, a loss summed over each micro
-batch; SFT rows whose micro batches hold different numbers of targets (the loss normalised per
-micro batch). Each asserts the first difference (step, phase, parameter or module) and its cause.
+batch; SFT rows whose micro batches hold different numbers of targets (equal: the loss is
+token-weighted, loss.py). Each asserts the first difference (step, phase, parameter or module) and its cause.
 Then the command itself: bad input exits 2 before any worker starts; one real run exits 0.
 """
 
@@ -203,21 +203,26 @@ def test_loss_scaled_per_micro_batch(reports):
 
 
 @pytest.mark.slow
-def test_loss_normalised_per_micro_batch(reports):
-    """train_step's loss is each micro batch's mean over its own targets (issue 20 changes it to the
-    global batch's sum over its global target count). Until then verify must call these SFT rows
-    different and name the normalisation; once issue 20 lands they are equal, through the same
-    train_step, and this test passes that way: tighten it to `r.equal` then."""
+def test_sft_rows_with_uneven_targets_are_equal(reports):
+    """SFT rows (masked prompts, padding): each rank's micro batch holds its own count of targets.
+    train_step weighs every micro batch by its targets in the global batch (loss.py), and the
+    reference's micro batch is the ranks' micro batches together, weighted the same way: equal."""
     r = reports["sft-uneven-targets"]
-    if not r.equal:
-        assert (r.first.step, r.first.phase, r.first.name) == (0, "forward", "loss")
-        assert r.cause.startswith("a loss normalised per micro batch: each rank divides its summed loss by its own "
-                                  "count of targets, and the ranks' counts differ")
+    assert r.equal, f"first difference {r.first}, {r.cause}"
+    assert r.tolerance.value <= 1e-9 and max(row.worst.error for row in r.rows) <= max(10 * r.noise_floor, 1e-13)
+
+
+def test_uneven_targets_are_what_the_sft_case_exercises():
+    """The loss-normalisation cause reads the ranks' target counts: it names them when they differ."""
+    assert causes._uneven_targets([[[5, 7], [5, 7]]]) is None
+    assert causes._uneven_targets([[[5, 7], [6, 7]]]) == "5 vs 6 targets in micro batch 0 of step 0, rank by rank"
 
 
 # -- pieces, without processes ---------------------------------------------------------------------
 def test_step_order_interleaves_ranks_micro_batches():
     class Base:
+        global_batch_size = 16
+
         def rank_indices(self, step, rank, world):
             return torch.arange(16)[rank * 16 // world:(rank + 1) * 16 // world]
 

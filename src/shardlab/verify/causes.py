@@ -87,7 +87,7 @@ def _uneven_targets(counts: list[list[list[int]]] | None) -> str | None:
 
 
 def _gradient_cause(f, plan, ref, engine) -> str:
-    from shardlab.verify.compare import full_gradients
+    from shardlab.verify.runs import full_gradients
 
     if f.name in ref.meta["frozen"]:
         return FROZEN_GRAD

@@ -12,6 +12,8 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
+from shardlab.engines import ALL_REDUCE, ONE_PROCESS, STRATEGIES, engine_class
+
 if TYPE_CHECKING:
     from shardlab.verify.runs import Plan
 
@@ -34,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. parallel.strategy=zero3")
     p.add_argument("--nproc", type=int, required=True, metavar="N", help="ranks of the engine run (local workers)")
     p.add_argument("--steps", type=int, default=3, metavar="K", help="optimizer steps compared (default 3)")
-    p.add_argument("--against", choices=("single", "ddp"), default="single",
+    p.add_argument("--against", choices=(ONE_PROCESS, ALL_REDUCE), default=ONE_PROCESS,
                    help="the reference: one process (default) or the config under ddp at N ranks")
     p.add_argument("--dtype", choices=("float64", "config"), default="float64",
                    help="float64 (default): both runs in float64, tight tolerance; config: the config's dtypes "
@@ -49,19 +51,21 @@ class BadInput(ValueError):
     pass
 
 
+def model_depth(cfg) -> int | None:
+    """Blocks of a model --layers can cut (`ModelSpec.depth`: GPT's n_layer, an HF decoder's
+    layers); None: the model runs whole."""
+    from shardlab.models import MODELS
+
+    spec = MODELS[cfg.model.name]
+    return spec.depth(cfg.model) if spec.cut_depth is not None else None
+
+
 def cut_depth(raw: dict, layers: int, tmpdir: str) -> None:
     """--layers: the model of config dict `raw` cut to `layers` blocks, as `shardlab plan` cuts
-    its probes (one cut for both commands; its home is moving into the model registry)."""
-    from shardlab.plan import _cut_depth
+    its probes (`ModelSpec.cut_depth`)."""
+    from shardlab.models import MODELS
 
-    _cut_depth(raw, layers, tmpdir)
-
-
-def model_depth(cfg) -> int | None:
-    """Blocks of a model --layers can cut (GPT's n_layer, an HF decoder's layers); None: no cut."""
-    from shardlab.plan import _n_layer
-
-    return _n_layer(cfg)
+    MODELS[raw["model"]["name"]].cut_depth(raw["model"], layers, tmpdir)
 
 
 def make_plan(cfg, args, workdir: str) -> Plan:
@@ -74,12 +78,13 @@ def make_plan(cfg, args, workdir: str) -> Plan:
         raise BadInput(f"--nproc must be >= 1, got {n}")
     if args.steps < 1:
         raise BadInput(f"--steps must be >= 1, got {args.steps}")
-    if p.strategy == "single":
+    if not engine_class(p.strategy).distributed:
+        distributed = [s for s in STRATEGIES if engine_class(s).distributed]
         raise BadInput("verify compares a distributed engine with one process; set parallel.strategy to one of "
-                       "ddp, zero3, fsdp, torch-ddp, torch-fsdp")
-    if args.against == "ddp" and p.strategy == "ddp":
-        raise BadInput("--against ddp compares another engine with ddp; with parallel.strategy=ddp use "
-                       "--against single")
+                       f"{', '.join(distributed)}")
+    if args.against == p.strategy:
+        raise BadInput(f"--against {args.against} compares another engine with {args.against}; with "
+                       f"parallel.strategy={p.strategy} use --against {ONE_PROCESS}")
     validate_for_world(cfg, n)
     raw = cfg.to_dict()
     notes = []
@@ -108,12 +113,12 @@ def make_plan(cfg, args, workdir: str) -> Plan:
                          "scaler still scales, exactly: a power of two)")
     ref = copy.deepcopy(raw)
     ref["parallel"].update(strategy=args.against, offload="none", shard_size=None)
-    if args.against == "single":
+    if args.against == ONE_PROCESS:
         ref["train"].update(micro_batch_size=n * t.micro_batch_size, activation_checkpointing=False)
     try:
         engine_cfg, ref_cfg = config_from_dict(raw), config_from_dict(ref)
         validate_for_world(engine_cfg, n)
-        validate_for_world(ref_cfg, 1 if args.against == "single" else n)
+        validate_for_world(ref_cfg, 1 if args.against == ONE_PROCESS else n)
     except ConfigError as e:
         raise BadInput(str(e)) from None
     return Plan(engine_cfg.to_dict(), ref_cfg.to_dict(), n, args.steps, args.against, args.dtype,
@@ -161,9 +166,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             cfg = load_config(args.config, args.overrides)
             plan = make_plan(cfg, args, workdir)
-            from shardlab.cli import _prepare_data
+            from shardlab.data import DATA_SOURCES
 
-            _prepare_data(cfg)
+            DATA_SOURCES[cfg.data.source].prepare(cfg)  # once, before the workers (as `shardlab train`)
         except (ConfigError, BadInput, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shardlab.verify import causes
-from shardlab.verify.runs import Plan, path_of
+from shardlab.verify.runs import Plan, full_gradients, path_of
 from shardlab.verify.tolerance import UNIT_ROUNDOFF, Tolerance, tolerance_for
 
 TAU = 1e-2
@@ -112,18 +112,6 @@ class Records:
 
     def pieces(self, s: int) -> list[dict[str, list[tuple[int, torch.Tensor]]]]:
         return [self._load(f"grads{s}.rank{r}.pt") for r in range(self.world)]
-
-
-def full_gradients(pieces: list[dict], numel: dict[str, int]) -> dict[str, torch.Tensor]:
-    """{name: flat float64 gradient} from every rank's pieces (the first holder of an element wins;
-    elements nobody holds are zero, as a parameter no rank has a gradient for)."""
-    out: dict[str, torch.Tensor] = {}
-    for rank_pieces in reversed(pieces):
-        for name, items in rank_pieces.items():
-            flat = out.setdefault(name, torch.zeros(numel[name], dtype=torch.float64))
-            for offset, values in items:
-                flat[offset:offset + values.numel()] = values.to(torch.float64)
-    return out
 
 
 # -- errors ------------------------------------------------------------------------------------------
@@ -258,7 +246,7 @@ def compare(plan: Plan) -> Report:
 
 def _title(plan: Plan, ref: Records, engine: Records, tol: Tolerance) -> str:
     m = engine.meta
-    against = "one process" if plan.against == "single" else f"ddp on {ref.world} ranks"
+    against = "one process" if ref.world == 1 else f"{plan.against} on {ref.world} ranks"
     return (f"{m['strategy']} on {engine.world} ranks vs {against}, {tol.dtype_name}, {plan.steps} steps: "
             f"{m['accumulation']} micro batch(es) of {m['micro']} per rank per step, the reference "
             f"{ref.meta['accumulation']} of {ref.meta['micro']}")

@@ -37,10 +37,12 @@ from torch import nn
 import shardlab
 from shardlab.config import config_from_dict
 from shardlab.data import build_datasets, collate
+from shardlab.data.loader import StepBatches
+from shardlab.engines import ONE_PROCESS
+from shardlab.loss import count_targets
 from shardlab.runtime import Runtime
 from shardlab.train import build_run, train_step
 
-IGNORE_INDEX = -100  # targets the loss skips (SFT prompts and padding)
 # How long the ranks not running a one-process reference wait for it (a cut 7B in float64
 # on CPU takes minutes); the engine run's collectives keep parallel.timeout_s.
 REFERENCE_WAIT_S = 6 * 3600
@@ -75,6 +77,7 @@ class StepOrder:
 
     def __init__(self, base, micro: int, interleave: int = 1, reverse: bool = False):
         self.base, self.micro, self.interleave, self.reverse = base, micro, interleave, reverse
+        self.global_batch_size = base.global_batch_size
 
     def rank_indices(self, step: int, rank: int, world_size: int) -> torch.Tensor:
         idx = self.base.rank_indices(step, rank, world_size)
@@ -192,6 +195,18 @@ def gradient_pieces(engine) -> dict[str, list[tuple[int, torch.Tensor]]]:
     return out
 
 
+def full_gradients(pieces: list[dict], numel: dict[str, int]) -> dict[str, torch.Tensor]:
+    """{name: flat float64 gradient} from every rank's pieces (the first holder of an element wins;
+    elements nobody holds are zero, as a parameter no rank has a gradient for)."""
+    out: dict[str, torch.Tensor] = {}
+    for rank_pieces in reversed(pieces):
+        for name, items in rank_pieces.items():
+            flat = out.setdefault(name, torch.zeros(numel[name], dtype=torch.float64))
+            for offset, values in items:
+                flat[offset:offset + values.numel()] = values.to(torch.float64)
+    return out
+
+
 def path_of(workdir: str, kind: str, name: str) -> str:
     return os.path.join(workdir, kind, name)
 
@@ -203,7 +218,7 @@ def _save(obj: Any, path: str) -> None:
 
 
 def target_counts(run, steps: int, world: int) -> list[list[list[int]]]:
-    """[step][rank][micro batch] -> targets the loss counts (not IGNORE_INDEX): equal everywhere
+    """[step][rank][micro batch] -> targets the loss counts (loss.count_targets): equal everywhere
     for fixed-length tokens and class labels, unequal for SFT rows with masked prompts and padding."""
     t, out = run.cfg.train, []
     for s in range(steps):
@@ -211,7 +226,7 @@ def target_counts(run, steps: int, world: int) -> list[list[list[int]]]:
         for r in range(world):
             idx = run.sampler.rank_indices(s, r, world)
             ys = [collate(run.data.train, idx[i:i + t.micro_batch_size])[1] for i in range(0, len(idx), t.micro_batch_size)]
-            per_rank.append([int((y != IGNORE_INDEX).sum()) for y in ys])
+            per_rank.append([count_targets(y) for y in ys])
         out.append(per_rank)
     return out
 
@@ -227,6 +242,9 @@ def record_run(rt: Runtime, cfg, kind: str, plan: Plan, data) -> None:
                                                             keep_dropout=plan.keep_dropout, log=dropped))
     interleave = plan.nproc if kind != "engine" and rt.world_size == 1 else 1
     run.sampler = StepOrder(run.sampler, cfg.train.micro_batch_size, interleave, reverse=kind == "noise")
+    b = run.batches  # the loop's DataLoader, reading in verify's order (micro batches, targets: unchanged)
+    run.batches = StepBatches(b.dataset, run.sampler, rt.rank, rt.world_size, b.micro, b.end_step, b.device,
+                              b.num_workers)
     run.model.train()
     model = run.engine.unwrapped()
     acts = ActivationRecorder(model, cfg.train.micro_batch_size, reverse=kind == "noise")
@@ -284,7 +302,7 @@ def verify_worker(rt: Runtime, plan: Plan, compare: Callable[[Plan], Any] | None
     if plan.dtype == "float64":
         data.train = CastFloating(data.train, torch.float64)
     grouped = rt.distributed and rt.world_size > 1
-    if plan.against == "single":
+    if plan.against == ONE_PROCESS:
         # the ranks without a one-process run wait for the others on a group of their own, with a
         # longer timeout (creating a group is collective: all ranks, now)
         wait = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=REFERENCE_WAIT_S)) if grouped else None
