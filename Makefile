@@ -45,7 +45,7 @@ demo: setup
 # Lint first (seconds), with the rules pyproject.toml's [tool.ruff] selects: the code meets them,
 # so CI (.ci/run runs `make test`) keeps it so.
 test: lint
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n 2 --dist loadfile
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n 2 --dist loadfile --durations=30
 
 test-fast: lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n 2 --dist loadfile -m "not slow"
