@@ -24,7 +24,10 @@ each world size does the same work per rank (weak scaling):
   shardlab bench configs/resnet-cifar10.yaml data.source=synthetic --nproc 1,2,4 \\
       --strategies ddp,fsdp --reshard-after-forward true,false --mixed-precision fp32,bf16
   shardlab bench --strategies ddp,fsdp,torch-fsdp --nproc 4 --shard-size 2,4 --offload none,cpu
+  shardlab bench --strategies single,fsdp --nproc 1,2 --activation-checkpointing none,selective,full \\
+      --compile false,true
 
+--activation-checkpointing and --compile set train.* keys, which every engine takes.
 A cell an engine cannot run (a shard size that does not divide N, offload for an engine
 without it) is skipped with its reason, printed and kept in bench.json; an axis an engine does
 not take at all (ddp and reshard_after_forward or shard_size) is not a variant of it.
@@ -50,6 +53,12 @@ from shardlab.engines.collectives import resolve_shard_size
 from shardlab.models import GPT_PRESETS
 
 BYTES_FP32 = 4
+#: Axes that set a `train.*` key, which every engine takes (the others are `parallel.*` engine options).
+TRAIN_AXES = ("activation_checkpointing", "compile")
+
+
+def _axis_key(key: str) -> str:
+    return f"{'train' if key in TRAIN_AXES else 'parallel'}.{key}"
 
 
 def _cell_overrides(args: argparse.Namespace, strategy: str, nproc: int, variant: dict[str, str]) -> list[str]:
@@ -65,7 +74,7 @@ def _cell_overrides(args: argparse.Namespace, strategy: str, nproc: int, variant
     if micro is not None:
         out += [f"train.micro_batch_size={micro}", f"train.global_batch_size={micro * nproc}"]
     out += [f"train.steps={args.steps}", "train.warmup_steps=0", "train.eval_batches=1",
-            f"parallel.strategy={strategy}", *(f"parallel.{k}={v}" for k, v in variant.items()),
+            f"parallel.strategy={strategy}", *(f"{_axis_key(k)}={v}" for k, v in variant.items()),
             "checkpoint.resume=none", "checkpoint.every_steps=0", "output.tensorboard=false", "output.progress=false"]
     return out
 
@@ -187,6 +196,7 @@ def summarize(cells: dict[tuple, list[dict[str, Any]]], warmup: int) -> list[dic
         comm = _comm_by_kind(runs, warmup)
         median = statistics.median(steps)
         live = [max(r["peak_live_bytes"]) for r in runs if r.get("peak_live_bytes")]
+        compiled = [r["compile_s"] for r in runs if r.get("compile_s") is not None]
         rows.append({
             "strategy": strategy, "world_size": nproc, "variant": variant, "num_parameters": psi,
             "step_time_median_s": median, "step_time_p90_s": _p90(steps), "measured_steps": len(steps),
@@ -213,6 +223,8 @@ def summarize(cells: dict[tuple, list[dict[str, Any]]], warmup: int) -> list[dic
             "peak_live_bytes_max_rank": statistics.median(live) if live else None,
             "peak_breakdown": (m.get("peak_breakdown") or [None])[0],
             "final_loss": m["final_loss"], "device": m.get("device"),
+            # torch.compile seconds of the run (train.compile), median over rounds
+            "compile_s": statistics.median(compiled) if compiled else None,
         })
     return rows
 
@@ -241,7 +253,7 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
         """The other engine's cell with the same settings, as far as it takes them."""
         if strategy not in STRATEGIES:
             return None
-        accepted = engine_class(strategy).options
+        accepted = (*engine_class(strategy).options, *TRAIN_AXES)
         own = ",".join(kv for kv in variant.split(",") if kv and kv.split("=")[0] in accepted)
         return by.get((strategy, n, own))
 
@@ -283,7 +295,28 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
                      + ("On this CPU-only machine the device is the CPU, so measured memory (model state, peak "
                         "live, RSS) does not drop with offload; the saving shows only on a GPU."
                         if not any("cuda" in str(r.get("device", "")).lower() for r in rows) else ""))
-    return "\n".join(lines) + "\n" + "\n".join(notes) + "\n"
+    return "\n".join(lines) + "\n" + "\n".join(notes) + "\n" + _compile_table(rows, by)
+
+
+def _compile_table(rows: list[dict[str, Any]], by: dict[tuple, dict[str, Any]]) -> str:
+    """Compiled cells beside their eager twins (the same cell with compile=false)."""
+    lines = []
+    for r in rows:
+        if r.get("compile_s") is None:
+            continue
+        eager = by.get((r["strategy"], r["world_size"], r["variant"].replace("compile=true", "compile=false")))
+        vs = _speed_vs(eager, r) if eager else ""
+        eager_ms = f"{eager['step_time_median_s'] * 1000:.0f}" if eager else ""
+        lines.append(f"| {r['strategy']} | {r['world_size']} | {r['variant']} | {r['compile_s']:.1f} | {eager_ms} | "
+                     f"{r['step_time_median_s'] * 1000:.0f} | {vs} |")
+    if not lines:
+        return ""
+    return ("\n| strategy | N | variant | compile (s) | eager step (ms) | compiled step (ms) | speed vs eager |\n"
+            + "|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n"
+            "'compile (s)': torch.compile's own timers in the run (dynamo + inductor, forward and backward, the final "
+            "evaluation's recompile included), median over rounds; it depends on inductor's on-disk cache "
+            "(TORCHINDUCTOR_CACHE_DIR), warm after the first compiled run of a graph. Compiled runs track no live "
+            "memory (docs/memory.md): their peak live is not measured.\n")
 
 
 _KIND_ABBREV = {"all_gather": "ag", "reduce_scatter": "rs", "all_reduce": "ar", "broadcast": "bc", "reduce": "rd"}
@@ -365,6 +398,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload", default=None,
                    help="comma-separated axis of parallel.offload values: none,cpu (fsdp, zero3, torch-fsdp; "
                         "cpu for another engine is skipped)")
+    p.add_argument("--activation-checkpointing", default=None,
+                   help="comma-separated axis of train.activation_checkpointing values: none,selective,full")
+    p.add_argument("--compile", default=None,
+                   help="comma-separated axis of train.compile values: false,true (torch.compile per block)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default=None, help="output folder (default: runs/bench-<timestamp>)")
 
@@ -425,7 +462,7 @@ def plan_cells(strategies: list[str], worlds: list[int],
                         if line not in skipped:
                             skipped.append(line)
                     continue
-                cell = tuple((k, x) for k, x in v.items() if k in accepted)
+                cell = tuple((k, x) for k, x in v.items() if k in accepted or k in TRAIN_AXES)
                 if cell not in own:
                     own.append(cell)
             order += [(s, n, dict(c)) for c in own]
@@ -461,7 +498,10 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], lis
     axes = {"mixed_precision": _axis(args.mixed_precision, "mixed_precision", ("fp32", "bf16", "fp16")),
             "reshard_after_forward": _axis(args.reshard_after_forward, "reshard_after_forward", ("true", "false")),
             "shard_size": _shard_size_axis(args.shard_size),
-            "offload": _axis(args.offload, "offload", ("none", "cpu"))}
+            "offload": _axis(args.offload, "offload", ("none", "cpu")),
+            "activation_checkpointing": _axis(args.activation_checkpointing, "activation_checkpointing",
+                                              ("none", "selective", "full")),
+            "compile": _axis(args.compile, "compile", ("false", "true"))}
     variants: list[dict[str, str]] = [{}]
     for key, values in axes.items():
         if values:

@@ -13,6 +13,7 @@ import difflib
 import os
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -22,6 +23,7 @@ from shardlab.data import DATA_SOURCES
 from shardlab.engines import STRATEGIES, engine_class
 from shardlab.engines.api import CPUOffload, MixedPrecision
 from shardlab.engines.collectives import resolve_shard_size
+from shardlab.engines.compile import AC_MODES, COMPILE_MODES
 from shardlab.errors import ConfigError
 from shardlab.models import MODELS
 from shardlab.shipped import config_path, shipped_configs
@@ -75,7 +77,10 @@ class TrainConfig:
     precision: str = "fp32"                # fp32 | bf16 | fp16 (autocast; fp16 adds dynamic loss scaling)
     loss_scale: float = 65536.0            # fp16: initial loss scale (halved on overflow)
     loss_scale_growth_interval: int = 2000  # fp16: good steps in a row before the scale doubles
-    activation_checkpointing: bool = False
+    activation_checkpointing: str = "none"  # none | full | selective (docs/training.md); true/false: old spellings
+    ac_every: int = 1                      # checkpoint blocks 0, K, 2K, ... (1: every block)
+    compile: bool = False                  # torch.compile each block (inductor; hooks stay outside)
+    compile_mode: Optional[str] = None     # torch.compile mode: null (default) | reduce-overhead | max-autotune | ...
     eval_every: int = 0                    # 0 = only at the end
     eval_batches: int = 4
     log_every: int = 1
@@ -153,6 +158,9 @@ class Config:
 # YAML keys that are not valid Python names map to fields here.
 _ALIASES = {("checkpoint", "async"): "async_save"}
 _ALIASES_BACK = {(sec, fld): key for (sec, key), fld in _ALIASES.items()}
+# Keys that were true/false and became a choice: the old spellings still load, with a
+# deprecation note. (section, key) -> {old: new}
+_BOOL_SPELLINGS = {("train", "activation_checkpointing"): {True: "full", False: "none"}}
 
 # The choices come from the registries, read when a config is checked (so an engine or model
 # registered after this module was imported, by a plugin or a test, is a valid choice too): a new
@@ -284,11 +292,23 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
             raise _unknown_key_error(full)
         f = by_key[key]
         tp = hints[f.name]
+        value = _renew_bool_spelling(section, key, value)
         if dataclasses.is_dataclass(tp):
             kwargs[f.name] = _build(tp, value, full + ".")
         else:
             kwargs[f.name] = _coerce(value, tp, full)
     return cls(**kwargs)
+
+
+def _renew_bool_spelling(section: str, key: str, value: Any) -> Any:
+    spellings = _BOOL_SPELLINGS.get((section, key))
+    if spellings is None or not isinstance(value, bool):
+        return value
+    new = spellings[value]
+    # warn_explicit: the note is about the user's config, not a line of shardlab's source
+    warnings.warn_explicit(f"{section}.{key}={str(value).lower()} is deprecated and means {new}: write "
+                           f"{section}.{key}={new}", FutureWarning, filename="shardlab config", lineno=0)
+    return new
 
 
 def _type_name(tp: Any) -> str:
@@ -408,6 +428,12 @@ def _validate_train(cfg: Config, spec: Any) -> None:
     _check(t.eval_every >= 0 and t.eval_batches >= 1 and t.log_every >= 1,
            "train.eval_every must be >= 0, train.eval_batches and train.log_every >= 1")
     _choice("train.memory_tracking", t.memory_tracking, ("last", "all", "none"))
+    _choice("train.activation_checkpointing", t.activation_checkpointing, AC_MODES)
+    _check(t.ac_every >= 1, f"train.ac_every must be >= 1 (1 = every block), got {t.ac_every}")
+    _check(t.compile_mode in COMPILE_MODES, f"train.compile_mode: unknown value {t.compile_mode!r}; valid: null, "
+           f"{', '.join(m for m in COMPILE_MODES if m)}")
+    _check(t.compile or t.compile_mode is None, "train.compile_mode applies with train.compile=true; set "
+           "train.compile=true or remove train.compile_mode")
     _check(t.profile_steps >= 1, f"train.profile_steps must be >= 1, got {t.profile_steps}")
     block = spec.max_seq_len(m) if spec.data_kind == "tokens" else None
     if block is not None:

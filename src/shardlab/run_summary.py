@@ -51,6 +51,9 @@ def summarize(run: Any, timer: M.StepTimer, per_rank: list[dict], val_losses: di
         "val_loss": val_losses[state.step],
         "val_losses": val_losses,
         "restart_count": rt.restart_count,
+        # train.compile: seconds compiling (slowest rank; in the first step and samples/s, not the median step)
+        "compile_s": max(r["compile"][0] for r in per_rank) if cfg.train.compile else None,
+        "compiled_graphs": per_rank[0]["compile"][1] if cfg.train.compile else None,
     }
     if run.scaler is not None:
         result["loss_scale"] = run.scaler.get_scale()
@@ -88,6 +91,8 @@ def print_summary(result: dict[str, Any], out_dir: str) -> None:
         row("trained in this run", f"nothing: resumed at step {result['steps']}, the last")
     if "loss_scale" in result:
         row("fp16 loss scale (final), skipped steps", f"{result['loss_scale']:g}, {result['skipped_steps']}")
+    if result.get("compile_s") is not None:  # live memory is not tracked then (see _train)
+        row("torch.compile (graphs)", f"{result['compile_s']:.1f} s ({result['compiled_graphs']}); live memory not tracked")
     row("parameters (trainable)", f"{result['num_parameters'] / 1e6:.2f} M "
         f"({result['num_trainable_parameters'] / 1e6:.2f} M)")
     row("model state / rank (params+grads+optim)", ", ".join(f"{b / 2**20:.1f} MiB" for b in result["model_state_bytes"]))

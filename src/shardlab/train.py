@@ -35,6 +35,7 @@ from shardlab.config import Config, dump_config, engine_options, validate_for_wo
 from shardlab.data import GlobalBatchSampler, build_datasets
 from shardlab.data.loader import StepBatches
 from shardlab.engines import Engine, engine_class, engine_of, optimizer_state_bytes
+from shardlab.engines.compile import CompileClock
 from shardlab.evaluate import evaluate
 from shardlab.loss import token_weights
 from shardlab.models import build_model, count_parameters
@@ -190,7 +191,8 @@ def build_run(cfg: Config, rt: Runtime, *, data: Any = None,
         model = adapt_model(model)
     n_params, n_trainable = count_parameters(model), count_parameters(model, trainable_only=True)
     model = shardlab.parallelize(model, cfg.parallel.strategy, wrap=wrap_units(cfg, model), device=rt.device,
-                                 activation_checkpointing=t.activation_checkpointing, **engine_options(cfg))
+                                 activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every,
+                                 compile=t.compile, compile_mode=t.compile_mode, **engine_options(cfg))
     engine = engine_of(model)
     if not engine.local_parameters():
         raise ValueError(f"rank {rt.rank} holds no parameter with parallel.strategy={cfg.parallel.strategy} at world "
@@ -381,6 +383,7 @@ def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
 
 def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str, Any]:
     t0 = time.perf_counter()
+    compile_clock = CompileClock()  # this run's share of the process's torch.compile time
     rt = rt or init_runtime(cfg.parallel.backend, cfg.parallel.timeout_s,
                             force_group=engine_class(cfg.parallel.strategy).distributed)
     run = build_run(cfg, rt)
@@ -394,10 +397,10 @@ def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str,
     run.model.train()
     comm_before_loop = run.engine.comm_stats()  # wrap-time broadcasts and resume are not step traffic
     step_comm_seconds: list[dict[str, float] | None] = []  # per step: seconds per collective kind
-    # live tensor bytes by part and phase (docs/memory.md); "last" tracks only the last step,
-    # so the other steps' times carry none of its overhead
-    tracker = None if t.memory_tracking == "none" else memory.LiveMemoryTracker(rt.device, engine=run.engine,
-                                                                              optimizer=run.opt)
+    # live tensor bytes by part and phase (docs/memory.md); "last" tracks only the last step (the others carry none
+    # of its overhead). Not under train.compile: dynamo would stop compiling for the rest of the process (memory.md).
+    tracker = None if t.memory_tracking == "none" or t.compile else memory.LiveMemoryTracker(
+        rt.device, engine=run.engine, optimizer=run.opt)
     profiler = None
     if t.profile:  # the first step of this run is its warm-up
         first = state.step + 1 if t.steps - state.step > 1 else state.step
@@ -450,7 +453,7 @@ def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str,
     live = tracker.summary() if tracker is not None and tracker.steps_tracked else None
     per_rank = all_gather_object({"peak_memory_bytes": peak, "model_state_bytes": state_bytes,
                                   "comm": train_comm, "comm_seconds": _per_kind(step_comm_seconds),
-                                  "live": live}, rt)
+                                  "live": live, "compile": (compile_clock.seconds(), compile_clock.graphs())}, rt)
     result = summarize(run, timer, per_rank, val_losses, time.perf_counter() - t0)
     if rt.is_main:
         M.write_json_atomic(os.path.join(run.out_dir, "metrics.json"), result, default=str)

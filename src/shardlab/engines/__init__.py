@@ -14,7 +14,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._composable import checkpoint
 
 from shardlab.engines.api import (
     ENGINE_ATTR,
@@ -25,6 +24,7 @@ from shardlab.engines.api import (
     optimizer_state_bytes,
     resolve_units,
 )
+from shardlab.engines.compile import Checkpointing, apply_to_units
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,8 @@ def default_device() -> torch.device:
 
 def parallelize(model: nn.Module, strategy: str = "fsdp", wrap: Any = None, *,
                 group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
-                activation_checkpointing: bool = False, **options: Any) -> nn.Module:
+                activation_checkpointing: bool | str = "none", ac_every: int = 1, compile: bool = False,
+                compile_mode: str | None = None, **options: Any) -> nn.Module:
     """Wrap `model` with `strategy` and return the module to train.
 
     model: a plain nn.Module, possibly on the meta device (sharded engines then
@@ -87,7 +88,11 @@ def parallelize(model: nn.Module, strategy: str = "fsdp", wrap: Any = None, *,
         predicate on modules. The root is always a unit of its own.
     group: the process group (default: the world). Needs torch.distributed initialized,
         except for strategy="single".
-    activation_checkpointing: recompute each unit's activations in backward.
+    activation_checkpointing: "none", "full" (recompute each unit's activations in backward)
+        or "selective" (keep the matmul and attention outputs, recompute the rest); True and
+        False mean "full" and "none". ac_every=K: only units 0, K, 2K, ...
+    compile: torch.compile each unit's forward (inductor; compile_mode: torch.compile's mode).
+        Both leave the engine's hooks outside: engines/compile.py.
     options: engine options, e.g. reshard_after_forward, mixed_precision, bucket_size_bytes, prefetch.
     """
     cls = engine_class(strategy)
@@ -101,9 +106,8 @@ def parallelize(model: nn.Module, strategy: str = "fsdp", wrap: Any = None, *,
     if hasattr(model, ENGINE_ATTR):
         raise ValueError("this model is already parallelized")
     device = torch.device(device) if device is not None else default_device()
+    checkpointing = Checkpointing.parse(activation_checkpointing, ac_every)
     units = resolve_units(model, wrap)
-    if activation_checkpointing:
-        for unit in units:
-            checkpoint(unit)
+    apply_to_units(units, checkpointing, compile, compile_mode)
     engine = cls(model, group=group, device=device, units=units, **options)
     return attach(engine)

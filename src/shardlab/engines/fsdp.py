@@ -66,9 +66,12 @@ padding) and hands it to `full`'s AccumulateGrad exactly once, after the group's
 gradient contribution. Its post-accumulate hook is our post-backward: no counting, and
 (for a unit without frozen parameters) it does not depend on the unit's inputs requiring
 grad. The pre-backward is a hook on the gradient of each forward output; the first one to
-fire gathers, later ones find the group gathered. With activation checkpointing the
-recomputed forward only makes sure the buffer is gathered: the recomputed graph is never
-backpropagated, so nothing is reduce-scattered twice. An async all-gather is waited on
+fire gathers, later ones find the group gathered. With activation checkpointing
+(engines/compile.py) the recompute runs the unit's original forward inside backward on the
+views the pre-backward re-gathered; its hooks do not fire again. Should a unit's module be
+called again in backward (a unit nested in a checkpointed region, or a user's own
+composable checkpoint), its pre-forward only makes sure the buffer is gathered: the
+recomputed graph is never backpropagated, so nothing is reduce-scattered twice. An async all-gather is waited on
 right before its buffer is read (pre-forward, pre-backward) or freed; reduce-scatters are
 bounded as [Note: how many reduce-scatters may be in flight] says.
 
@@ -202,7 +205,7 @@ class FSDPEngine(Engine):
         root.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
         root.register_forward_hook(self._root_post_forward)
         for u in self.wrap_units:
-            # prepend: gather before an activation-checkpointing pre-hook sees the unit run
+            # prepend: gather before any other pre-hook (a composable checkpoint's) sees the unit run
             u.module.register_forward_pre_hook(lambda m, a, k, u=u: self._pre_forward(u, a, k),
                                                with_kwargs=True, prepend=True)
             u.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out))

@@ -279,12 +279,17 @@ class Zero3Engine(Engine):
 
     # -- forward --------------------------------------------------------------------------------
     # [Note: activation checkpointing]
-    # The composable checkpoint recomputes a unit in backward by calling the module again,
-    # so our forward hooks fire a second time, inside backward. By then the unit's
-    # pre-backward hook has already re-gathered its parameters and bound them, so the
-    # recompute must neither gather (that would be a fresh, unrelated set of leaves) nor
-    # free (backward still needs them). The recompute may also stop early, skipping the
-    # forward hook altogether, so nothing may depend on the post hook running.
+    # shardlab checkpoints inside a unit's forward ([Note: hooks outside, checkpoint and
+    # compile inside], engines/compile.py): the recompute calls the unit's original forward,
+    # not the module, so its own hooks do not fire again; it reads the parameters the
+    # pre-backward hook re-gathered and bound (`_pre_backward` binds them for that). A
+    # checkpoint that calls a *module* again in backward (a unit nested in a checkpointed
+    # region, or a user's own `torch.distributed._composable.checkpoint`) makes our forward
+    # hooks fire a second time, inside backward: by then the pre-backward hook has
+    # re-gathered and bound the parameters, so the recompute must neither gather (that would
+    # be a fresh, unrelated set of leaves) nor free (backward still needs them). The
+    # recompute may also stop early, skipping the forward hook altogether, so nothing may
+    # depend on the post hook running.
 
     def _pre_forward(self, unit: SlotUnit, module: nn.Module, args: tuple, kwargs: dict):
         args, kwargs = self._cast_inputs(args), self._cast_inputs(kwargs)

@@ -48,8 +48,7 @@ def predict_all(cfg, nproc: int, engines: list[str] | None = None, per_node: int
             raise ConfigError(f"engine {e} runs one process; --nproc {nproc} asks for {nproc}")
         validate_for_world(c, nproc)
     L = n_layer(cfg)
-    layers: list[int | None] = [min(x, L) for x in P.PROBE_LAYERS] if L is not None else [None]
-    layers = sorted(set(layers), key=lambda x: -1 if x is None else x)
+    layers = P.probe_layers(cfg, L)
     micro, seq, act_scale = P.probe_shape(cfg)
     accumulation = cfg.train.global_batch_size // (nproc * cfg.train.micro_batch_size)
     states = {e: model_state(cfgs[e], e, nproc) for e in engines}
@@ -113,6 +112,10 @@ def _predicted(engine: str, cfg, nproc: int, state: dict[str, int], per_layer: d
         notes.append(f"activations scaled x{act_scale:g} from a probe micro batch of {micro} x {seq} tokens")
     if L is not None and L > max(x or 0 for x in layers):
         notes.append(f"extrapolated from probes at {', '.join(str(x) for x in layers)} of {L} blocks")
+    if cfg.train.compile:
+        notes.append("train.compile: probed eagerly (the live tracker cannot see compiled kernels); measured for a "
+                     "gpt-mini block, compiled keeps as much for backward as eager (none, full) or less (selective): "
+                     "docs/benchmarks.md")
     out = Prediction(engine, nproc, int(round(total)), {k: int(round(v)) for k, v in parts.items()}, phase, state,
                      notes=notes, host_bytes=host)
     out.probe_step_seconds = {k: v["step_seconds"] for k, v in per_layer.items()}  # type: ignore[attr-defined]

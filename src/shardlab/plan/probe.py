@@ -40,6 +40,18 @@ PROBE_MAX_BYTES = int(float(os.environ.get("SHARDLAB_PLAN_PROBE_MAX_GIB", "6")) 
 PROBE_TIMEOUT_S = float(os.environ.get("SHARDLAB_PLAN_PROBE_TIMEOUT_S", "1800"))
 
 
+def probe_layers(cfg, depth: int | None) -> list[int | None]:
+    """The depths the probes run at: PROBE_LAYERS, or with train.ac_every=K (checkpointing every K-th
+    block) two depths K apart, so that the blocks added between them hold the mix of checkpointed and
+    plain blocks the real model has (the scaling takes the mean per block). None: the model runs whole."""
+    if depth is None:
+        return [None]
+    lo, hi = PROBE_LAYERS
+    if cfg.train.activation_checkpointing != "none" and cfg.train.ac_every > 1:
+        hi = lo + cfg.train.ac_every
+    return sorted({min(lo, depth), min(hi, depth)})
+
+
 def probe_shape(cfg) -> tuple[int, int, float]:
     """(micro batch, seq) the probe runs at and the factor activations scale by."""
     b, seq = cfg.train.micro_batch_size, cfg.data.seq_len
@@ -57,8 +69,11 @@ def probe_config(cfg, n_layer: int | None, micro: int, seq: int, world: int, ste
     if n_layer is not None:
         cut_depth(raw, n_layer, tmpdir)
     raw["data"]["seq_len"] = seq
+    # Eager, with the config's activation checkpointing (train.activation_checkpointing, ac_every): the live
+    # tracker cannot see compiled kernels, and dynamo would not run them under it anyway (docs/memory.md);
+    # predict.py says so in the prediction's notes.
     raw["train"].update(micro_batch_size=micro, global_batch_size=micro * world * accumulation, steps=steps,
-                        memory_tracking="none", eval_every=0, profile=False)
+                        memory_tracking="none", eval_every=0, profile=False, compile=False, compile_mode=None)
     key = MODELS[cfg.model.name].vocab_key
     if key is not None:  # the probe's data: synthetic tokens with the real vocabulary
         raw["model"][key] = vocab_size(cfg)

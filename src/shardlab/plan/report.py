@@ -46,9 +46,11 @@ def verdict(cfg, p: Prediction, gpu: GPU, others: dict[str, Prediction], world: 
         ch.append("a sharded engine: " + (", ".join(f"{e} ({others[e].peak_bytes / 2**30:.1f} GiB)" for e in fitting)
                                            if fitting else f"{sharded} (none fits at this N either)"))
     act = p.parts["activations"]
-    if act > 0.1 * p.peak_bytes and not cfg.train.activation_checkpointing:
-        ch.append(f"train.activation_checkpointing=true (activations are {act / 2**30:.1f} GiB of the peak; "
-                  "it keeps about one block's worth, at ~33% more compute)")
+    if act > 0.1 * p.peak_bytes and cfg.train.activation_checkpointing != "full":
+        ch.append(f"train.activation_checkpointing=full (activations are {act / 2**30:.1f} GiB of the peak; it "
+                  "keeps each block's input, at ~33% more compute)" + (
+                      "; or selective, which keeps the matmul outputs and recomputes the rest (docs/compile.md)"
+                      if cfg.train.activation_checkpointing == "none" else ""))
     if act > 0 and cfg.train.micro_batch_size > 1:
         room = usable - (p.peak_bytes - act)
         b = int(cfg.train.micro_batch_size * room / act) if room > 0 else 0

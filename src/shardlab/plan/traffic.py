@@ -11,9 +11,10 @@ from typing import Any
 from shardlab.config import engine_options
 from shardlab.engines import engine_class
 from shardlab.engines.api import Collective, ModelTraffic
+from shardlab.engines.compile import Checkpointing
 from shardlab.models import MODELS, repeated_blocks
 from shardlab.plan.catalogue import GPU, MFU, Link
-from shardlab.plan.model import meta_model, param_count
+from shardlab.plan.model import meta_model, n_layer, param_count
 
 
 def collective_time(kind: str, nbytes: float, world: int, link: Link) -> float:
@@ -72,7 +73,9 @@ def step_time(cfg, engine: str, world: int, link: Link, gpu: GPU | None, probe_s
     t = cfg.train
     tokens_per_sample = MODELS[cfg.model.name].tokens_per_sample(cfg.data.seq_len)
     tokens_rank = t.global_batch_size // world * tokens_per_sample
-    flops = (8 if t.activation_checkpointing else 6) * param_count(cfg) * tokens_rank
+    # 6 = forward 2 + backward 4 per parameter and token; checkpointing adds the recomputed forward's 2
+    recomputed = Checkpointing(t.activation_checkpointing, t.ac_every).recomputed_share(n_layer(cfg))
+    flops = (6 + 2 * recomputed) * param_count(cfg) * tokens_rank
     if gpu is not None:
         compute = flops / (gpu.peak_flops * MFU)
         source = f"6*Psi*tokens at {gpu.peak_flops / 1e12:.0f} TFLOP/s x MFU {MFU:g}"

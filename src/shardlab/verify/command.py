@@ -114,7 +114,8 @@ def make_plan(cfg, args, workdir: str) -> Plan:
     ref = copy.deepcopy(raw)
     ref["parallel"].update(strategy=args.against, offload="none", shard_size=None)
     if args.against == ONE_PROCESS:
-        ref["train"].update(micro_batch_size=n * t.micro_batch_size, activation_checkpointing=False)
+        ref["train"].update(micro_batch_size=n * t.micro_batch_size, activation_checkpointing="none")
+    ref["train"].update(compile=False, compile_mode=None)  # the reference is the plain maths; the engine keeps its own
     try:
         engine_cfg, ref_cfg = config_from_dict(raw), config_from_dict(ref)
         validate_for_world(engine_cfg, n)

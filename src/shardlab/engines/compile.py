@@ -1,0 +1,180 @@
+"""How a unit's own forward runs: activation checkpointing (none | full | selective) and
+torch.compile. Every strategy gets both the same way, from `parallelize`, before the engine
+wraps the model: the engines neither know nor care.
+
+[Note: hooks outside, checkpoint and compile inside]
+A unit's forward is replaced, on the instance, by a function that calls the original one:
+
+    unit.__call__ -> engine pre-hook (gather) -> unit.forward -> engine post-hook (free)
+                                                 = compile( checkpoint( original forward ) )
+
+as torchtitan lays out a block (checkpoint wrapper, then torch.compile, then fully_shard):
+- the engines' hooks stay outside the compiled graph, where they can communicate, and the
+  graph is the block's arithmetic alone, one graph for all blocks of a class (dynamo guards
+  on the code and the tensors' metadata, not on which block it is, so the graph compiled
+  for block 0 serves the others: compile time does not grow with depth);
+- the checkpoint is inside the compiled function, so dynamo traces it as one
+  higher-order op and the partitioner decides what the backward graph recomputes;
+  the selective policy below becomes its save list. In eager mode the same function
+  recomputes by calling the original forward again inside backward: the unit's hooks do not
+  fire again (the engines' pre-backward hook has re-gathered the parameters by then), only
+  hooks of modules nested inside the unit do ([Note: activation checkpointing] in zero3.py
+  and fsdp.py: `_hooks.in_backward()` still tells them apart);
+- the module's parameters and names are untouched: no `_orig_mod.` wrapper (what
+  `torch.compile(module)` would add) reaches state dicts, checkpoints or exports.
+
+[Note: what selective checkpointing saves]
+Selective saves the outputs of the operators that are expensive to recompute and cheap to
+keep relative to their cost, as torchtitan's op-level policy does: matrix products
+(mm, addmm, bmm, baddbmm: every Linear and attention's own products on the math path),
+the fused attention kernels (CPU and CUDA flash, efficient, cuDNN), and convolutions.
+Everything else (layer norms, GELU, softmax, residual adds, dropout masks are replayed with
+the saved RNG state) is recomputed in backward. Full recomputes all of it and keeps only the
+unit's inputs. Memory and time of the three modes are measured in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+AC_MODES = ("none", "full", "selective")
+#: torch.compile's modes, plus None (its default).
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def _selective_save_ops() -> frozenset:
+    """The operators whose outputs selective checkpointing keeps (see the Note); an op this
+    torch build lacks is skipped."""
+    names = ("mm", "addmm", "bmm", "baddbmm", "convolution",
+             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    return frozenset(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
+
+
+SELECTIVE_SAVE_OPS = _selective_save_ops()
+
+
+def _save_matmuls_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts() -> tuple[Any, Any]:
+    return create_selective_checkpoint_contexts(_save_matmuls_policy)
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """Activation checkpointing of the wrap units: mode none | full | selective, applied to
+    units 0, every, 2*every, ... (every=1: all of them)."""
+
+    mode: str = "none"
+    every: int = 1
+
+    def __post_init__(self) -> None:
+        if self.mode not in AC_MODES:
+            raise ValueError(f"activation_checkpointing must be one of {', '.join(AC_MODES)}, not {self.mode!r}")
+        if self.every < 1:
+            raise ValueError(f"ac_every must be >= 1, got {self.every}")
+
+    @classmethod
+    def parse(cls, value: Any, every: int = 1) -> Checkpointing:
+        """Accept a Checkpointing, a mode name, or a bool (True: full, False: none)."""
+        if isinstance(value, Checkpointing):
+            return value
+        if isinstance(value, bool) or value is None:
+            return cls("full" if value else "none", every)
+        return cls(str(value), every)
+
+    def applies_to(self, index: int) -> bool:
+        return self.mode != "none" and index % self.every == 0
+
+    def recomputed_share(self, units: int | None) -> float:
+        """The share of the units' forward FLOPs that backward runs again: full recomputes its
+        units whole; selective keeps the matmul outputs and recomputes only cheap pointwise ops
+        (counted as 0); `units` None: every unit counts."""
+        if self.mode != "full":
+            return 0.0
+        return 1.0 if not units else sum(map(self.applies_to, range(units))) / units
+
+
+# -- the functions a unit's forward becomes ------------------------------------------------------
+# Module-level, so that torch.compile sees the same code for every unit and every model and
+# reuses what it compiled (see [Note: hooks outside, checkpoint and compile inside]).
+def _plain(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return forward(*args, **kwargs)
+
+
+def _full(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _selective(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=_selective_contexts, **kwargs)
+
+
+_RUNNERS = {"none": _plain, "full": _full, "selective": _selective}
+
+
+@functools.cache
+def _compiled(mode_name: str, compile_mode: str | None) -> Callable[..., Any]:
+    return torch.compile(_RUNNERS[mode_name], mode=compile_mode)
+
+
+def apply_to_units(units: list[nn.Module], checkpointing: Checkpointing, compile: bool,
+                   compile_mode: str | None = None) -> None:
+    """Give each unit its checkpointed and/or compiled forward (the Note above). Units the
+    policy leaves alone keep their forward untouched."""
+    if compile_mode not in COMPILE_MODES:
+        raise ValueError(f"compile_mode must be one of {', '.join(str(m) for m in COMPILE_MODES)}, "
+                         f"not {compile_mode!r}")
+    compile_mode = None if compile_mode == "default" else compile_mode
+    for i, unit in enumerate(units):
+        mode = checkpointing.mode if checkpointing.applies_to(i) else "none"
+        if mode == "none" and not compile:
+            continue
+        if "forward" in unit.__dict__:
+            raise ValueError(f"unit {i} ({type(unit).__name__}) already has its own forward on the instance: "
+                             "activation checkpointing or compile was applied to it before")
+        runner = _compiled(mode, compile_mode) if compile else _RUNNERS[mode]
+        unit.forward = functools.partial(runner, unit.forward)
+
+
+# -- compile time ---------------------------------------------------------------------------------
+# dynamo's and AOTAutograd's own timers: the whole compile of a frame (tracing, the forward's
+# inductor compile) and the backward's, which AOTAutograd compiles lazily at the first backward.
+_COMPILE_TIMERS = ("_compile.compile_inner", "backward._backward_impl")
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling (torch.compile, both directions), so far."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return sum(sum(compilation_time_metrics.get(k, ())) for k in _COMPILE_TIMERS)
+
+
+def graphs_compiled() -> int:
+    """How many frames dynamo compiled in this process (a recompile counts again)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return len(compilation_time_metrics.get("_compile.compile_inner", ()))
+
+
+class CompileClock:
+    """Compile time of one run: `seconds()` since the clock was made (the process may have
+    compiled before, e.g. an earlier run in the same test process)."""
+
+    def __init__(self) -> None:
+        self._start, self._graphs = compile_seconds(), graphs_compiled()
+
+    def seconds(self) -> float:
+        return max(0.0, compile_seconds() - self._start)  # max: torch._dynamo.reset() clears the timers
+
+    def graphs(self) -> int:
+        return max(0, graphs_compiled() - self._graphs)
