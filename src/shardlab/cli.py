@@ -5,6 +5,7 @@
   shardlab configs [NAME]                                    the shipped example configs (NAME: print one)
   shardlab bench [CONFIG.yaml] [key=value ...] [--nproc 1,2,4]  measure every engine side by side
   shardlab plan CONFIG.yaml [key=value ...] --gpu T4 --nproc N [--nodes K]  predict peak memory and step time
+  shardlab verify CONFIG.yaml [key=value ...] --nproc N    prove the engine trains exactly as one process
   shardlab render {slurm,k8s,accelerate} CONFIG.yaml ...    write a job for a cluster
   shardlab submit {slurm,k8s} CONFIG.yaml ...               render and submit it
   shardlab export RUN_DIR | generate RUN_DIR | eval RUN_DIR  use a trained checkpoint
@@ -158,6 +159,16 @@ def build_parser() -> argparse.ArgumentParser:
                         description=plan.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     plan.add_arguments(pl)
     pl.set_defaults(func=plan.run)
+
+    from shardlab import verify
+
+    ve = sub.add_parser("verify", help="prove the config trains on N ranks exactly as one process would",
+                        description="Prove the config trains on N ranks exactly as one process would: step "
+                                    "by step, every gradient and parameter by name, in float64.",
+                        epilog=verify.command.EPILOG,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    verify.add_arguments(ve)
+    ve.set_defaults(func=verify.run)
 
     # Commands that live beside their feature: render/submit (shardlab.deploy),
     # export/generate/eval (shardlab.export). Each module adds its own subparsers.

@@ -32,6 +32,7 @@ from shardlab.shipped import config_path, shipped_configs
 @dataclass
 class _ModelName:
     name: str = "gpt"                      # a key of shardlab.models.MODELS
+    sync_batchnorm: bool = False           # BatchNorm statistics over all ranks (distributed engines; docs/verify.md)
 
 
 # The `model:` section: the name, then every registered model's own keys (each model file
@@ -93,7 +94,7 @@ class ParallelConfig:
     strategy: str = "fsdp"                 # a key of shardlab.engines.STRATEGIES
     # The keys below reach the engines that take them (their `options`; engine_options):
     reshard_after_forward: bool = True     # free gathered parameters after each unit's forward
-    mixed_precision: str = "fp32"          # fp32 | bf16 | fp16: engine compute/communication dtype
+    mixed_precision: str = "fp32"          # fp32 | bf16 | fp16: engine compute/communication dtype (fp64: verify's)
     bucket_size_mb: float = 25.0           # gradient buckets of the all-reducing engines
     prefetch: bool = True                  # gather the next unit while this one computes
     shard_size: Optional[int] = None       # hybrid sharding over S ranks (null = ranks per node)
@@ -452,7 +453,7 @@ def _validate_train(cfg: Config, spec: Any) -> None:
 def _validate_parallel(p: ParallelConfig) -> None:
     """The engine's options are checked against the options its class takes."""
     _choice("parallel.strategy", p.strategy, tuple(STRATEGIES))
-    _choice("parallel.mixed_precision", p.mixed_precision, ("fp32", "bf16", "fp16"))
+    _choice("parallel.mixed_precision", p.mixed_precision, ("fp32", "bf16", "fp16", "fp64"))
     _choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
     _check(p.bucket_size_mb > 0, f"parallel.bucket_size_mb must be > 0, got {p.bucket_size_mb}")
     _check(p.timeout_s > 0, f"parallel.timeout_s must be > 0, got {p.timeout_s}")

@@ -19,6 +19,7 @@ import contextlib
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,7 @@ from shardlab.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionGuard
 from shardlab.run_summary import print_summary, summarize
 from shardlab.runtime import Runtime, all_gather_object, hostname, init_runtime, seed_everything, shutdown
 from shardlab.schedule import make_schedule, schedule_note
+from shardlab.sync_batchnorm import convert_sync_batchnorm
 
 
 @dataclass
@@ -177,13 +179,20 @@ class Run:
         return os.path.join(m.root, step_dir_name(self.state.step))
 
 
-def build_run(cfg: Config, rt: Runtime) -> Run:
+def build_run(cfg: Config, rt: Runtime, *, data: Any = None,
+              adapt_model: Callable[[nn.Module], nn.Module] | None = None) -> Run:
+    """data: datasets already built (default: built here). adapt_model: applied to the model
+    on the meta device before the engine wraps it (`shardlab verify`: float64, dropout off)."""
     validate_for_world(cfg, rt.world_size)
     seed_everything(cfg.seed)
     t = cfg.train
-    data = build_datasets(cfg)
+    data = data if data is not None else build_datasets(cfg)
     # Sharded engines materialize only their shard from the meta device; the others materialize whole.
     model = build_model_for(cfg, data.vocab_size, "meta")
+    if cfg.model.sync_batchnorm and engine_class(cfg.parallel.strategy).distributed:
+        model = convert_sync_batchnorm(model, rt.device)
+    if adapt_model is not None:
+        model = adapt_model(model)
     n_params, n_trainable = count_parameters(model), count_parameters(model, trainable_only=True)
     model = shardlab.parallelize(model, cfg.parallel.strategy, wrap=wrap_units(cfg, model), device=rt.device,
                                  activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every,
@@ -270,10 +279,12 @@ class StepResult:
     skipped: bool         # fp16 overflow: the optimizer did not step
 
 
-def train_step(run: Run, tracker: memory.LiveMemoryTracker | None = None) -> StepResult:
+def train_step(run: Run, tracker: memory.LiveMemoryTracker | None = None,
+               before_clip: Callable[[Run], None] | None = None) -> StepResult:
     """One global batch: k micro batches (backward inside no_sync for all but the last, so only
     the last one communicates), then unscale, clip, step. The phases are marked for the memory
-    tracker and the profiler."""
+    tracker and the profiler. before_clip(run) sees the gradients as backward left them
+    (unscaled), before clipping and the optimizer step (`shardlab verify` reads them)."""
     rt, t = run.rt, run.cfg.train
     phase = tracker.phase if tracker is not None else memory.phase_range
     model, opt, scaler = run.model, run.opt, run.scaler
@@ -297,6 +308,8 @@ def train_step(run: Run, tracker: memory.LiveMemoryTracker | None = None) -> Ste
     with phase("optimizer"):
         if scaler is not None:
             scaler.unscale_(opt)  # before clipping: the norm is of the true gradients
+        if before_clip is not None:
+            before_clip(run)
         grad_norm = shardlab.clip_grad_norm_(model, t.grad_clip if t.grad_clip > 0 else float("inf"))
         skipped = False
         if scaler is not None:
