@@ -5,9 +5,11 @@
   shardlab configs [NAME]                                    the shipped example configs (NAME: print one)
   shardlab bench [CONFIG.yaml] [key=value ...] [--nproc 1,2,4]  measure every engine side by side
   shardlab plan CONFIG.yaml [key=value ...] --gpu T4 --nproc N [--nodes K]  predict peak memory and step time
+  shardlab verify CONFIG.yaml [key=value ...] --nproc N    prove the engine trains exactly as one process
   shardlab render {slurm,k8s,accelerate} CONFIG.yaml ...    write a job for a cluster
   shardlab submit {slurm,k8s} CONFIG.yaml ...               render and submit it
   shardlab export RUN_DIR | generate RUN_DIR | eval RUN_DIR  use a trained checkpoint
+  shardlab doctor RUN_DIR [--live]                          which rank is stuck, and where every rank waits
 Each command's --help lists its options.
 """
 
@@ -30,9 +32,10 @@ strategies (parallel.strategy): {strategies} (docs/engines.md).
 Without --nproc, shardlab runs as one worker of a job started elsewhere (torchrun, srun,
 a Kubernetes pod), taking RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT or the
 SLURM_* variables from the environment; with none of them, as a single process.
-Outputs: <output.dir>/<output.run_name>/{{run_args.json,metrics.json,config.yaml,tensorboard/}}.
+Outputs: <output.dir>/<output.run_name>/{{run_args.json,metrics.json,config.yaml,tensorboard/,debug/}}.
 The default run name is <model>-<strategy>-<hash of the config>: the same command continues the
 same run from its latest checkpoint (and so does `shardlab train <run dir>/config.yaml`).
+A hung or failed run: `shardlab doctor <run dir>` (with --live while it runs) names the stuck rank.
 """
 
 
@@ -157,14 +160,26 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_arguments(pl)
     pl.set_defaults(func=plan.run)
 
+    from shardlab import verify
+
+    ve = sub.add_parser("verify", help="prove the config trains on N ranks exactly as one process would",
+                        description="Prove the config trains on N ranks exactly as one process would: step "
+                                    "by step, every gradient and parameter by name, in float64.",
+                        epilog=verify.command.EPILOG,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    verify.add_arguments(ve)
+    ve.set_defaults(func=verify.run)
+
     # Commands that live beside their feature: render/submit (shardlab.deploy),
     # export/generate/eval (shardlab.export). Each module adds its own subparsers.
     from shardlab.deploy import add_render_parser, add_submit_parser
+    from shardlab.doctor.cli import add_doctor_parser
     from shardlab.export import add_export_parsers
 
     add_render_parser(sub)
     add_submit_parser(sub)
     add_export_parsers(sub)
+    add_doctor_parser(sub)
     return parser
 
 

@@ -32,6 +32,7 @@ from shardlab.shipped import config_path, shipped_configs
 @dataclass
 class _ModelName:
     name: str = "gpt"                      # a key of shardlab.models.MODELS
+    sync_batchnorm: bool = False           # BatchNorm statistics over all ranks (distributed engines; docs/verify.md)
 
 
 # The `model:` section: the name, then every registered model's own keys (each model file
@@ -93,7 +94,7 @@ class ParallelConfig:
     strategy: str = "fsdp"                 # a key of shardlab.engines.STRATEGIES
     # The keys below reach the engines that take them (their `options`; engine_options):
     reshard_after_forward: bool = True     # free gathered parameters after each unit's forward
-    mixed_precision: str = "fp32"          # fp32 | bf16 | fp16: engine compute/communication dtype
+    mixed_precision: str = "fp32"          # fp32 | bf16 | fp16: engine compute/communication dtype (fp64: verify's)
     bucket_size_mb: float = 25.0           # gradient buckets of the all-reducing engines
     prefetch: bool = True                  # gather the next unit while this one computes
     shard_size: Optional[int] = None       # hybrid sharding over S ranks (null = ranks per node)
@@ -124,6 +125,14 @@ class PreemptionConfig:
 
 
 @dataclass
+class DoctorConfig:
+    """The hang doctor (docs/debugging.md): each rank's heartbeat and collective record."""
+
+    enabled: bool = True                   # <run dir>/debug: flight files, stack dumps, exit records
+    record_size: int = 4096                # collectives kept per rank (a ring: the last ones)
+
+
+@dataclass
 class OutputConfig:
     dir: str = "runs"
     run_name: Optional[str] = None         # null = <model>-<strategy>-<timestamp>
@@ -147,6 +156,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+    doctor: DoctorConfig = field(default_factory=DoctorConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
 
@@ -443,7 +453,7 @@ def _validate_train(cfg: Config, spec: Any) -> None:
 def _validate_parallel(p: ParallelConfig) -> None:
     """The engine's options are checked against the options its class takes."""
     _choice("parallel.strategy", p.strategy, tuple(STRATEGIES))
-    _choice("parallel.mixed_precision", p.mixed_precision, ("fp32", "bf16", "fp16"))
+    _choice("parallel.mixed_precision", p.mixed_precision, ("fp32", "bf16", "fp16", "fp64"))
     _choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
     _check(p.bucket_size_mb > 0, f"parallel.bucket_size_mb must be > 0, got {p.bucket_size_mb}")
     _check(p.timeout_s > 0, f"parallel.timeout_s must be > 0, got {p.timeout_s}")
@@ -484,6 +494,8 @@ def _validate_checkpoint_and_preemption(cfg: Config) -> None:
     _check(pre.save_s is None or pre.save_s > 0, f"preemption.save_s must be > 0 or null, got {pre.save_s}")
     _check(pre.write_mb_s > 0, f"preemption.write_mb_s must be > 0, got {pre.write_mb_s}")
     _check(pre.margin_s >= 0, f"preemption.margin_s must be >= 0, got {pre.margin_s}")
+    _check(16 <= cfg.doctor.record_size <= 2**20,
+           f"doctor.record_size must be between 16 and {2**20} collectives, got {cfg.doctor.record_size}")
 
 
 def engine_options(cfg: Config) -> dict[str, Any]:

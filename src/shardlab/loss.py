@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 import torch
-import torch.distributed as dist
+
+from shardlab.engines import collectives
 
 IGNORE_INDEX = -100
 
@@ -72,6 +73,6 @@ def token_weights(targets: list[torch.Tensor], world_size: int, device: torch.de
     total = sum(counts)
     if distributed and world_size > 1:
         box = torch.tensor([total], dtype=torch.int64, device=device)
-        dist.all_reduce(box)
+        collectives.all_reduce(box)  # through collectives: in the hang doctor's record (docs/debugging.md)
         total = int(box.item())
     return TokenWeights(counts, total, world_size)

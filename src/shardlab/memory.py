@@ -66,6 +66,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from shardlab import doctor
+
 #: Every part a byte can be attributed to, in report order.
 PARTS = ("params", "gathered_params", "grads", "unsharded_grads", "optimizer", "activations", "comm", "other")
 #: The phases `train_step` marks; bytes allocated outside them belong to the phase "other".
@@ -245,11 +247,11 @@ class LiveMemoryTracker:
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Mark a phase; also a named range in a torch.profiler trace."""
+        """Mark a phase; also a named range in a torch.profiler trace and the rank's heartbeat."""
         previous = self.phase_name
         self._phase_boundary(name)
         try:
-            with torch.profiler.record_function(f"shardlab.{name}"):
+            with torch.profiler.record_function(f"shardlab.{name}"), doctor.phase(name):
                 yield
         finally:
             self._phase_boundary(previous)
@@ -521,8 +523,9 @@ def _patch_resize() -> None:
 # -- marks without a tracker, and the profiler ---------------------------------------------------------
 @contextlib.contextmanager
 def phase_range(name: str) -> Iterator[None]:
-    """A phase mark when no tracker runs: only the profiler's named range."""
-    with torch.profiler.record_function(f"shardlab.{name}"):
+    """A phase mark outside the tracker (none runs, or a phase it does not count: data,
+    checkpoint, eval): the profiler's named range and the rank's heartbeat (shardlab.doctor)."""
+    with torch.profiler.record_function(f"shardlab.{name}"), doctor.phase(name):
         yield
 
 

@@ -8,7 +8,10 @@ It is `python -m torch.distributed.run` with three differences:
   - the workers learn where to leave the "checkpoint saved" marker (SHARDLAB_PREEMPTION_MARKER;
     a value already in the environment is kept, so a batch script can check it too);
   - it exits 75 (PREEMPTED_EXIT_CODE) when its workers saved a preemption checkpoint, where
-    torchrun would exit 1 with a SignalException traceback.
+    torchrun would exit 1 with a SignalException traceback;
+  - when its workers fail, it prints the hang doctor's diagnosis of the run directory (its
+    local rank 0 notes where that is: doctor/agent.py), which names the stuck or crashed rank,
+    after torchrun's own message, which names the first rank to give up.
 The grace period is torchrun's own `--shutdown-timeout` (rendered from preemption.grace_s).
 """
 
@@ -18,6 +21,7 @@ import os
 import sys
 
 from shardlab import preemption
+from shardlab.doctor import agent as doctor
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,8 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     own_marker = not os.environ.get(preemption.MARKER_ENV)
     marker = os.environ.get(preemption.MARKER_ENV) or preemption.new_marker()
     os.environ[preemption.MARKER_ENV] = marker
+    own_note = not os.environ.get(doctor.RUN_DIR_NOTE_ENV)
+    run_dir_note = os.environ.setdefault(doctor.RUN_DIR_NOTE_ENV, f"{marker}.run-dir")
+    args = parse_args(argv)
     try:
-        run(parse_args(argv))
+        run(args)
     except BaseException as e:  # noqa: BLE001 - mapped to an exit code below
         code = preemption.agent_exit_code(e, marker)
         record = preemption.read_marker(marker)
@@ -44,11 +51,30 @@ def main(argv: list[str] | None = None) -> int:
             raise
         message = e.format_msg() if hasattr(e, "format_msg") else f"{type(e).__name__}: {e}"
         print(f"shardlab.torchrun: {message}\n(exit code {code})", file=sys.stderr, flush=True)
+        _doctor_report(run_dir_note, e, str(getattr(args, "rdzv_id", "") or ""))
         return code
     finally:
         if own_marker and os.path.exists(marker):
             os.remove(marker)
+        if own_note and os.path.exists(run_dir_note):
+            os.remove(run_dir_note)
     return 0
+
+
+def _doctor_report(note: str, e: BaseException, launch: str) -> None:
+    """After a worker failure: the doctor's report of the run (this agent's view of the exits
+    is recorded first), its verdict last."""
+    run_dir = doctor.noted_run_dir(note)
+    failures = getattr(e, "failures", None)
+    if run_dir is None or not failures:
+        return
+    try:
+        doctor.record_exits(run_dir, launch or None, failures)
+        d = doctor.print_failure_report(run_dir)
+        print(f"shardlab.torchrun: {doctor.verdict(d)} (again: shardlab doctor {run_dir})", file=sys.stderr,
+              flush=True)
+    except Exception as err:  # noqa: BLE001 - the agent's own exit code must come through regardless
+        print(f"shardlab.torchrun: the doctor could not read {run_dir}: {err}", file=sys.stderr, flush=True)
 
 
 def _exit_now(code: int, marker: str | None) -> None:

@@ -3,7 +3,7 @@ communication behind `parallelize`, `no_sync`, `clip_grad_norm_` and `full_state
 
 Read it in four parts: `build_run` (model, engine, optimizer, data, checkpoint manager),
 `train_step` (one global batch), `StepLogger` (progress bar, TensorBoard, non-finite
-check) and `summarize` (metrics.json). `train` strings them together.
+check) and `summarize` (metrics.json, in run_summary.py). `train` strings them together.
 
 One step = one global batch = world_size x accumulation x micro_batch_size samples:
   for each micro batch: forward and backward, inside no_sync for all but the last
@@ -19,6 +19,7 @@ import contextlib
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,14 +34,18 @@ from shardlab.amp import autocast, make_loss_scaler
 from shardlab.config import Config, dump_config, engine_options, validate_for_world
 from shardlab.data import GlobalBatchSampler, build_datasets
 from shardlab.data.loader import StepBatches
-from shardlab.engines import Engine, engine_class, engine_of, is_sharded, optimizer_state_bytes
+from shardlab.doctor import RECORDER
+from shardlab.doctor import worker as doctor
+from shardlab.engines import Engine, collectives, engine_class, engine_of, optimizer_state_bytes
 from shardlab.engines.compile import CompileClock
 from shardlab.evaluate import evaluate
 from shardlab.loss import token_weights
 from shardlab.models import build_model, count_parameters
 from shardlab.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionGuard
+from shardlab.run_summary import print_summary, summarize
 from shardlab.runtime import Runtime, all_gather_object, hostname, init_runtime, seed_everything, shutdown
 from shardlab.schedule import make_schedule, schedule_note
+from shardlab.sync_batchnorm import convert_sync_batchnorm
 
 
 @dataclass
@@ -97,7 +102,7 @@ def uses_fp16(cfg: Config) -> bool:
 
 def _all_reduce_mean(value: torch.Tensor, rt: Runtime) -> torch.Tensor:
     if rt.distributed and rt.world_size > 1:
-        dist.all_reduce(value)
+        collectives.all_reduce(value)  # through collectives: in the hang doctor's record
         value = value / rt.world_size
     return value
 
@@ -152,10 +157,11 @@ class Run:
             return
         if self.scaler is not None:
             self.state.loss_scaler = self.scaler.state_dict()
-        if final:
-            self.manager.finalize(self.model, self.opt, self.sched, self.state)
-        else:
-            self.manager.maybe_save(self.model, self.opt, self.sched, self.state)
+        with memory.phase_range("checkpoint"):
+            if final:
+                self.manager.finalize(self.model, self.opt, self.sched, self.state)
+            else:
+                self.manager.maybe_save(self.model, self.opt, self.sched, self.state)
 
     def save_now(self) -> str:
         """A synchronous checkpoint of the current step (a preemption's), unless that step is
@@ -163,22 +169,30 @@ class Run:
         if self.scaler is not None:
             self.state.loss_scaler = self.scaler.state_dict()
         m = self.manager
-        if m.last_saved_step != self.state.step:
-            m.refuse_non_finite(self.model, self.state.step)
-            m.save(self.model, self.opt, self.sched, self.state, blocking=True)
-        m.wait()
+        with memory.phase_range("checkpoint"):
+            if m.last_saved_step != self.state.step:
+                m.refuse_non_finite(self.model, self.state.step)
+                m.save(self.model, self.opt, self.sched, self.state, blocking=True)
+            m.wait()
         from shardlab.checkpoint import step_dir_name
 
         return os.path.join(m.root, step_dir_name(self.state.step))
 
 
-def build_run(cfg: Config, rt: Runtime, data: Any = None) -> Run:
+def build_run(cfg: Config, rt: Runtime, *, data: Any = None,
+              adapt_model: Callable[[nn.Module], nn.Module] | None = None) -> Run:
+    """data: datasets already built (default: built here). adapt_model: applied to the model
+    on the meta device before the engine wraps it (`shardlab verify`: float64, dropout off)."""
     validate_for_world(cfg, rt.world_size)
     seed_everything(cfg.seed)
     t = cfg.train
-    data = build_datasets(cfg) if data is None else data  # given: plan's fake probes build it outside FakeTensorMode
+    data = data if data is not None else build_datasets(cfg)
     # Sharded engines materialize only their shard from the meta device; the others materialize whole.
     model = build_model_for(cfg, data.vocab_size, "meta")
+    if cfg.model.sync_batchnorm and engine_class(cfg.parallel.strategy).distributed:
+        model = convert_sync_batchnorm(model, rt.device)
+    if adapt_model is not None:
+        model = adapt_model(model)
     n_params, n_trainable = count_parameters(model), count_parameters(model, trainable_only=True)
     model = shardlab.parallelize(model, cfg.parallel.strategy, wrap=wrap_units(cfg, model), device=rt.device,
                                  activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every,
@@ -265,16 +279,19 @@ class StepResult:
     skipped: bool         # fp16 overflow: the optimizer did not step
 
 
-def train_step(run: Run, tracker: memory.LiveMemoryTracker | None = None) -> StepResult:
+def train_step(run: Run, tracker: memory.LiveMemoryTracker | None = None,
+               before_clip: Callable[[Run], None] | None = None) -> StepResult:
     """One global batch: k micro batches (backward inside no_sync for all but the last, so only
     the last one communicates), then unscale, clip, step. The phases are marked for the memory
-    tracker and the profiler."""
+    tracker and the profiler. before_clip(run) sees the gradients as backward left them
+    (unscaled), before clipping and the optimizer step (`shardlab verify` reads them)."""
     rt, t = run.rt, run.cfg.train
     phase = tracker.phase if tracker is not None else memory.phase_range
     model, opt, scaler = run.model, run.opt, run.scaler
     # all k micro batches first: each weighs by its target tokens in the global batch ([Note:
     # token-weighted loss] in loss.py), counted before any forward
-    batches = [run.batches.next(run.state.step) for _ in range(run.accumulation)]
+    with memory.phase_range("data"):  # not a tracker phase: its bytes stay "other" (docs/memory.md)
+        batches = [run.batches.next(run.state.step) for _ in range(run.accumulation)]
     weights = token_weights([y for _, y in batches], rt.world_size, rt.device, rt.distributed)
     local_loss = None
     for i, (x, y) in enumerate(batches):
@@ -291,6 +308,8 @@ def train_step(run: Run, tracker: memory.LiveMemoryTracker | None = None) -> Ste
     with phase("optimizer"):
         if scaler is not None:
             scaler.unscale_(opt)  # before clipping: the norm is of the true gradients
+        if before_clip is not None:
+            before_clip(run)
         grad_norm = shardlab.clip_grad_norm_(model, t.grad_clip if t.grad_clip > 0 else float("inf"))
         skipped = False
         if scaler is not None:
@@ -363,16 +382,15 @@ class StepLogger:
 def train(cfg: Config, rt: Runtime | None = None) -> dict[str, Any]:
     """Train with `cfg` in this worker; returns the metrics (written by rank 0). Raises
     Preempted once a SIGTERM/SIGUSR1 turned into a complete checkpoint (docs/preemption.md)."""
-    with PreemptionGuard(cfg.preemption.enabled) as guard:
+    with PreemptionGuard(cfg.preemption.enabled) as guard, doctor.attending(Preempted):
         return _train(cfg, rt, guard)
 
 
 def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    compile_clock = CompileClock()  # this run's share of the process's torch.compile time
+    t0, compile_clock = time.perf_counter(), CompileClock()  # compile_clock: this run's share of torch.compile time
     rt = rt or init_runtime(cfg.parallel.backend, cfg.parallel.timeout_s,
                             force_group=engine_class(cfg.parallel.strategy).distributed)
-    run = build_run(cfg, rt)
+    run = start_run(cfg, rt)
     write_run_args(run)
     announce(run)
     logger = StepLogger(run)
@@ -393,6 +411,7 @@ def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str,
         profiler = memory.StepProfiler(run.out_dir, rt.rank, first, t.profile_steps, rt.device)
     try:
         while state.step < t.steps:
+            RECORDER.set_step(state.step + 1)  # the heartbeat counts steps from 1: "step 5" is the fifth
             # the step boundary: all ranks agree whether a signal arrived (one tiny all-reduce)
             if guard.should_stop(rt):
                 raise Preempted(guard.save_and_record(run))
@@ -417,12 +436,14 @@ def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str,
             state.skipped_steps += r.skipped
             logger.log(r, timer.times[-1])
             if t.eval_every and state.step % t.eval_every == 0 and state.step < t.steps:
-                val_losses[state.step] = evaluate(run.model, run.data.val, cfg, rt)
+                with memory.phase_range("eval"):
+                    val_losses[state.step] = evaluate(run.model, run.data.val, cfg, rt)
                 logger.scalar("val/loss", val_losses[state.step], state.step)
             run.save_if_due()
         train_comm = _comm_since(comm_before_loop, run.engine.comm_stats())  # before the final eval's traffic
         run.save_if_due(final=True)
-        val_losses[state.step] = evaluate(run.model, run.data.val, cfg, rt)
+        with memory.phase_range("eval"):
+            val_losses[state.step] = evaluate(run.model, run.data.val, cfg, rt)
         if cfg.export.format == "hf":  # every rank gathers, rank 0 writes (export_hf.py)
             from shardlab.export_hf import export_at_end
 
@@ -446,100 +467,19 @@ def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str,
     return result
 
 
-def summarize(run: Run, timer: M.StepTimer, per_rank: list[dict], val_losses: dict, wall: float) -> dict[str, Any]:
-    """metrics.json: throughput counts only the steps this process trained (a resumed run's
-    earlier steps are in `losses` but not in its timings)."""
-    cfg, rt, state = run.cfg, run.rt, run.state
-    steps_run = len(timer.times)
-    train_seconds = sum(timer.times)
-    samples = steps_run * cfg.train.global_batch_size
-    waits = [run.batches.wait_s.get(s, 0.0) for s in range(state.step - steps_run, state.step)] if run.batches else []
-    result: dict[str, Any] = {
-        "wall_clock_s": wall,
-        "train_time_s": train_seconds,
-        "steps": state.step,
-        "steps_this_run": steps_run,
-        "samples_processed": samples,
-        "samples_per_s": samples / train_seconds if train_seconds else None,
-        "step_time_median_s": timer.median() if steps_run else None,
-        "step_times_s": timer.times,
-        "world_size": rt.world_size,
-        "strategy": cfg.parallel.strategy,
-        "sharded": is_sharded(cfg.parallel.strategy),
-        "device": M.device_name(rt.device),
-        "num_parameters": run.num_parameters,
-        "num_trainable_parameters": run.num_trainable,
-        "peak_memory_bytes": [r["peak_memory_bytes"] for r in per_rank],
-        # live tensor bytes at each rank's peak and what they were then (shardlab.memory); null: not tracked
-        "peak_live_bytes": None if per_rank[0]["live"] is None else [r["live"]["peak_live_bytes"] for r in per_rank],
-        "peak_breakdown": None if per_rank[0]["live"] is None else
-        [{k: v for k, v in r["live"].items() if k != "peak_live_bytes"} for r in per_rank],
-        "model_state_bytes": [sum(r["model_state_bytes"].values()) for r in per_rank],
-        "model_state_breakdown": [r["model_state_bytes"] for r in per_rank],
-        "comm_bytes": [r["comm"] for r in per_rank],  # per collective kind, training steps only; null: not counted
-        # per rank: collective kind -> seconds in each step of this run (as step_times_s), as the
-        # caller saw them (engines/collectives.py; docs/benchmarks.md); null: not timed
-        "comm_seconds_per_step": [r["comm_seconds"] for r in per_rank],
-        # seconds each step of this run waited for its micro batches (data/loader.py), and their share
-        "data_wait_s_per_step": waits,
-        "data_wait_fraction": sum(waits) / train_seconds if train_seconds else None,
-        "final_loss": state.losses[-1] if state.losses else None,
-        "losses": state.losses,
-        "val_loss": val_losses[state.step],
-        "val_losses": val_losses,
-        "restart_count": rt.restart_count,
-        # train.compile: seconds compiling (slowest rank; in the first step and samples/s, not the median step)
-        "compile_s": max(r["compile"][0] for r in per_rank) if cfg.train.compile else None,
-        "compiled_graphs": per_rank[0]["compile"][1] if cfg.train.compile else None,
-    }
-    if run.scaler is not None:
-        result["loss_scale"] = run.scaler.get_scale()
-        result["skipped_steps"] = state.skipped_steps
-    if run.data.real_tokens is not None:  # padding excluded: the samples' real tokens, step by step
-        steps = range(state.step - steps_run, state.step)
-        result["tokens_processed"] = int(sum(run.data.real_tokens[run.sampler.rank_indices(s, 0, 1)].sum()
-                                             for s in steps))
-        result["tokens_per_s"] = result["tokens_processed"] / train_seconds if train_seconds else None
-    elif run.data.tokens_per_sample:
-        result["tokens_processed"] = samples * run.data.tokens_per_sample
-        result["tokens_per_s"] = result["tokens_processed"] / train_seconds if train_seconds else None
-    return result
+def start_run(cfg: Config, rt: Runtime) -> Run:
+    """The run, watched by this rank's hang doctor (doctor.enabled; docs/debugging.md): its flight
+    file under <run dir>/debug, named by the rank in the process group the collectives run on,
+    from before the build (a hang while building shows too); its units label the collectives."""
+    if cfg.doctor.enabled:
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (rt.rank, rt.world_size)
+        doctor.start(run_dir(cfg), rank, world, rt.restart_count, capacity=cfg.doctor.record_size,
+                     strategy=cfg.parallel.strategy, timeout_s=cfg.parallel.timeout_s)
+    run = build_run(cfg, rt)
+    doctor.run_built(run.engine)  # phase "loop" from here
+    return run
 
 
-def print_summary(result: dict[str, Any], out_dir: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"shardlab: {result['strategy']} on {result['world_size']} worker(s), {result['device']}")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    row = table.add_row
-    row("steps", str(result["steps"]))
-    if result["final_loss"] is not None:
-        row("final loss", f"{result['final_loss']:.4f}")
-    if result.get("val_loss") is not None:
-        row("validation loss", f"{result['val_loss']:.4f}")
-    if result["steps_this_run"]:
-        row("samples/s", f"{result['samples_per_s']:.1f}")
-        if result.get("tokens_per_s"):
-            row("tokens/s", f"{result['tokens_per_s']:.0f}")
-        row("median step time", f"{result['step_time_median_s'] * 1000:.1f} ms")
-    else:
-        row("trained in this run", f"nothing: resumed at step {result['steps']}, the last")
-    if "loss_scale" in result:
-        row("fp16 loss scale (final), skipped steps", f"{result['loss_scale']:g}, {result['skipped_steps']}")
-    if result.get("compile_s") is not None:  # live memory is not tracked then (see _train)
-        row("torch.compile (graphs)", f"{result['compile_s']:.1f} s ({result['compiled_graphs']}); live memory not tracked")
-    row("parameters (trainable)", f"{result['num_parameters'] / 1e6:.2f} M "
-        f"({result['num_trainable_parameters'] / 1e6:.2f} M)")
-    row("model state / rank (params+grads+optim)", ", ".join(f"{b / 2**20:.1f} MiB" for b in result["model_state_bytes"]))
-    row("peak memory / rank", ", ".join(f"{b / 2**30:.2f} GiB" for b in result["peak_memory_bytes"]))
-    if result.get("peak_live_bytes"):
-        row("peak live tensors / rank (phase)", ", ".join(
-            f"{b / 2**20:.1f} MiB ({d['phase']})" for b, d in zip(result["peak_live_bytes"], result["peak_breakdown"])))
-    row("wall clock", f"{result['wall_clock_s']:.1f} s")
-    Console().print(table)
-    print(f"run directory: {out_dir}")
 def worker_main(cfg: Config) -> int:
     """Entry point of one worker process (under shardlab's launcher, torchrun, srun or a pod).
     Exit codes: 0 done, PREEMPTED_EXIT_CODE (75) a signal was turned into a checkpoint."""
@@ -559,30 +499,17 @@ def worker_main(cfg: Config) -> int:
             print(f"shardlab: {p}; exit code {PREEMPTED_EXIT_CODE}. The same command (checkpoint.resume=auto) "
                   "continues from it.", flush=True)
         return PREEMPTED_EXIT_CODE
-    except (dist.DistBackendError, RuntimeError) as e:
-        if rt.distributed and _is_peer_failure(e):
-            import sys
-
-            print(f"error: rank {rt.rank}: lost contact with another worker ({str(e).splitlines()[0][:200]}). "
-                  f"Another rank died or hung (the launcher's log names the first to fail). With "
-                  f"--max-restarts the group restarts and resumes from the last complete checkpoint; otherwise "
-                  f"re-run with checkpoint.resume=auto. Collectives time out after parallel.timeout_s="
-                  f"{cfg.parallel.timeout_s:g} s.", file=sys.stderr)
+    except BaseException as e:
+        # says "lost contact" if a peer died or hung; the exit record and others' stacks in <run dir>/debug
+        doctor.worker_failed(e, rt.rank, rt.distributed, cfg.parallel.timeout_s)
         raise
     finally:
         shutdown(clean)  # see [Note: tearing down the process group] in runtime.py
 
 
-def _is_peer_failure(e: BaseException) -> bool:
-    text = str(e)
-    return isinstance(e, dist.DistBackendError) or any(
-        s in text for s in ("Connection reset", "Connection closed", "Broken pipe", "timed out", "Timeout",
-                            "connectFullMesh", "Connection refused"))
-
-
 # how a run is watched, stopped or resumed, not what it trains: changing these keeps the run name
 RUN_NAME_IGNORES = ("train.steps", "train.log_every", "train.eval_every", "train.memory_tracking", "train.profile",
-                    "train.profile_steps", "parallel.timeout_s", "checkpoint", "preemption", "output", "export")
+                    "train.profile_steps", "parallel.timeout_s", "checkpoint", "preemption", "output", "export", "doctor")
 
 
 def default_run_name(cfg: Config) -> str:

@@ -375,10 +375,12 @@ def dump_all(objs: list[dict]) -> str:
 def k8s_overrides(req: K8sRequest, overrides: list[str]) -> list[str]:
     # checkpoints and outputs go to the bucket so they survive the pod; resume=auto so a
     # replaced pod (or a resubmitted job) continues from the newest complete checkpoint
+    # the hang doctor's records land in <run dir>/debug on the bucket too (docs/debugging.md)
     return with_defaults(overrides, {
         "checkpoint.resume": "auto",
         "checkpoint.dir": f"{BUCKET_MOUNT}/checkpoints/{req.name}",
         "output.dir": f"{BUCKET_MOUNT}/runs",
+        "doctor.enabled": "true",
     })
 
 

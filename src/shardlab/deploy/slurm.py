@@ -12,6 +12,10 @@ or `scancel --signal=USR1 --batch`), forwards it to the job steps, and when the 
 (their workers saved a checkpoint) runs `scontrol requeue`; the requeued job resumes
 (checkpoint.resume=auto). The agents are `python -m shardlab.torchrun`: torchrun that also
 forwards SIGUSR1, waits the grace period (--shutdown-timeout) and exits 75 after a save.
+
+The hang doctor (docs/debugging.md) is on (doctor.enabled=true): each rank's record lives in
+<run dir>/debug on the filesystem the job shares (output.dir, relative to --chdir), the file
+prints where that is, and when a worker fails each agent prints the doctor's diagnosis.
 """
 
 from __future__ import annotations
@@ -72,6 +76,10 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-@omp_threads}"
 
 @setup
 echo "shardlab: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}), $NUM_AGENTS agent(s), rendezvous $HEAD_HOST:$RDZV_PORT, config $CONFIG"
+# The hang doctor (docs/debugging.md): every rank keeps its heartbeat and last collectives under
+# $RUN_DIR/debug on the shared filesystem; when a worker fails the agents print the diagnosis.
+RUN_DIR=@run_dir
+echo "shardlab: run directory $RUN_DIR; a hang: shardlab doctor $RUN_DIR --live (from any node)"
 
 # Preemption: the workers leave this file once their checkpoint is saved (the agents exit 75).
 export SHARDLAB_PREEMPTION_MARKER="${TMPDIR:-/tmp}/shardlab-preempted-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"
@@ -160,7 +168,8 @@ def render(req: SlurmRequest) -> tuple[list[Path], str]:
         raise RenderError(f"--rdzv-port must be a TCP port (1-65535), got {req.rdzv_port}")
     check_dns_label(req.job_name, "--job-name")
     world = req.nodes * nproc
-    run = resolve_config(req.config, with_defaults(req.overrides, {"checkpoint.resume": "auto"}), world)
+    run = resolve_config(req.config, with_defaults(req.overrides, {"checkpoint.resume": "auto",
+                                                                   "doctor.enabled": "true"}), world)
 
     out = req.out.resolve()
     config_path = out / RESOLVED_CONFIG_NAME
@@ -202,7 +211,7 @@ def render(req: SlurmRequest) -> tuple[list[Path], str]:
         setup=req.setup or "# (no environment setup requested: --setup 'source venv/bin/activate')",
         python=sh_quote(req.python), max_restarts=req.max_restarts,
         grace_s=grace.grace_s if grace is not None else 30, preempted_code=preemption.PREEMPTED_EXIT_CODE,
-        traps=traps, on_preempted=on_preempted,
+        traps=traps, on_preempted=on_preempted, run_dir=_run_dir_expression(cfg, req.workdir or os.getcwd()),
     )
     log_dir.mkdir(parents=True, exist_ok=True)    # Slurm does not create the --output directory
     written = write_files(out, {SBATCH_NAME: text, RESOLVED_CONFIG_NAME: run.yaml_text},
@@ -211,6 +220,14 @@ def render(req: SlurmRequest) -> tuple[list[Path], str]:
     if grace is not None:
         hint += f"   # {grace.describe()}"
     return written, hint
+
+
+def _run_dir_expression(cfg, workdir: str) -> str:  # noqa: ANN001
+    """The run directory as the workers will name it, in shell: output.run_name, or (unset) the
+    default run name, the hash of this resolved config that every worker computes from it."""
+    from shardlab.train import default_run_name  # the training loop's rule; deferred: only here
+
+    return sh_quote(os.path.join(workdir, cfg.output.dir, cfg.output.run_name or default_run_name(cfg)))
 
 
 def submit(sbatch_file: Path, extra_args: list[str], timeout_s: float = 60.0) -> str:

@@ -49,7 +49,12 @@ STRATEGIES: dict[str, EngineEntry] = {
     "torch-fsdp": EngineEntry("shardlab.engines.native:TorchFSDPEngine"),
 }
 
-__all__ = ["STRATEGIES", "EngineEntry", "Engine", "MixedPrecision", "parallelize", "engine_class", "engine_of",
+# What tools compare an engine with (`shardlab verify --against`): the one-process run, and
+# the plain all-reducing engine every other replicates or shards.
+ONE_PROCESS = "single"
+ALL_REDUCE = "ddp"
+
+__all__ = ["STRATEGIES", "ONE_PROCESS", "ALL_REDUCE", "EngineEntry", "Engine", "MixedPrecision", "parallelize", "engine_class", "engine_of",
            "is_sharded", "optimizer_state_bytes", "ENGINE_ATTR"]
 
 

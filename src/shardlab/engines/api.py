@@ -154,6 +154,7 @@ class CPUOffload:
 
 
 DTYPES: dict[str, torch.dtype] = {
+    "fp64": torch.float64, "float64": torch.float64,  # the mixed-precision path computing in float64 (verify)
     "fp32": torch.float32, "float32": torch.float32,
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp16": torch.float16, "float16": torch.float16,

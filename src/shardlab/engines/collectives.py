@@ -21,6 +21,11 @@ the collective's duration seen from this rank, not the time it was exposed (bloc
 caller). One `perf_counter` pair per call. With NCCL, `wait()` only orders the current CUDA
 stream after the collective and returns at once, so on CUDA these seconds are issue times,
 not transfer times (docs/benchmarks.md).
+
+And each call is entered in this rank's flight record before it is issued, and marked
+completed when it returns (blocking) or its `wait()` does (async): `issue` and `timed`, the
+one place the hang doctor hooks (shardlab.doctor, docs/debugging.md). Calls on one rank are
+not recorded: nothing can hang there.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from shardlab.doctor.flight import RECORDER as _flight
 
 ReduceOp = dist.ReduceOp
 
@@ -95,19 +102,21 @@ def merged_seconds(counters: list[CommCounter]) -> dict[str, float]:
 
 class TimedWork(dist.Work):
     """An async collective's Work handle that adds the time from issue until its first `wait()`
-    returns to the counter. A subclass of `dist.Work` (not a wrapper) because FSDP2 waits only
+    returns to the counter (if any) and marks its flight record entry (if any) completed. A subclass of `dist.Work` (not a wrapper) because FSDP2 waits only
     on handles that pass `isinstance(work, dist.Work)`; everything else is delegated."""
 
-    def __init__(self, inner: dist.Work, counter: CommCounter, kind: str, issued: float):
+    def __init__(self, inner: dist.Work, counter: CommCounter | None, kind: str, issued: float, entry: int = 0):
         super().__init__()
-        self.inner, self.counter, self.kind, self.issued = inner, counter, kind, issued
+        self.inner, self.counter, self.kind, self.issued, self.entry = inner, counter, kind, issued, entry
         self.timed = False
 
     def wait(self, timeout=None):  # noqa: ANN001 - torch's signature
         done = self.inner.wait() if timeout is None else self.inner.wait(timeout)
         if not self.timed:
             self.timed = True
-            self.counter.add_seconds(self.kind, time.perf_counter() - self.issued)
+            if self.counter is not None:
+                self.counter.add_seconds(self.kind, time.perf_counter() - self.issued)
+            _flight.complete(self.entry)
         return done
 
     def is_completed(self) -> bool:
@@ -132,15 +141,30 @@ class TimedWork(dist.Work):
         self.inner.synchronize()
 
 
-def timed(counter: CommCounter | None, kind: str, issued: float, work: dist.Work | None):
-    """What a collective returns, timed: a blocking call (work None) adds its time now; an
-    async one returns a TimedWork that adds it at `wait()`."""
-    if counter is None:
-        return work
+def issue(counter: CommCounter | None, kind: str, size: int, world: int, group) -> tuple[float, int]:
+    """Before a collective is issued: count it, enter it in the flight record (on more than one
+    rank), and start its clock. Returns (issue time, flight entry number; 0: not recorded)."""
+    if counter is not None:
+        counter.add(kind, size, world)
+    return time.perf_counter(), (_flight.issue(kind, size, group) if world > 1 else 0)
+
+
+def complete(entry: int) -> None:
+    """Mark flight entry `entry` (from `issue`) completed: for hooks that see the end themselves."""
+    _flight.complete(entry)
+
+
+def timed(counter: CommCounter | None, kind: str, issued: float, work: dist.Work | None, entry: int = 0):
+    """What a collective returns, timed: a blocking call (work None) adds its time and completes
+    its flight entry now; an async one returns a TimedWork that does both at `wait()`."""
     if work is None:
-        counter.add_seconds(kind, time.perf_counter() - issued)
+        if counter is not None:
+            counter.add_seconds(kind, time.perf_counter() - issued)
+        _flight.complete(entry)
         return None
-    return TimedWork(work, counter, kind, issued)
+    if counter is None and not entry:
+        return work
+    return TimedWork(work, counter, kind, issued, entry)
 
 
 def _world(group: dist.ProcessGroup | None) -> int:
@@ -152,50 +176,47 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _dist_broadcast(tensor: torch.Tensor, src: int, group, async_op: bool):
+    return dist.broadcast(tensor, src=dist.get_global_rank(group, src) if group is not None else src,
+                          group=group, async_op=async_op)
+
+
 def all_reduce(tensor: torch.Tensor, group=None, *, average: bool = False, async_op: bool = False,
                counter: CommCounter | None = None):
     """Sum (or average) `tensor` in place across the group."""
     world = _world(group)
-    issued = time.perf_counter()
-    if counter is not None:
-        counter.add("all_reduce", nbytes(tensor), world)
+    issued, entry = issue(counter, "all_reduce", nbytes(tensor), world, group)
     if world == 1:
         return timed(counter, "all_reduce", issued, None)
     if average:
         # Divide before the sum: keeps low-precision values in range, and the result is the mean.
         tensor.div_(world)
     return timed(counter, "all_reduce", issued, dist.all_reduce(tensor, op=ReduceOp.SUM, group=group,
-                                                                 async_op=async_op))
+                                                                 async_op=async_op), entry)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, *, async_op: bool = False,
               counter: CommCounter | None = None):
     """Copy `tensor` from group rank `src` to every rank, in place."""
     world = _world(group)
-    issued = time.perf_counter()
-    if counter is not None:
-        counter.add("broadcast", nbytes(tensor), world)
+    issued, entry = issue(counter, "broadcast", nbytes(tensor), world, group)
     if world == 1:
         return timed(counter, "broadcast", issued, None)
-    return timed(counter, "broadcast", issued,
-                 dist.broadcast(tensor, src=dist.get_global_rank(group, src) if group is not None else src,
-                                group=group, async_op=async_op))
+    return timed(counter, "broadcast", issued, _dist_broadcast(tensor, src, group, async_op), entry)
 
 
 def reduce(tensor: torch.Tensor, dst: int, group=None, *, average: bool = False, async_op: bool = False,
            counter: CommCounter | None = None):
     """Sum (or average) `tensor` onto group rank `dst`; other ranks' tensors are undefined after."""
     world = _world(group)
-    issued = time.perf_counter()
-    if counter is not None:
-        counter.add("reduce", nbytes(tensor), world)
+    issued, entry = issue(counter, "reduce", nbytes(tensor), world, group)
     if world == 1:
         return timed(counter, "reduce", issued, None)
     if average:
         tensor.div_(world)
     return timed(counter, "reduce", issued,
                  dist.reduce(tensor, dst=dist.get_global_rank(group, dst) if group is not None else dst,
-                             op=ReduceOp.SUM, group=group, async_op=async_op))
+                             op=ReduceOp.SUM, group=group, async_op=async_op), entry)
 
 
 # [Note: flat collectives on CPU, without gloo's temporaries]
@@ -262,19 +283,18 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group=None, *, as
     world = _world(group)
     if output.numel() != shard.numel() * world:
         raise ValueError(f"all_gather_into: output has {output.numel()} elements, expected {world} x {shard.numel()}")
-    issued = time.perf_counter()
-    if counter is not None:
-        counter.add("all_gather", nbytes(output), world)
+    issued, entry = issue(counter, "all_gather", nbytes(output), world, group)
     if world == 1:
         output.copy_(shard.view_as(output))
         return timed(counter, "all_gather", issued, None)
     if not _in_place_on_cpu(output):
-        return timed(counter, "all_gather", issued, _all_gather_flat(output, shard, group=group, async_op=async_op))
+        return timed(counter, "all_gather", issued, _all_gather_flat(output, shard, group=group, async_op=async_op),
+                     entry)
     chunks = output.view(-1).chunk(world)
     chunks[dist.get_rank(group)].copy_(shard.view(-1))
-    # rank r's chunk from rank r; uncounted here, as the one all-gather counted above
-    works = [broadcast(chunk, r, group, async_op=True) for r, chunk in enumerate(chunks)]
-    return timed(counter, "all_gather", issued, _finish(_AllDone(works), async_op))
+    # rank r's chunk from rank r; neither counted nor recorded apart: the one all-gather above
+    works = [_dist_broadcast(chunk, r, group, True) for r, chunk in enumerate(chunks)]
+    return timed(counter, "all_gather", issued, _finish(_AllDone(works), async_op), entry)
 
 
 def reduce_scatter_into(shard: torch.Tensor, full: torch.Tensor, group=None, *, average: bool = True,
@@ -284,9 +304,7 @@ def reduce_scatter_into(shard: torch.Tensor, full: torch.Tensor, group=None, *, 
     world = _world(group)
     if full.numel() != shard.numel() * world:
         raise ValueError(f"reduce_scatter_into: input has {full.numel()} elements, expected {world} x {shard.numel()}")
-    issued = time.perf_counter()
-    if counter is not None:
-        counter.add("reduce_scatter", nbytes(full), world)
+    issued, entry = issue(counter, "reduce_scatter", nbytes(full), world, group)
     if average and world > 1:
         full.div_(world)
     if world == 1:
@@ -294,11 +312,12 @@ def reduce_scatter_into(shard: torch.Tensor, full: torch.Tensor, group=None, *, 
         return timed(counter, "reduce_scatter", issued, None)
     if not _in_place_on_cpu(full):
         return timed(counter, "reduce_scatter", issued,
-                     _reduce_scatter_flat(shard, full, op=ReduceOp.SUM, group=group, async_op=async_op))
+                     _reduce_scatter_flat(shard, full, op=ReduceOp.SUM, group=group, async_op=async_op), entry)
     mine = full.view(-1).chunk(world)[dist.get_rank(group)]
-    work = all_reduce(full, group, async_op=True)  # uncounted: one reduce-scatter (averaged above)
+    # neither counted nor recorded apart: one reduce-scatter (averaged above)
+    work = dist.all_reduce(full, op=ReduceOp.SUM, group=group, async_op=True)
     return timed(counter, "reduce_scatter", issued,
-                 _finish(_AllDone([work], then=lambda: shard.view(-1).copy_(mine)), async_op))
+                 _finish(_AllDone([work], then=lambda: shard.view(-1).copy_(mine)), async_op), entry)
 
 
 # ---------------------------------------------------------------------------- hybrid sharding groups

@@ -13,7 +13,9 @@ all-gather / reduce-scatter objects (`set_custom_all_gather`, `set_custom_reduce
 that count and then call the same `dist` functions as FSDP2's defaults, and with HSDP an
 all-reduce hook (`set_all_reduce_hook`), which FSDP2 calls with the slice it has just
 all-reduced over the replica group. Not counted: DDP's initial broadcast of the module state
-(before training, as the from-scratch engines' is excluded from step traffic too).
+(before training, as the from-scratch engines' is excluded from step traffic too). The same
+hooks enter each collective in the hang doctor's flight record (`collectives.issue`;
+docs/debugging.md), completed when its future completes (DDP) or its wait returns (FSDP2).
 
 Times (`comm_seconds()`), as `collectives` takes them: FSDP2's blocking calls inside the call,
 its async all-gathers from issue until FSDP2's `wait()` returns (a `collectives.TimedWork`);
@@ -138,7 +140,8 @@ class TorchFSDPEngine(Engine):
         fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload_policy)
         self.module = module
         self.counter = collectives.CommCounter()
-        all_gather, reduce_scatter, all_reduce_hook = _counting_fsdp2_comms(self.counter, self.hybrid.replicas)
+        all_gather, reduce_scatter, all_reduce_hook = _counting_fsdp2_comms(self.counter, self.hybrid.replicas,
+                                                                            self.hybrid.replicate)
         for m in [*self.units, module]:
             m.set_custom_all_gather(all_gather)
             m.set_custom_reduce_scatter(reduce_scatter)
@@ -393,46 +396,52 @@ def _counting_allreduce_hook(counter: collectives.CommCounter, group: dist.Proce
     until its future completes. It closes over the counter, not the engine: DDP's reducer
     holds it from C++."""
     def hook(_state, bucket):  # unannotated: DDP rejects the string annotations of this module
-        counter.add("all_reduce", collectives.nbytes(bucket.buffer()), world)
-        issued = time.perf_counter()
+        issued, entry = collectives.issue(counter, "all_reduce", collectives.nbytes(bucket.buffer()), world, group)
 
         def done(fut):
+            value = fut.value()  # raises if the all-reduce failed: then it neither counts nor completes
             counter.add_seconds("all_reduce", time.perf_counter() - issued)
-            return fut.value()
+            collectives.complete(entry)
+            return value
 
         return default_hooks.allreduce_hook(group, bucket).then(done)
 
     return hook
 
 
-def _counting_fsdp2_comms(counter: collectives.CommCounter, replicas: int) -> tuple[Any, Any, Any]:
+def _counting_fsdp2_comms(counter: collectives.CommCounter, replicas: int,
+                          replica_group: dist.ProcessGroup | None) -> tuple[Any, Any, Any]:
     """FSDP2's default all-gather and reduce-scatter, counting each call's payload first
-    (the gathered output; the reduce-scattered input), as `collectives` does, and timing it;
-    and an all-reduce hook for HSDP that counts the slice FSDP2 has just all-reduced over the
-    replica group and times it from the end of the reduce-scatter that preceded it."""
+    (the gathered output; the reduce-scattered input) and entering it in the flight record,
+    as `collectives` does, and timing it; and an all-reduce hook for HSDP that counts and
+    records the slice FSDP2 has just all-reduced over the replica group and times it from the
+    end of the reduce-scatter that preceded it (recorded after the fact: a hang inside that
+    all-reduce shows as the reduce-scatter before it, completed, and nothing after)."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
     last_reduce_scatter_end: list[float | None] = [None]
 
     class CountingAllGather(DefaultAllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            counter.add("all_gather", collectives.nbytes(output_tensor), group.size())
-            issued = time.perf_counter()
+            issued, entry = collectives.issue(counter, "all_gather", collectives.nbytes(output_tensor), group.size(),
+                                              group)
             return collectives.timed(counter, "all_gather", issued,
-                                     super().__call__(output_tensor, input_tensor, group, async_op))
+                                     super().__call__(output_tensor, input_tensor, group, async_op), entry)
 
     class CountingReduceScatter(DefaultReduceScatter):
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            counter.add("reduce_scatter", collectives.nbytes(input_tensor), group.size())
-            issued = time.perf_counter()
+            issued, entry = collectives.issue(counter, "reduce_scatter", collectives.nbytes(input_tensor),
+                                              group.size(), group)
             work = collectives.timed(counter, "reduce_scatter", issued,
-                                     super().__call__(output_tensor, input_tensor, group, op, async_op))
+                                     super().__call__(output_tensor, input_tensor, group, op, async_op), entry)
             last_reduce_scatter_end[0] = time.perf_counter()
             return work
 
     def all_reduce_hook(reduce_output: torch.Tensor) -> None:
         # called by FSDP2 (HSDP) right after its blocking all-reduce of the reduce-scattered slice
-        counter.add("all_reduce", collectives.nbytes(reduce_output), replicas)
+        _, entry = collectives.issue(counter, "all_reduce", collectives.nbytes(reduce_output), replicas,
+                                     replica_group)
+        collectives.complete(entry)
         if last_reduce_scatter_end[0] is not None:
             counter.add_seconds("all_reduce", time.perf_counter() - last_reduce_scatter_end[0])
             last_reduce_scatter_end[0] = None

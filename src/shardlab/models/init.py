@@ -49,7 +49,7 @@ def _generator(seed: int, name: str) -> torch.Generator:
 
 
 def _init_value(module: nn.Module, local_name: str, shape: torch.Size, g: torch.Generator) -> torch.Tensor:
-    if isinstance(module, (nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.GroupNorm)):
+    if isinstance(module, (nn.LayerNorm, nn.modules.batchnorm._BatchNorm, nn.GroupNorm)):  # SyncBatchNorm too
         return torch.ones(shape) if local_name == "weight" else torch.zeros(shape)
     if local_name == "bias":
         return torch.zeros(shape)

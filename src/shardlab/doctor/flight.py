@@ -1,0 +1,303 @@
+"""The flight file: one rank's heartbeat and its last collectives, in a small file mapped into
+memory and updated in place, so that writing it costs no system call and whatever the rank
+last wrote survives it (frozen, killed, crashed) for the others and for `shardlab doctor`.
+
+`<run dir>/debug/rank<r>.flight`, little-endian, fixed layout:
+
+  header (HEADER_BYTES)   magic, version, rank, world, pid, attempt, capacity, start time;
+                          progress: step, phase, unit, phase start time, last update time;
+                          entries issued so far; the watcher's tick, the last dump request
+                          answered, the run state (running / finished / failed / preempted)
+  ring (capacity x ENTRY_BYTES)  entry n (1-based) lives in slot (n - 1) % capacity: its number,
+                          group id, unit id, sequence number in its group, payload bytes, issue
+                          and completion times (0: not completed), kind, phase and step
+
+Names behind the numbers (groups and their ranks, units, kinds, phases) are in
+`rank<r>.meta.json` beside it (worker.py). Times are wall-clock seconds (time.time()), so
+ranks on different hosts can be compared to the accuracy of their clocks.
+
+This module is the format, the writer (`FlightRecorder`, one per process: the collectives and
+the phase marks write through `RECORDER`) and the reader (`read_flight`); it imports nothing
+heavy, so `shardlab doctor` can read a copy of a run directory anywhere.
+
+[Note: what a heartbeat costs]
+A phase mark is one `time.time()` (vDSO, no system call) and one `struct.pack_into` into the
+mapping; a collective is two of each (issue, completion) plus a dict lookup for its group's
+sequence number. No lock: each field group is written by one `pack_into` under the GIL, and a
+reader of a live file may at worst see one entry half written, which the next read corrects.
+The kernel writes the dirty pages back on its own schedule (and at exit, also after SIGKILL);
+on a shared filesystem other hosts see them after that write-back, or after a dump (msync).
+docs/benchmarks.md has the measured cost per call and per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+MAGIC = b"SHDLFLT1"
+VERSION = 1
+DEFAULT_CAPACITY = 4096
+
+#: Collective kinds, in code order (code = index + 1; 0 = unknown).
+KINDS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter")
+#: Phases, in code order (code = index). "loop": inside the training loop between the marked
+#: phases (the step-boundary agreement, the loss all-reduce, logging).
+PHASES = ("startup", "loop", "data", "forward", "backward", "optimizer", "eval", "checkpoint", "finish")
+#: Run states in the header.
+STATES = ("running", "finished", "failed", "preempted")
+
+_KIND_CODE = {k: i + 1 for i, k in enumerate(KINDS)}
+_PHASE_CODE = {p: i for i, p in enumerate(PHASES)}
+
+# header: identity (written once), progress (every phase mark), entry count, watcher fields
+_IDENTITY = struct.Struct("<8siiiiiid")          # magic version rank world pid attempt capacity started
+_PROGRESS = struct.Struct("<qiidd")               # step phase unit phase_since updated
+_PROGRESS_AT = 40
+_COUNT = struct.Struct("<qd")                     # entries updated
+_COUNT_AT = 72
+_WATCH = struct.Struct("<dq")                     # tick answered: the watcher thread's alone
+_WATCH_AT = 88
+_STATE = struct.Struct("<i")                      # run state: the main thread's alone
+_STATE_AT = 104
+HEADER_BYTES = 128
+# entry: number gid unit seq nbytes issued completed kind phase step (56 bytes, padded to 64)
+_ENTRY = struct.Struct("<qiiqqddhhi")
+_COMPLETED = struct.Struct("<d")
+_COMPLETED_AT = 40
+ENTRY_BYTES = 64
+
+
+def flight_path(debug_dir: str, rank: int) -> str:
+    return os.path.join(debug_dir, f"rank{rank}.flight")
+
+
+class FlightRecorder:
+    """The writer of this process's flight file. Inactive (every call returns at once) until
+    `open`; the collectives module calls `issue`/`complete`, the phase marks `enter_phase`."""
+
+    def __init__(self) -> None:
+        self.mm: mmap.mmap | None = None
+        self.path, self.mapped_file = "", False
+        self.capacity = 0
+        self.count = 0
+        self.step = 0
+        self.phase = 0
+        self.unit = -1
+        self.groups: dict[Any, list] = {}        # group as passed (None: the world) -> [gid, last seq]
+        self.by_name: dict[str, list] = {}       # process group name -> the same [gid, last seq]
+        self.group_names: list[tuple[str, list[int]]] = []   # gid -> (name, global ranks)
+        #: set by the worker: group (None: the world) -> (its unique name, its global ranks)
+        self.describe_group: Callable[[Any], tuple[str, list[int]]] | None = None
+        #: set by the worker: called when a group is seen for the first time (rewrites meta.json)
+        self.on_new_group: Callable[[], None] | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def open(self, path: str, *, rank: int, world: int, attempt: int, capacity: int = DEFAULT_CAPACITY) -> None:
+        """Create (truncate) the file at `path` and map it. Falls back to anonymous memory when
+        the filesystem cannot map files shared (some FUSE mounts): `flush` then writes a copy
+        to `path`, which the watcher thread does every few seconds and at every dump."""
+        self.close()
+        size = HEADER_BYTES + capacity * ENTRY_BYTES
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.ftruncate(fd, size)
+                self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+            self.mapped_file = True
+        except OSError:
+            self.mm = mmap.mmap(-1, size)
+            self.mapped_file = False
+        self.path = path
+        self.capacity, self.count, self.step, self.phase, self.unit = capacity, 0, 0, 0, -1
+        self.groups, self.by_name, self.group_names = {}, {}, []
+        now = time.time()
+        _IDENTITY.pack_into(self.mm, 0, MAGIC, VERSION, rank, world, os.getpid(), attempt, capacity, now)
+        _PROGRESS.pack_into(self.mm, _PROGRESS_AT, 0, 0, -1, now, now)
+        _COUNT.pack_into(self.mm, _COUNT_AT, 0, now)
+        _WATCH.pack_into(self.mm, _WATCH_AT, now, 0)
+        _STATE.pack_into(self.mm, _STATE_AT, 0)
+
+    def close(self, state: str | None = None) -> None:
+        if self.mm is None:
+            return
+        if state is not None:
+            self.set_state(state)
+        with contextlib.suppress(OSError):  # a full filesystem must not fail the run's end
+            self.flush()
+        self.mm.close()
+        self.mm = None
+        self.groups, self.by_name = {}, {}   # no reference to a process group outlives the run
+
+    def flush(self) -> None:
+        """Make the file current on a shared filesystem: msync, or for an unmapped record a
+        whole copy written beside and renamed over it."""
+        if self.mm is None:
+            return
+        if self.mapped_file:
+            self.mm.flush()
+            return
+        with open(f"{self.path}.tmp", "wb") as f:
+            f.write(self.mm[:])
+        os.replace(f"{self.path}.tmp", self.path)
+
+    @property
+    def active(self) -> bool:
+        return self.mm is not None
+
+    # -- progress ---------------------------------------------------------------------------------
+    def set_step(self, step: int) -> None:
+        self.step = step
+        self._progress(time.time())
+
+    def enter_phase(self, name: str) -> int:
+        """Set the phase (and no unit until a unit's hook says so); returns the previous phase's
+        code for `restore_phase`."""
+        previous = self.phase
+        self.phase, self.unit = _PHASE_CODE[name], -1
+        if self.mm is not None:
+            self._progress(time.time())
+        return previous
+
+    def restore_phase(self, code: int) -> None:
+        self.phase, self.unit = code, -1
+        if self.mm is not None:
+            self._progress(time.time())
+
+    def set_unit(self, unit: int) -> None:
+        # no timestamp: a unit label changes only what the next collective records
+        self.unit = unit
+
+    def _progress(self, now: float) -> None:
+        if self.mm is not None:
+            _PROGRESS.pack_into(self.mm, _PROGRESS_AT, self.step, self.phase, self.unit, now, now)
+
+    # -- collectives ------------------------------------------------------------------------------
+    def issue(self, kind: str, nbytes: int, group: Any) -> int:
+        """Enter a collective about to be issued; returns its entry number (0: not recorded)."""
+        mm = self.mm
+        if mm is None:
+            return 0
+        g = self.groups.get(group)
+        if g is None:
+            g = self.groups[group] = self._group_slot(group)
+        g[1] += 1
+        self.count += 1
+        n = self.count
+        now = time.time()
+        _ENTRY.pack_into(mm, HEADER_BYTES + ((n - 1) % self.capacity) * ENTRY_BYTES, n, g[0], self.unit, g[1],
+                         nbytes, now, 0.0, _KIND_CODE.get(kind, 0), self.phase, self.step)
+        _COUNT.pack_into(mm, _COUNT_AT, n, now)
+        return n
+
+    def _group_slot(self, group: Any) -> list:
+        """[gid, last seq] of a group seen for the first time: shared by every handle of the same
+        process group (None and the world's object), so its sequence numbers are one series."""
+        name, ranks = self.describe_group(group) if self.describe_group else ("?", [])
+        slot = self.by_name.get(name)
+        if slot is None:
+            slot = self.by_name[name] = [len(self.group_names), 0]
+            self.group_names.append((name, list(ranks)))
+            if self.on_new_group is not None:
+                self.on_new_group()
+        return slot
+
+    def complete(self, n: int) -> None:
+        """The collective entered as number `n` returned to this rank (its wait finished)."""
+        mm = self.mm
+        if mm is None or n <= 0 or n <= self.count - self.capacity:
+            return
+        _COMPLETED.pack_into(mm, HEADER_BYTES + ((n - 1) % self.capacity) * ENTRY_BYTES + _COMPLETED_AT,
+                             time.time())
+
+    # -- the watcher thread's fields --------------------------------------------------------------
+    def tick(self, answered: int) -> None:
+        """The watcher thread ran now (so the process was not stopped) and has answered the dump
+        requests up to `answered`."""
+        if self.mm is not None:
+            _WATCH.pack_into(self.mm, _WATCH_AT, time.time(), answered)
+
+    def set_state(self, state: str) -> None:
+        if self.mm is not None:
+            _STATE.pack_into(self.mm, _STATE_AT, STATES.index(state))
+
+
+#: The process's recorder: `engines/collectives.py`, the torch engines' counting hooks and the
+#: phase marks (memory.phase_range, LiveMemoryTracker.phase) write through it.
+RECORDER = FlightRecorder()
+
+
+# ------------------------------------------------------------------------------------------ reading
+@dataclass(frozen=True)
+class Entry:
+    number: int          # 1-based, in issue order on this rank
+    group: int           # group id (meta.json names its ranks)
+    unit: int            # unit id (-1: none)
+    seq: int             # sequence number within the group, 1-based, same on every member
+    nbytes: int          # payload bytes (collectives.py's convention)
+    issued: float
+    completed: float     # 0.0: never completed
+    kind: str
+    phase: str
+    step: int
+
+    @property
+    def done(self) -> bool:
+        return self.completed > 0
+
+
+@dataclass(frozen=True)
+class Flight:
+    rank: int
+    world: int
+    pid: int
+    attempt: int
+    capacity: int
+    started: float
+    step: int
+    phase: str
+    unit: int
+    phase_since: float
+    updated: float          # the main thread's last write (phase mark or collective)
+    issued: int             # entries issued so far (the ring keeps the last `capacity`)
+    tick: float             # the watcher thread's last tick: the process was running then
+    answered: int           # the last dump request answered
+    state: str
+    entries: tuple[Entry, ...]   # oldest first
+
+
+def read_flight(path: str) -> Flight:
+    """Parse a flight file (raises ValueError when it is not one)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if len(data) < HEADER_BYTES or data[:8] != MAGIC:
+        raise ValueError(f"{path} is not a shardlab flight file")
+    _, version, rank, world, pid, attempt, capacity, started = _IDENTITY.unpack_from(data, 0)
+    if version != VERSION:
+        raise ValueError(f"{path}: flight format version {version}, this shardlab reads {VERSION}")
+    step, phase, unit, since, updated = _PROGRESS.unpack_from(data, _PROGRESS_AT)
+    count, last_issue = _COUNT.unpack_from(data, _COUNT_AT)
+    tick, answered = _WATCH.unpack_from(data, _WATCH_AT)
+    (state,) = _STATE.unpack_from(data, _STATE_AT)
+    entries = []
+    for n in range(max(1, count - capacity + 1), count + 1):
+        off = HEADER_BYTES + ((n - 1) % capacity) * ENTRY_BYTES
+        if off + ENTRY_BYTES > len(data):
+            break
+        num, gid, u, seq, nbytes, issued, completed, kind, ph, st = _ENTRY.unpack_from(data, off)
+        if num != n:  # being written at the moment of reading (a live file)
+            continue
+        entries.append(Entry(num, gid, u, seq, nbytes, issued, completed,
+                             KINDS[kind - 1] if 0 < kind <= len(KINDS) else "unknown",
+                             PHASES[ph] if 0 <= ph < len(PHASES) else "unknown", st))
+    return Flight(rank, world, pid, attempt, capacity, started, step,
+                  PHASES[phase] if 0 <= phase < len(PHASES) else "unknown", unit, since, max(updated, last_issue),
+                  count, tick, answered, STATES[state] if 0 <= state < len(STATES) else "unknown", tuple(entries))

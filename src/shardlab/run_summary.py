@@ -1,0 +1,105 @@
+"""What a training run reports at its end: `summarize` (the metrics.json of train.py's loop)
+and `print_summary` (the table rank 0 prints). `run` is train.Run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardlab import metrics as M
+from shardlab.engines import is_sharded
+
+
+def summarize(run: Any, timer: M.StepTimer, per_rank: list[dict], val_losses: dict, wall: float) -> dict[str, Any]:
+    """metrics.json: throughput counts only the steps this process trained (a resumed run's
+    earlier steps are in `losses` but not in its timings)."""
+    cfg, rt, state = run.cfg, run.rt, run.state
+    steps_run = len(timer.times)
+    train_seconds = sum(timer.times)
+    samples = steps_run * cfg.train.global_batch_size
+    waits = [run.batches.wait_s.get(s, 0.0) for s in range(state.step - steps_run, state.step)] if run.batches else []
+    result: dict[str, Any] = {
+        "wall_clock_s": wall,
+        "train_time_s": train_seconds,
+        "steps": state.step,
+        "steps_this_run": steps_run,
+        "samples_processed": samples,
+        "samples_per_s": samples / train_seconds if train_seconds else None,
+        "step_time_median_s": timer.median() if steps_run else None,
+        "step_times_s": timer.times,
+        "world_size": rt.world_size,
+        "strategy": cfg.parallel.strategy,
+        "sharded": is_sharded(cfg.parallel.strategy),
+        "device": M.device_name(rt.device),
+        "num_parameters": run.num_parameters,
+        "num_trainable_parameters": run.num_trainable,
+        "peak_memory_bytes": [r["peak_memory_bytes"] for r in per_rank],
+        # live tensor bytes at each rank's peak and what they were then (shardlab.memory); null: not tracked
+        "peak_live_bytes": None if per_rank[0]["live"] is None else [r["live"]["peak_live_bytes"] for r in per_rank],
+        "peak_breakdown": None if per_rank[0]["live"] is None else
+        [{k: v for k, v in r["live"].items() if k != "peak_live_bytes"} for r in per_rank],
+        "model_state_bytes": [sum(r["model_state_bytes"].values()) for r in per_rank],
+        "model_state_breakdown": [r["model_state_bytes"] for r in per_rank],
+        "comm_bytes": [r["comm"] for r in per_rank],  # per collective kind, training steps only; null: not counted
+        # per rank: collective kind -> seconds in each step of this run (as step_times_s), as the
+        # caller saw them (engines/collectives.py; docs/benchmarks.md); null: not timed
+        "comm_seconds_per_step": [r["comm_seconds"] for r in per_rank],
+        # seconds each step of this run waited for its micro batches (data/loader.py), and their share
+        "data_wait_s_per_step": waits,
+        "data_wait_fraction": sum(waits) / train_seconds if train_seconds else None,
+        "final_loss": state.losses[-1] if state.losses else None,
+        "losses": state.losses,
+        "val_loss": val_losses[state.step],
+        "val_losses": val_losses,
+        "restart_count": rt.restart_count,
+        # train.compile: seconds compiling (slowest rank; in the first step and samples/s, not the median step)
+        "compile_s": max(r["compile"][0] for r in per_rank) if cfg.train.compile else None,
+        "compiled_graphs": per_rank[0]["compile"][1] if cfg.train.compile else None,
+    }
+    if run.scaler is not None:
+        result["loss_scale"] = run.scaler.get_scale()
+        result["skipped_steps"] = state.skipped_steps
+    if run.data.real_tokens is not None:  # padding excluded: the samples' real tokens, step by step
+        steps = range(state.step - steps_run, state.step)
+        result["tokens_processed"] = int(sum(run.data.real_tokens[run.sampler.rank_indices(s, 0, 1)].sum()
+                                             for s in steps))
+        result["tokens_per_s"] = result["tokens_processed"] / train_seconds if train_seconds else None
+    elif run.data.tokens_per_sample:
+        result["tokens_processed"] = samples * run.data.tokens_per_sample
+        result["tokens_per_s"] = result["tokens_processed"] / train_seconds if train_seconds else None
+    return result
+
+
+def print_summary(result: dict[str, Any], out_dir: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"shardlab: {result['strategy']} on {result['world_size']} worker(s), {result['device']}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    row = table.add_row
+    row("steps", str(result["steps"]))
+    if result["final_loss"] is not None:
+        row("final loss", f"{result['final_loss']:.4f}")
+    if result.get("val_loss") is not None:
+        row("validation loss", f"{result['val_loss']:.4f}")
+    if result["steps_this_run"]:
+        row("samples/s", f"{result['samples_per_s']:.1f}")
+        if result.get("tokens_per_s"):
+            row("tokens/s", f"{result['tokens_per_s']:.0f}")
+        row("median step time", f"{result['step_time_median_s'] * 1000:.1f} ms")
+    else:
+        row("trained in this run", f"nothing: resumed at step {result['steps']}, the last")
+    if "loss_scale" in result:
+        row("fp16 loss scale (final), skipped steps", f"{result['loss_scale']:g}, {result['skipped_steps']}")
+    if result.get("compile_s") is not None:  # live memory is not tracked then (see _train)
+        row("torch.compile (graphs)", f"{result['compile_s']:.1f} s ({result['compiled_graphs']}); live memory not tracked")
+    row("parameters (trainable)", f"{result['num_parameters'] / 1e6:.2f} M "
+        f"({result['num_trainable_parameters'] / 1e6:.2f} M)")
+    row("model state / rank (params+grads+optim)", ", ".join(f"{b / 2**20:.1f} MiB" for b in result["model_state_bytes"]))
+    row("peak memory / rank", ", ".join(f"{b / 2**30:.2f} GiB" for b in result["peak_memory_bytes"]))
+    if result.get("peak_live_bytes"):
+        row("peak live tensors / rank (phase)", ", ".join(
+            f"{b / 2**20:.1f} MiB ({d['phase']})" for b, d in zip(result["peak_live_bytes"], result["peak_breakdown"])))
+    row("wall clock", f"{result['wall_clock_s']:.1f} s")
+    Console().print(table)
+    print(f"run directory: {out_dir}")
