@@ -1,13 +1,16 @@
 """`shardlab plan` on HF decoders the rest of the suite does not use (issue 25): Llama, Qwen2 and
 Mistral configs written here (hidden 320, 7 layers, vocab 3001, seq 96, micro batch 3; random
 init, nothing downloaded), at 2 and 3 ranks: every engine's predicted peak within 10 % of the
-peak `shardlab train` measures (tests/plan_measure.py): the three at 2 ranks, the Llama at 3 (all
-three at 3 ranks agreed as well when run, 2026-11-23: docs/memory.md). One spawn per world size
+peak `shardlab train` measures (tests/plan_measure.py). The suite's budget (15 minutes on CI)
+keeps the Llama at 2 ranks, the issue's case, in `make test`; SHARDLAB_PLAN_SWEEP=1 runs the
+whole table, the three decoders at 2 and 3 ranks (all within 10 % when run, 2026-11-23:
+docs/memory.md). One spawn per world size
 trains every model and engine; plan's probes (fake tensors) run one child per model and world size."""
 
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 
 import pytest
@@ -46,10 +49,13 @@ def test_unseen_decoders_within_10_percent(tmp_path, world):
     pytest.importorskip("transformers")
     from shardlab.testing import run_workers
 
+    sweep = os.environ.get("SHARDLAB_PLAN_SWEEP") == "1"
+    if world == 3 and not sweep:
+        pytest.skip("the suite's budget: the Llama at 2 ranks only; SHARDLAB_PLAN_SWEEP=1 runs the whole table")
     cases = []
     for name, arch in DECODERS.items():
-        if world == 3 and name != "llama":
-            continue  # the suite's budget: at 3 ranks the Llama only (all three were 0.0 % there, 2026-11-23)
+        if name != "llama" and not sweep:
+            continue
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps({**SHAPE, **arch}))
         overrides = _overrides(str(path))
