@@ -300,9 +300,11 @@ def _probe_each_mode(modes: tuple[str, ...]) -> dict:
     from shardlab.config import load_config
     from shardlab.plan.probe import probe_child
 
-    return {m: probe_child({"fsdp": load_config(None, [*_PLAN_KEYS, f"train.activation_checkpointing={m}",
-                                                        "train.compile=true"]).to_dict()}, 2, [2], 4, 64, 1)["fsdp"]["2"]
-            for m in modes}
+    def plan(m: str) -> dict:  # on fake tensors, as plan probes (plan/probe.py)
+        raw = load_config(None, [*_PLAN_KEYS, f"train.activation_checkpointing={m}", "train.compile=true"]).to_dict()
+        return {"fsdp": {"raw": raw, "fake": True, "micro": 4, "seq": 64}}
+
+    return {m: probe_child(plan(m), 2, [2], 1)["fsdp"]["2"] for m in modes}
 
 
 @pytest.mark.slow

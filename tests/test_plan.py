@@ -35,9 +35,9 @@ def _check_agreement(config: str, overrides: list[str], world: int) -> None:
 
 @pytest.mark.slow
 def test_plan_within_10_percent_at_2_ranks():
-    # 8 blocks: the probes run 3 and 4 of them, so the scaling to depth is what is tested
+    # 10 blocks (deeper than FAKE_WHOLE_DEPTH): the probes run 3 and 4 of them, so the scaling to depth is tested
     _check_agreement("configs/gpt-tiny.yaml", ["data.source=synthetic", "train.steps=2", "train.micro_batch_size=1",
-                                               "train.global_batch_size=2", "data.seq_len=64", "model.n_layer=8"], 2)
+                                               "train.global_batch_size=2", "data.seq_len=64", "model.n_layer=10"], 2)
 
 
 def test_hybrid_and_offload_move_state_where_they_say():
@@ -158,3 +158,46 @@ def test_probes_past_their_time_report_the_lower_bound(monkeypatch):
     p = predict_all(load_config("configs/gpt-tiny.yaml", []), 2, ["ddp"])["ddp"]
     assert not p.probed and "did not finish in 0.01 s" in p.notes[0], p.notes
     assert p.peak_bytes == sum(p.model_state.values())
+
+
+def test_catalogue_links_and_reserved_bytes():
+    """Each GPU's own link by default (a T4 has no NVLink: PCIe Gen3); reserved bytes are live plus
+    the modelled allocator overhead, device bytes add the context and NCCL (plan/allocator.py)."""
+    from shardlab.plan.allocator import FRAGMENTATION, reserved
+    from shardlab.plan.catalogue import GPUS, INTERCONNECTS, default_link
+
+    assert [default_link(GPUS[g], 1) for g in ("T4", "L4", "A100-80", "H100")] == \
+        ["pcie-gen3", "pcie-gen4", "nvlink3", "nvlink4"]
+    assert default_link(GPUS["T4"], 2) == "gke-n1-t4" and default_link(GPUS["H100"], 2) == "infiniband-400"
+    assert all(default_link(g, k) in INTERCONNECTS for g in GPUS.values() for k in (1, 2))
+    parts = {"params": 100, "optimizer": 200, "activations": 1000, "gathered_params": 0}
+    r = reserved(parts, "H100", 8)
+    assert r.reserved_bytes == 1300 + int(FRAGMENTATION * 1000) + 32 * 2**20
+    assert r.device_bytes == r.reserved_bytes + r.parts["cuda_context"] + r.parts["nccl"]
+    assert reserved(parts, "H100", 1).parts["nccl"] == 0
+
+
+def test_what_must_change_to_fit():
+    """The largest micro batch and sequence length that fit (activations linear in tokens), and the
+    cheapest change: another engine that fits first, then a smaller micro batch, then more ranks."""
+    from shardlab.plan.predict import Prediction
+    from shardlab.plan.report import cheapest_change, fit_limits
+
+    cfg = load_config("configs/gpt-tiny.yaml", ["train.micro_batch_size=4", "data.seq_len=128",
+                                                "train.global_batch_size=16"])
+    gib = 2**30
+
+    def pred(engine, state, act):
+        parts = {"params": state, "grads": 0, "optimizer": 0, "activations": act, "gathered_params": 0,
+                 "unsharded_grads": 0, "comm": 0, "other": 0}
+        return Prediction(engine, 2, state + act, parts, "backward", {})
+
+    big = pred("fsdp", 4 * gib, 8 * gib)   # 12 GiB; 10 usable: 6 GiB of room for activations = micro batch 3
+    limits = fit_limits(cfg, big, 10 * gib)
+    assert limits == {"max_micro_batch": 3, "max_seq_len": 3 * 128 // 4}  # 384 tokens at micro batch 4
+    assert cheapest_change(cfg, big, 10 * gib, {"fsdp": big}, 2) == "train.micro_batch_size=3"
+    small = pred("zero3", 2 * gib, 4 * gib)
+    assert cheapest_change(cfg, big, 10 * gib, {"fsdp": big, "zero3": small}, 2).startswith("parallel.strategy=zero3")
+    state_bound = pred("fsdp", 9 * gib, 4 * gib)  # activations at micro batch 1 alone overflow: more ranks
+    assert fit_limits(cfg, state_bound, 10 * gib)["max_micro_batch"] == 1
+    assert cheapest_change(cfg, pred("fsdp", 12 * gib, 4 * gib), 10 * gib, {}, 2).startswith("more ranks")

@@ -175,8 +175,13 @@ class LiveMemoryTracker:
     """
 
     def __init__(self, device: torch.device | str, *, engine: Any = None, optimizer: torch.optim.Optimizer | None = None,
-                 params: Iterable[torch.Tensor] | None = None, buffers: Iterable[torch.Tensor] | None = None):
+                 params: Iterable[torch.Tensor] | None = None, buffers: Iterable[torch.Tensor] | None = None,
+                 fake: bool = False):
         self.device = torch.device(device)
+        # fake=True: the step runs under FakeTensorMode (plan's fake probes); a FakeTensor's storage
+        # is a meta storage of the real size, born and freed as the real one would be, so those
+        # count too (beside the real ones its data pipeline makes outside the fake mode)
+        self.storage_devices = (self.device.type, "meta") if fake else (self.device.type,)
         self.engine = engine
         self.optimizer = optimizer
         if engine is not None:
@@ -207,7 +212,7 @@ class LiveMemoryTracker:
         self.step_end: dict[str, Any] | None = None
         self.inconsistencies = 0
         # CUDA allocator figures (per phase, over tracked steps)
-        self.cuda = self.device.type == "cuda"
+        self.cuda = self.device.type == "cuda" and not fake
         self.alloc_phase_peaks: dict[str, int] = {}
         self.reserved_peak = 0
         self.allocator_peak_seen = 0  # max_memory_allocated over the whole run, across our resets
@@ -327,7 +332,7 @@ class LiveMemoryTracker:
     def _see(self, t: torch.Tensor, fresh: bool = True) -> None:
         """A tensor an operator returned: a new storage, or a known one that changed size."""
         st = _storage(t)
-        if st is None or st.device.type != self.device.type:
+        if st is None or st.device.type not in self.storage_devices:
             return
         rec = self._records.get(id(st))
         if rec is None:
@@ -381,7 +386,7 @@ class LiveMemoryTracker:
 
     def _claim(self, t: Any, part: str, adopt: bool = False) -> None:
         st = _storage(t)
-        if st is None or st.device.type != self.device.type:
+        if st is None or st.device.type not in self.storage_devices:
             return
         rec = self._records.get(id(st))
         if rec is None:
@@ -497,7 +502,7 @@ _original_resize = torch.UntypedStorage.resize_
 def _tracked_resize(storage: torch.UntypedStorage, size: int):
     out = _original_resize(storage, size)
     for tracker in list(_trackers):
-        if storage.device.type != tracker.device.type:
+        if storage.device.type not in tracker.storage_devices:
             continue
         rec = tracker._records.get(id(storage))
         if rec is not None:

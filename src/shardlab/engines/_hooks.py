@@ -66,6 +66,12 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors start at the same element of one storage: `data_ptr` equality, asked
+    in a way fake tensors (plan's probes: no data, no pointers) answer too."""
+    return a.untyped_storage() is b.untyped_storage() and a.storage_offset() == b.storage_offset()
+
+
 def tensors_requiring_grad(value: Any) -> list[torch.Tensor]:
     """The tensors inside any nesting of tuples, lists and dicts that require grad."""
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) and t.requires_grad]

@@ -294,6 +294,9 @@ class Engine:
     #: at once without peers (PyTorch's DDP reducer needs real ones); plan then probes it on a
     #: real one-rank group, which is exact only when a rank's memory does not depend on N.
     fake_group_probe: ClassVar[bool] = True
+    #: False when plan cannot run the engine's step under FakeTensorMode (plan/probe.py, [Note:
+    #: fake-tensor probes]); plan then probes it on real tensors at a reduced micro batch.
+    fake_tensor_probe: ClassVar[bool] = True
 
     def __init__(self, module: nn.Module, *, group: dist.ProcessGroup | None, device: torch.device,
                  units: list[nn.Module]):
@@ -484,7 +487,11 @@ def materialize_whole_(module: nn.Module, device: torch.device) -> nn.Module:
     exactly as the same model built directly (see shardlab.models.init)."""
     if is_meta(module):
         materialize_(module, device, getattr(module, "init_seed", 0))
-    return module.to(device)
+    device = torch.device(device)
+    elsewhere = [t for t in [*module.parameters(), *module.buffers()]
+                 if t.device.type != device.type or device.index not in (None, t.device.index)]
+    # only when needed: `.to` swaps a FakeTensor parameter (plan's fake probes), which its mode forbids
+    return module.to(device) if elsewhere else module
 
 
 def unwrapped_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:

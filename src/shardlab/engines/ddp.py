@@ -141,7 +141,7 @@ class DDPEngine(Engine):
         if p.grad.is_sparse:
             raise RuntimeError("ddp: sparse gradients are not supported")
         slot = bucket.slot(i)
-        if p.grad.data_ptr() != slot.data_ptr():  # already in place when p.grad is the bucket view
+        if not _hooks.same_memory(p.grad, slot):  # already in place when p.grad is the bucket view
             slot.copy_(p.grad)
         bucket.ready.add(i)
         self._launch_ready_buckets()
@@ -187,7 +187,7 @@ class DDPEngine(Engine):
                 if reduced.dtype == p.dtype:
                     p.grad = reduced  # see [Note: gradients as bucket views]
                 else:  # communicated in a lower precision: cast back into a gradient of p's dtype
-                    if p.grad is None or p.grad.data_ptr() == reduced.data_ptr():
+                    if p.grad is None or _hooks.same_memory(p.grad, reduced):
                         p.grad = torch.empty_like(p)
                     p.grad.copy_(reduced)
             bucket.ready.clear()

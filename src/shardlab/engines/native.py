@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -72,6 +73,7 @@ class TorchDDPEngine(Engine):
     strategy = "torch-ddp"
     options = ("bucket_size_bytes", "find_unused_parameters", "gradient_as_bucket_view")
     fake_group_probe = False  # its reducer's collectives must run; a replica's memory does not depend on N
+    fake_tensor_probe = False  # its C++ reducer reads parameter data when it is built (shape check, broadcast)
 
     def __init__(self, module: nn.Module, *, bucket_size_bytes: int = 25 * 2**20,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = True, **kw: Any):
@@ -125,16 +127,8 @@ class TorchFSDPEngine(Engine):
         if not meta:
             materialize_whole_(module, self.device)
         self.hybrid = collectives.hybrid_groups(self.group, shard_size)
-        if self.hybrid.replicas > 1:
-            ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
-            layout = torch.tensor(ranks).view(self.hybrid.replicas, self.hybrid.shard_size)
-            mesh = DeviceMesh.from_group([self.hybrid.replicate, self.hybrid.shard], self.device.type, mesh=layout,
-                                         mesh_dim_names=("replicate", "shard"))
-            self.grad_norm_group = self.hybrid.shard
-        elif self.group is None or self.group == dist.group.WORLD:
-            mesh = init_device_mesh(self.device.type, (self.world_size,))
-        else:
-            mesh = DeviceMesh.from_group(self.group, self.device.type)
+        with unset_fake_temporarily():  # the mesh's rank tables are host metadata (plan's fake probes)
+            mesh = self._device_mesh()
         mp = MixedPrecision.parse(mixed_precision)
         mp_policy = MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype) if mp else MixedPrecisionPolicy()
         self.offload = CPUOffload.parse(offload)
@@ -157,6 +151,18 @@ class TorchFSDPEngine(Engine):
             # shards live on the host with offload
             _materialize_sharded_(module, self.units, "cpu" if self.offload else self.device, self.device,
                                   getattr(module, "init_seed", 0))
+
+    def _device_mesh(self) -> DeviceMesh:
+        """FSDP2's mesh: (replicate, shard) for hybrid sharding, else the group's ranks."""
+        if self.hybrid.replicas > 1:
+            ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+            layout = torch.tensor(ranks).view(self.hybrid.replicas, self.hybrid.shard_size)
+            self.grad_norm_group = self.hybrid.shard
+            return DeviceMesh.from_group([self.hybrid.replicate, self.hybrid.shard], self.device.type, mesh=layout,
+                                         mesh_dim_names=("replicate", "shard"))
+        if self.group is None or self.group == dist.group.WORLD:
+            return init_device_mesh(self.device.type, (self.world_size,))
+        return DeviceMesh.from_group(self.group, self.device.type)
 
     def comm_counters(self) -> list[collectives.CommCounter]:
         return [self.counter]

@@ -8,6 +8,7 @@ targets are given, so the training loop and the engines never look inside a mode
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,9 +39,18 @@ def model_spec(name: str) -> ModelSpec:
 def build_model(section: Any, *, seed: int = 0, vocab_size: int | None = None,
                 device: str | torch.device = "cpu") -> nn.Module:
     """Build the model a config's `model:` section describes. On device="meta" only shapes
-    exist; an engine then materializes what it holds. vocab_size: what the data offers."""
-    with torch.device(device):
+    exist; an engine then materializes what it holds. vocab_size: what the data offers.
+    A meta model is built outside any active FakeTensorMode (plan's fake probes): its
+    parameters must be plain meta tensors, which an engine materializes into fake ones; a
+    FakeTensor parameter could only be swapped, and the fake mode's memo forbids that."""
+    with _no_fake_mode() if torch.device(device).type == "meta" else contextlib.nullcontext(), torch.device(device):
         return model_spec(section.name).build(section, seed, vocab_size)
+
+
+def _no_fake_mode():
+    from torch._subclasses.fake_tensor import unset_fake_temporarily  # deferred: only for meta builds
+
+    return unset_fake_temporarily()
 
 
 def model_record(name: str, model: nn.Module, seed: int) -> dict[str, Any]:

@@ -103,7 +103,10 @@ def dtensor_local_rows(p: torch.Tensor) -> tuple[int, torch.Size]:
     if not all(isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0) for pl in p.placements):
         raise ValueError(f"placements {p.placements}: only Shard(0) and Replicate map onto contiguous ranges of "
                          "the flattened tensor")
-    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # shapes only; the mesh's coordinates are host tensors (plan's fake probes)
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     return (offset[0] if p.dim() else 0), torch.Size(shape)
 
 

@@ -120,18 +120,26 @@ def model_state(cfg, engine: str, nproc: int) -> dict[str, int]:
     """Exact bytes per rank (the maximum over ranks) of parameters + buffers, gradients and
     optimizer state the engine keeps between steps. Runs in a child process when the engine must
     be built on a fake process group (so this process keeps no process group)."""
+    state = state_by_rule(cfg, engine, nproc)
+    if state is not None:
+        return state
+    c = copy.deepcopy(cfg)
+    c.parallel.strategy = engine
+    return in_child(built_state, c.to_dict(), engine, nproc)
+
+
+def state_by_rule(cfg, engine: str, nproc: int) -> dict[str, int] | None:
+    """model_state by the engine's rule (`Engine.planned_state`); None when only building it tells."""
     model = meta_model(cfg)
     params = list({id(p): p for p in model.parameters()}.values())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     c = copy.deepcopy(cfg)
     c.parallel.strategy = engine
     ranks = engine_class(engine).planned_state(params, nproc, _plan_options(c))
-    if ranks is not None:
-        return _largest(cfg, ranks, buffers)
-    return in_child(_built_state_child, c.to_dict(), engine, nproc)
+    return None if ranks is None else _largest(cfg, ranks, buffers)
 
 
-def _built_state_child(raw: dict, engine: str, nproc: int) -> dict[str, int]:
+def built_state(raw: dict, engine: str, nproc: int) -> dict[str, int]:
     """`engine` built on the meta device on a fake N-rank group, at the ranks it names
     (`planned_ranks`), each telling what it knows of the ranks' local tensors (`rank_states`)."""
 

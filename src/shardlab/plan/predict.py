@@ -12,7 +12,15 @@ from shardlab.config import ConfigError, validate_for_world
 from shardlab.engines import STRATEGIES, engine_class
 from shardlab.memory import PARTS
 from shardlab.plan import probe as P
-from shardlab.plan.model import engine_config, in_child, model_state, n_layer, probe_param_bytes
+from shardlab.plan.model import (
+    built_state,
+    engine_config,
+    in_child,
+    model_state,
+    n_layer,
+    probe_param_bytes,
+    state_by_rule,
+)
 from shardlab.plan.scaling import scale_probe
 
 
@@ -27,6 +35,7 @@ class Prediction:
     probed: bool = True
     notes: list[str] = field(default_factory=list)
     host_bytes: int = 0                  # parallel.offload=cpu: state kept in host memory (not in peak_bytes)
+    probe: str = "fake"                  # the probe it rests on: "fake" (FakeTensorMode), "real" or "none"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -37,43 +46,74 @@ def default_engines(nproc: int) -> list[str]:
     return [e for e in STRATEGIES if engine_class(e).distributed or nproc == 1]
 
 
-def predict_all(cfg, nproc: int, engines: list[str] | None = None, per_node: int | None = None
-                ) -> dict[str, Prediction]:
+def predict_all(cfg, nproc: int, engines: list[str] | None = None, per_node: int | None = None,
+                probe: str = "auto") -> dict[str, Prediction]:
     """Predicted peak per rank (device memory), by part, for each engine at world size nproc
-    (per_node: ranks per node, hybrid sharding's default shard group)."""
+    (per_node: ranks per node, hybrid sharding's default shard group). probe: "auto" (fake
+    tensors for every engine that can run on them, real ones for the rest), "fake" or "real"."""
     engines = list(engines or default_engines(nproc))
     cfgs = {e: engine_config(cfg, e, nproc, per_node) for e in engines}
     for e, c in cfgs.items():
         if not engine_class(e).distributed and nproc != 1:
             raise ConfigError(f"engine {e} runs one process; --nproc {nproc} asks for {nproc}")
         validate_for_world(c, nproc)
+    fake = {e: probe_kind(e, probe) == "fake" for e in engines}
     L = n_layer(cfg)
     layers = P.probe_layers(cfg, L)
-    micro, seq, act_scale = P.probe_shape(cfg)
     accumulation = cfg.train.global_batch_size // (nproc * cfg.train.micro_batch_size)
-    states = {e: model_state(cfgs[e], e, nproc) for e in engines}
+    states = {e: state_by_rule(cfgs[e], e, nproc) for e in engines}
+    to_build = {e: cfgs[e].to_dict() for e in engines if states[e] is None}
     probe_psi = probe_param_bytes(cfg, max(x or 0 for x in layers))
-    probe_ok = [e for e in engines if _probe_state_estimate(probe_psi, cfgs[e], e, nproc) <= P.PROBE_MAX_BYTES]
-    why_not = {e: f"the probe would need over {P.PROBE_MAX_BYTES / 2**30:.0f} GiB here (SHARDLAB_PLAN_PROBE_MAX_GIB "
-                  "raises the limit)" for e in engines if e not in probe_ok}
+    probe_ok = [e for e in engines
+                if fake[e] or _probe_state_estimate(probe_psi, cfgs[e], e, nproc) <= P.PROBE_MAX_BYTES]
+    why_not = {e: f"a real-tensor probe would need over {P.PROBE_MAX_BYTES / 2**30:.0f} GiB here "
+                  "(SHARDLAB_PLAN_PROBE_MAX_GIB raises the limit)" for e in engines if e not in probe_ok}
+    shapes = {e: P.probe_shape(cfg, fake[e]) for e in engines}
+    # a fake probe of a shallow model runs it whole: no scaling in depth at all
+    depth = {e: [L] if fake[e] and L is not None and L <= P.FAKE_WHOLE_DEPTH else layers for e in engines}
+    plans = {e: {"raw": cfgs[e].to_dict(), "fake": fake[e], "micro": shapes[e][0], "seq": shapes[e][1],
+                 "layers": depth[e]} for e in probe_ok}
     probes = {}
-    if probe_ok:
-        try:
-            probes = in_child(P.probe_child, {e: cfgs[e].to_dict() for e in probe_ok}, nproc, layers, micro, seq,
-                              min(accumulation, 2), timeout_s=P.PROBE_TIMEOUT_S)
-        except mp.TimeoutError:  # the pool's exit terminates the probe
-            why_not.update({e: f"the probes did not finish in {P.PROBE_TIMEOUT_S:g} s here "
-                               "(SHARDLAB_PLAN_PROBE_TIMEOUT_S gives them longer)" for e in probe_ok})
-    shape = (micro, seq, act_scale, L, layers)
-    return {e: _predicted(e, cfgs[e], nproc, states[e], probes[e], shape) if e in probes
+    try:  # one child builds the engines whose state only building tells, then runs every probe
+        built, probes = in_child(_plan_child, to_build, plans, nproc, layers, min(accumulation, 2),
+                                 timeout_s=P.PROBE_TIMEOUT_S)
+        states.update(built)
+    except mp.TimeoutError:  # the pool's exit terminates the probe
+        why_not.update({e: f"the probes did not finish in {P.PROBE_TIMEOUT_S:g} s here "
+                           "(SHARDLAB_PLAN_PROBE_TIMEOUT_S gives them longer)" for e in probe_ok})
+        probes = {}
+        states.update({e: model_state(cfgs[e], e, nproc) for e in to_build})
+    return {e: _predicted(e, cfgs[e], nproc, states[e], probes[e], (*shapes[e], L, depth[e])) if e in probes
             else _not_probed(e, nproc, states[e], why_not[e]) for e in engines}
+
+
+PROBE_KINDS = ("auto", "fake", "real")
+
+
+def probe_kind(engine: str, probe: str = "auto") -> str:
+    """The probe an engine gets: fake tensors where it can run on them (`Engine.fake_tensor_probe`)."""
+    if probe not in PROBE_KINDS:
+        raise ConfigError(f"--probe must be one of {', '.join(PROBE_KINDS)}, got {probe!r}")
+    can = engine_class(engine).fake_tensor_probe
+    if probe == "fake" and not can:
+        raise ConfigError(f"--probe fake: engine {engine} cannot run on fake tensors ({engine_class(engine).__name__}"
+                          ".fake_tensor_probe is False); use --probe auto")
+    return "fake" if can and probe != "real" else "real"
+
+
+def _plan_child(to_build: dict[str, dict], plans: dict[str, dict], nproc: int, layers: list[int | None],
+                accumulation: int) -> tuple[dict, dict]:
+    """In one child process: each engine of `to_build` built on a fake group (its exact state),
+    then the probes (plan/probe.py)."""
+    built = {e: built_state(raw, e, nproc) for e, raw in to_build.items()}
+    return built, (P.probe_child(plans, nproc, layers, accumulation) if plans else {})
 
 
 def _not_probed(engine: str, nproc: int, state: dict[str, int], why: str) -> Prediction:
     parts = dict.fromkeys(PARTS, 0)
     # all three are live at the optimizer step, so their sum is a lower bound of the peak
     parts.update(params=state["params"], grads=state["grads"], optimizer=state["optimizer"])
-    return Prediction(engine, nproc, sum(parts.values()), parts, "unknown", state, probed=False,
+    return Prediction(engine, nproc, sum(parts.values()), parts, "unknown", state, probed=False, probe="none",
                       notes=[f"not probed: {why}; the figure is parameters + gradients + optimizer "
                              "state, all live at the optimizer step (a lower bound)"])
 
@@ -112,12 +152,14 @@ def _predicted(engine: str, cfg, nproc: int, state: dict[str, int], per_layer: d
         notes.append(f"activations scaled x{act_scale:g} from a probe micro batch of {micro} x {seq} tokens")
     if L is not None and L > max(x or 0 for x in layers):
         notes.append(f"extrapolated from probes at {', '.join(str(x) for x in layers)} of {L} blocks")
+    kind = "fake" if deepest.get("fake") else "real"
+    notes.append(f"probed on {kind} tensors" + (" (FakeTensorMode: real shapes, no data)" if kind == "fake" else ""))
     if cfg.train.compile:
         notes.append("train.compile: probed eagerly (the live tracker cannot see compiled kernels); measured for a "
                      "gpt-mini block, compiled keeps as much for backward as eager (none, full) or less (selective): "
                      "docs/benchmarks.md")
     out = Prediction(engine, nproc, int(round(total)), {k: int(round(v)) for k, v in parts.items()}, phase, state,
-                     notes=notes, host_bytes=host)
+                     notes=notes, host_bytes=host, probe=kind)
     out.probe_step_seconds = {k: v["step_seconds"] for k, v in per_layer.items()}  # type: ignore[attr-defined]
     return out
 

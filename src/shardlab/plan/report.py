@@ -11,9 +11,10 @@ from typing import Any
 
 from shardlab.config import ConfigError, load_config
 from shardlab.engines import STRATEGIES, engine_class
-from shardlab.plan.catalogue import GPU, GPUS, INTERCONNECTS, MFU, usable_bytes
+from shardlab.plan.allocator import reserved
+from shardlab.plan.catalogue import GPU, GPUS, INTERCONNECTS, MFU, default_link, usable_bytes
 from shardlab.plan.model import engine_config, param_count
-from shardlab.plan.predict import Prediction, predict_all
+from shardlab.plan.predict import PROBE_KINDS, Prediction, predict_all
 from shardlab.plan.traffic import hiding_limit, step_time
 
 
@@ -25,7 +26,9 @@ def verdict(cfg, p: Prediction, gpu: GPU, others: dict[str, Prediction], world: 
                              "parallel.mixed_precision=fp16 (dynamic loss scaling turns on with it)")
     fits = p.peak_bytes <= usable and precision_problem is None and p.probed
     out: dict[str, Any] = {"usable_bytes": usable, "fits": fits, "margin_bytes": usable - p.peak_bytes,
-                           "changes": []}
+                           "changes": [], **fit_limits(cfg, p, usable)}
+    if not fits and p.probed:
+        out["cheapest_change"] = cheapest_change(cfg, p, usable, others, world)
     ch = out["changes"]
     if precision_problem:
         ch.append(precision_problem)
@@ -67,6 +70,41 @@ def verdict(cfg, p: Prediction, gpu: GPU, others: dict[str, Prediction], world: 
     return out
 
 
+def fit_limits(cfg, p: Prediction, usable: int) -> dict[str, int | None]:
+    """The largest micro batch (at this sequence length) and the largest sequence length (at this
+    micro batch) whose peak fits: activations are linear in tokens per micro batch (the quadratic
+    attention term is not modelled: docs/memory.md), everything else stays. None: not probed."""
+    act = p.parts.get("activations", 0)
+    if not p.probed or act <= 0:
+        return {"max_micro_batch": None, "max_seq_len": None}
+    room = usable - (p.peak_bytes - act)
+    per_token = act / (cfg.train.micro_batch_size * cfg.data.seq_len)
+    tokens = int(room // per_token) if room > 0 else 0
+    return {"max_micro_batch": tokens // cfg.data.seq_len, "max_seq_len": tokens // cfg.train.micro_batch_size}
+
+
+def cheapest_change(cfg, p: Prediction, usable: int, others: dict[str, Prediction], world: int) -> str:
+    """The first change that fits, cheapest first: another engine at the same settings (no cost
+    beyond its own speed), a smaller micro batch with accumulation (the same global batch, less
+    overlap), activation checkpointing (~1/3 more compute), more ranks (more GPUs), CPU offload
+    (the optimizer step on the host: the slowest)."""
+    fitting = sorted((q.peak_bytes, e) for e, q in others.items() if q.probed and q.peak_bytes <= usable)
+    if fitting:
+        return f"parallel.strategy={fitting[0][1]} ({fitting[0][0] / 2**30:.2f} GiB)"
+    limits = fit_limits(cfg, p, usable)
+    if limits["max_micro_batch"]:
+        return f"train.micro_batch_size={min(limits['max_micro_batch'], cfg.train.micro_batch_size - 1)}"
+    if not cfg.train.activation_checkpointing and p.parts.get("activations", 0) > 0.1 * p.peak_bytes:
+        return "train.activation_checkpointing=true (then plan again)"
+    state = p.parts["params"] + p.parts["grads"] + p.parts["optimizer"]
+    rest = p.peak_bytes - state
+    if engine_class(p.engine).grads_sharded and state > 0 and rest < usable:
+        return f"more ranks: about {math.ceil(world * state / (usable - rest))} in all"
+    if "offload" in engine_class(p.engine).options and rest < usable:
+        return "parallel.offload=cpu"
+    return "none of engine, micro batch, activation checkpointing, ranks or offload fits alone"
+
+
 # -- the command -------------------------------------------------------------------------------------
 def add_arguments(p) -> None:
     p.add_argument("config", nargs="?", help="YAML config file")
@@ -75,9 +113,13 @@ def add_arguments(p) -> None:
     p.add_argument("--nproc", type=int, required=True, metavar="N", help="ranks (GPUs) per node")
     p.add_argument("--nodes", type=int, default=1, metavar="K", help="nodes (world size = N x K)")
     p.add_argument("--interconnect", default=None, choices=list(INTERCONNECTS),
-                   help="link between ranks for the time prediction (default: nvlink on one node, "
-                        "infiniband-400 across nodes)")
+                   help="link between ranks for the time prediction (default: the GPU's own within a node: "
+                        "T4 pcie-gen3, L4 pcie-gen4, A100 nvlink3, H100/H200 nvlink4; across nodes T4 gke-n1-t4, "
+                        "L4 gke-g2-l4, others infiniband-400)")
     p.add_argument("--engines", default=None, help="comma-separated engines (default: all that apply)")
+    p.add_argument("--probe", default="auto", choices=PROBE_KINDS,
+                   help="what the probes run on: fake tensors (FakeTensorMode: real shapes, no data) for every "
+                        "engine that can (auto, the default), fake only, or real tensors at a reduced micro batch")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
@@ -92,12 +134,12 @@ def run(args) -> int:
             if bad:
                 raise ConfigError(f"--engines: unknown {', '.join(bad)}; valid: {', '.join(STRATEGIES)}")
         world = args.nproc * args.nodes
-        preds = predict_all(cfg, world, engines, per_node=args.nproc)  # validates every engine before probing
+        preds = predict_all(cfg, world, engines, per_node=args.nproc, probe=getattr(args, "probe", "auto"))  # validates every engine before probing
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     gpu = GPUS[args.gpu]
-    link = INTERCONNECTS[args.interconnect or ("nvlink" if args.nodes == 1 else "infiniband-400")]
+    link = INTERCONNECTS[args.interconnect or default_link(gpu, args.nodes)]
     report: dict[str, Any] = {"gpu": dataclasses.asdict(gpu), "usable_bytes": usable_bytes(gpu), "world": world,
                               "nodes": args.nodes, "interconnect": dataclasses.asdict(link), "mfu": MFU,
                               "engines": {}}
@@ -106,7 +148,9 @@ def run(args) -> int:
         v = verdict(c, p, gpu, preds, world)
         ts = step_time(c, e, world, link, gpu, None, args.nodes)
         ts["comm_stops_hiding_at_nodes"] = hiding_limit(c, e, args.nproc, link, ts["compute_s"])
-        report["engines"][e] = {**p.to_dict(), "verdict": v, "time": ts}
+        r = reserved(p.parts, gpu.name, world)
+        report["engines"][e] = {**p.to_dict(), "reserved_bytes": r.reserved_bytes, "device_bytes": r.device_bytes,
+                                "reserved_parts": r.parts, "verdict": v, "time": ts}
     if args.json:
         print(json.dumps(report, indent=1, default=str))
         return 0
@@ -131,7 +175,8 @@ def print_report(cfg, report: dict[str, Any]) -> None:
     _UNIT[:] = [2**20, "MiB"] if small else [2**30, "GiB"]
     print(f"predicted peak per rank, {_UNIT[1]}, by part:")
     cols = ["params", "gathered_params", "grads", "unsharded_grads", "optimizer", "activations", "comm"]
-    head = f"{'engine':11s} {'peak':>7s} " + " ".join(f"{c[:10]:>10s}" for c in cols) + "  verdict"
+    head = (f"{'engine':11s} {'peak':>7s} " + " ".join(f"{c[:10]:>10s}" for c in cols)
+            + f" {'reserved':>9s} {'device':>8s}  verdict")
     print(head)
     for e, r in report["engines"].items():
         v = r["verdict"]
@@ -139,11 +184,21 @@ def print_report(cfg, report: dict[str, Any]) -> None:
                 ("does not fit" if r["probed"] else "does not fit (lower bound)" if v["margin_bytes"] < 0
                  else "unknown (not probed)"))
         print(f"{e:11s} {_gib(r['peak_bytes']):>7s} " + " ".join(f"{_gib(r['parts'][c]):>10s}" for c in cols)
-              + f"  {word}")
+              + f" {_gib(r['reserved_bytes']):>9s} {_gib(r['device_bytes']):>8s}  {word}")
+    print("  peak: live tensor bytes; reserved: the CUDA caching allocator's peak (torch.cuda.max_memory_reserved); "
+          "device: reserved + CUDA context + NCCL (nvidia-smi) (docs/memory.md, [Note: live, reserved, device])")
     for e, r in report["engines"].items():
         for n in r["notes"]:
             print(f"  {e}: {n}")
-        for c in r["verdict"]["changes"]:
+        v = r["verdict"]
+        if v["max_micro_batch"] == 0:
+            print(f"  {e}: no micro batch fits at this seq_len: the rest of the peak alone exceeds the usable memory")
+        elif v["max_micro_batch"] is not None:
+            print(f"  {e}: fits up to train.micro_batch_size={v['max_micro_batch']} at this seq_len, "
+                  f"data.seq_len={v['max_seq_len']} at this micro batch")
+        if v.get("cheapest_change"):
+            print(f"  {e}: cheapest change that fits: {v['cheapest_change']}")
+        for c in v["changes"]:
             print(f"  {e}: change: {c}")
     print(f"time per step on {report['interconnect']['name']} (alpha {report['interconnect']['alpha_s'] * 1e6:.0f} us, "
           f"{report['interconnect']['bandwidth'] / 1e9:.1f} GB/s), compute at MFU {report['mfu']:g}:")
