@@ -67,8 +67,10 @@ def _train(args: argparse.Namespace) -> int:
         return worker_main(cfg)  # one of N: the workers prepare the data together (local rank 0 first)
     if not cfg.output.run_name:
         cfg.output.run_name = default_run_name(cfg)
+    from shardlab.data import prepare_datasets
+
     try:
-        _prepare_data(cfg)
+        prepare_datasets(cfg)  # once, before the workers start
     except ValueError as e:  # bad data: said before any worker starts
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -77,15 +79,6 @@ def _train(args: argparse.Namespace) -> int:
 
         return launch_local(cfg, args.nproc, args.max_restarts)
     return worker_main(cfg)
-
-
-def _prepare_data(cfg) -> None:
-    """Work every worker would repeat (preparing the embedded corpus or text into the cache,
-    hashing shards new to this machine, tokenizing SFT data) and the checks that need the data
-    are done once, before they start: the source's `prepare`."""
-    from shardlab.data import DATA_SOURCES
-
-    DATA_SOURCES[cfg.data.source].prepare(cfg)
 
 
 def _configs(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ from shardlab.data.sampler import GlobalBatchSampler
 from shardlab.data.source import DataSource
 
 __all__ = ["GlobalBatchSampler", "Datasets", "DataSource", "DATA_SOURCES", "PREPARED_SOURCES", "data_source",
-           "build_datasets", "collate"]
+           "build_datasets", "prepare_datasets", "collate"]
 
 # data.source -> its DataSource (data/source.py). The order is the order help texts list them in.
 DATA_SOURCES: dict[str, DataSource] = {s.name: s for s in (tokens.BUILTIN, tokens.TEXT, tokens.TOKENS, sft.SOURCE,
@@ -35,6 +35,13 @@ def data_source(name: str) -> DataSource:
 
 def build_datasets(cfg) -> Datasets:
     return data_source(cfg.data.source).build(cfg)
+
+
+def prepare_datasets(cfg) -> None:
+    """Work every worker would repeat (preparing the embedded corpus or text into the cache,
+    hashing shards new to this machine, tokenizing SFT data) and the checks that need the data,
+    done once before they start (`shardlab train`, `shardlab verify`): the source's `prepare`."""
+    data_source(cfg.data.source).prepare(cfg)
 
 
 def collate(dataset: torch.utils.data.Dataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

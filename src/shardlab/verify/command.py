@@ -167,9 +167,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             cfg = load_config(args.config, args.overrides)
             plan = make_plan(cfg, args, workdir)
-            from shardlab.data import DATA_SOURCES
+            from shardlab.data import prepare_datasets
 
-            DATA_SOURCES[cfg.data.source].prepare(cfg)  # once, before the workers (as `shardlab train`)
+            prepare_datasets(cfg)  # once, before the workers (as `shardlab train`)
         except (ConfigError, BadInput, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
