@@ -503,7 +503,11 @@ def _cut_depth(raw: dict[str, Any], n_layer: int, tmpdir: str) -> None:
     if isinstance(getattr(config, "layer_types", None), list):
         config.layer_types = config.layer_types[:n_layer]
     path = os.path.join(tmpdir, f"hf-config-{n_layer}-layers.json")
-    config.to_json_file(path)
+    # written whole, then renamed: ranks that cut the same config into one directory (verify's
+    # workers) never read another's half-written file
+    partial = f"{path}.tmp-{os.getpid()}"
+    config.to_json_file(partial)
+    os.replace(partial, path)
     raw.update(hf_path=None, hf_config=path)
 
 
