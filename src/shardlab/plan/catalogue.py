@@ -19,25 +19,40 @@ class GPU:
     inter_node: str = "infiniband-400"
 
 
-# Vendor data sheets (dense, no structured sparsity), as read from NVIDIA's product pages; the
-# figures are the ones widely quoted from them, not re-derived here. T4: 65 TFLOP/s fp16 tensor
-# cores, no bf16 (Turing), PCIe Gen3 x16, no NVLink. L4: 121 TFLOP/s bf16 dense (242 with
-# sparsity), PCIe Gen4 x16, no NVLink. A100 SXM: 312 TFLOP/s bf16, NVLink 3 (600 GB/s per GPU,
-# both directions). H100 SXM: 989 TFLOP/s bf16 dense, NVLink 4 (900 GB/s per GPU, both
-# directions). H200: H100 SXM compute, 141 GB HBM3e, NVLink 4. (PCIe cards of A100/H100 exist with
-# other figures: --interconnect pcie-gen4 / pcie-gen5 describes them.)
+# Where each GPU figure comes from (checked 2026-11-23). The provider's table: Google Cloud, "GPU
+# machine types" (cloud.google.com/compute/docs/gpus), read in its S3NS mirror
+# (documentation.s3ns.fr/compute/docs/gpus, "Last updated 2026-08-26"): the "General comparison
+# chart" gives memory and interconnect, "Tensor Core and standard CUDA core performance" gives
+# FLOP/s, which "assume dense matrix multiplication" (structured sparsity doubles them), and its
+# footnote names H200, H100, A100 and L4 as the ones that "also support the bfloat16 data type"
+# (T4 is not named: Turing has no bf16). NVIDIA's own data sheets were not in the stored corpora;
+# where a source says "NVIDIA", it is NVIDIA's figure as Google's page restates it. PCIe cards of
+# A100/H100 have other figures: --interconnect pcie-gen4 / pcie-gen5 describes their link.
+_GCP_GPUS = "Google Cloud, 'GPU machine types' (cloud.google.com/compute/docs/gpus)"
 GPUS: dict[str, GPU] = {
-    "T4": GPU("T4", 16 * 10**9, False, 65e12, "NVIDIA T4 data sheet: 16 GB GDDR6, 65 TFLOPS fp16 tensor, PCIe Gen3",
+    "T4": GPU("T4", 16 * 10**9, False, 65e12,
+              f"{_GCP_GPUS}: N1 (T4) 16 GB GDDR6, interconnect N/A, Tensor Core mixed FP16/32 65 TFLOPS, "
+              "not among the bfloat16 GPUs; PCIe Gen3 x16 card (NVIDIA's T4 data sheet not in the corpora)",
               intra_node="pcie-gen3", inter_node="gke-n1-t4"),
-    "L4": GPU("L4", 24 * 10**9, True, 121e12, "NVIDIA L4 data sheet: 24 GB, 242 TFLOPS bf16 with sparsity, PCIe Gen4",
+    "L4": GPU("L4", 24 * 10**9, True, 121e12,
+              f"{_GCP_GPUS}: G2 (L4) 24 GB GDDR6, interconnect N/A, mixed FP16/32 121 TFLOPS dense "
+              "(242 with sparsity), bfloat16 supported; PCIe Gen4 x16 card",
               intra_node="pcie-gen4", inter_node="gke-g2-l4"),
-    "A100-40": GPU("A100-40", 40 * 10**9, True, 312e12, "NVIDIA A100 data sheet: 40 GB HBM2, 312 TFLOPS bf16, SXM",
+    "A100-40": GPU("A100-40", 40 * 10**9, True, 312e12,
+                   f"{_GCP_GPUS}: A2 Standard (A100 40GB) 40 GB HBM2, NVLink Full Mesh @ 600 GBps, "
+                   "mixed FP16/32 312 TFLOPS dense, bfloat16 supported",
                    intra_node="nvlink3"),
-    "A100-80": GPU("A100-80", 80 * 10**9, True, 312e12, "NVIDIA A100 data sheet: 80 GB HBM2e, 312 TFLOPS bf16, SXM",
+    "A100-80": GPU("A100-80", 80 * 10**9, True, 312e12,
+                   f"{_GCP_GPUS}: A2 Ultra (A100 80GB) 80 GB HBM2e, NVLink Full Mesh @ 600 GBps, "
+                   "mixed FP16/32 312 TFLOPS dense, bfloat16 supported",
                    intra_node="nvlink3"),
-    "H100": GPU("H100", 80 * 10**9, True, 989e12, "NVIDIA H100 SXM data sheet: 80 GB HBM3, 989 TFLOPS bf16 dense",
+    "H100": GPU("H100", 80 * 10**9, True, 989e12,
+                f"{_GCP_GPUS}: A3 (H100 SXM) 80 GB HBM3, NVLink Full Mesh @ 900 GBps, mixed FP16/32 "
+                "989.5 TFLOPS dense (989 kept: 0.05 % apart), bfloat16 supported",
                 intra_node="nvlink4"),
-    "H200": GPU("H200", 141 * 10**9, True, 989e12, "NVIDIA H200 data sheet: 141 GB HBM3e, H100 compute",
+    "H200": GPU("H200", 141 * 10**9, True, 989e12,
+                f"{_GCP_GPUS}: A3 Ultra (H200 SXM) 141 GB HBM3e, NVLink Full Mesh @ 900 GBps, mixed "
+                "FP16/32 989.5 TFLOPS dense (as H100; 989 kept), bfloat16 supported",
                 intra_node="nvlink4"),
 }
 #: Memory no tensor can use: the CUDA context and libraries (cuBLAS/NCCL workspaces), ~0.5-1 GiB.
@@ -81,7 +96,8 @@ class Link:
 
 #: Per-link constants: alpha (latency per ring step) and bus bandwidth per rank. "loopback" is
 #: fitted on this machine (docs/memory.md, `python -m shardlab.plan fit-loopback`); the others
-#: are nominal figures from vendor specifications with a stated efficiency.
+#: are a nominal figure from a standard or a provider's page times an efficiency. Every alpha and
+#: every efficiency fraction (70-80 %) is an assumption, not read from any document or measured.
 INTERCONNECTS: dict[str, Link] = {
     # 2026-11-23, `python -m shardlab.plan fit-loopback` (median of 15 calls per kind and size, 4 KiB-16 MiB),
     # timing the engines' own collectives (on CPU, all-gather and reduce-scatter in place: collectives.py):
@@ -91,31 +107,64 @@ INTERCONNECTS: dict[str, Link] = {
                      (("all_gather", 583.8e-6, 0.711e9), ("all_reduce", 394.7e-6, 0.914e9),
                       ("broadcast", 130.7e-6, 2.401e9), ("reduce", 483.2e-6, 1.041e9),
                       ("reduce_scatter", 799.5e-6, 0.414e9))),
-    "pcie": Link("pcie", 10e-6, 0.8 * 16e9, "PCIe 4.0 x16: 32 GB/s per direction nominal; ~16 GB/s ring bus, 80 %"),
-    "nvlink": Link("nvlink", 5e-6, 0.8 * 300e9, "NVLink 4 (H100): 450 GB/s per direction; ~300 GB/s NCCL bus, 80 %"),
-    "infiniband-400": Link("infiniband-400", 5e-6, 0.8 * 50e9, "InfiniBand NDR 400 Gb/s = 50 GB/s per port, 80 %"),
-    "ethernet-100": Link("ethernet-100", 30e-6, 0.7 * 12.5e9, "100 GbE = 12.5 GB/s, 70 % with TCP/NCCL sockets"),
-    # Per GPU within one node (each GPU's own link; GPUS[...].intra_node):
-    # T4: PCIe Gen3 x16, 15.75 GB/s per direction nominal; GPU to GPU through the host bridge, no
-    # NVLink; ~12 GB/s usable (/work/shared/FIELD-NOTES.md); 10 us per step assumed.
-    "pcie-gen3": Link("pcie-gen3", 10e-6, 12e9, "PCIe Gen3 x16 (T4): 15.75 GB/s per direction; ~12 GB/s usable"),
-    # L4 (and PCIe cards of A100/H100): PCIe Gen4 x16, 31.5 GB/s per direction nominal, 80 %.
-    "pcie-gen4": Link("pcie-gen4", 10e-6, 0.8 * 31.5e9, "PCIe Gen4 x16: 31.5 GB/s per direction, 80 %"),
-    "pcie-gen5": Link("pcie-gen5", 10e-6, 0.8 * 63e9, "PCIe Gen5 x16: 63 GB/s per direction, 80 %"),
-    # NVLink 3 (A100 SXM): 600 GB/s per GPU both directions = 300 per direction; 80 % of it.
-    "nvlink3": Link("nvlink3", 5e-6, 0.8 * 300e9, "NVLink 3 (A100 SXM): 300 GB/s per direction, 80 %"),
-    # NVLink 4 (H100/H200 SXM): 900 GB/s both directions = 450 per direction; 80 % of it.
-    "nvlink4": Link("nvlink4", 5e-6, 0.8 * 450e9, "NVLink 4 (H100/H200 SXM): 450 GB/s per direction, 80 %"),
-    # Between nodes, per cloud. Google Cloud, "Networking and GPU machines"
-    # (cloud.google.com/compute/docs/gpus/gpu-network-bandwidth, read 2026-11-23): N1 VMs with T4
-    # get up to 100 Gbps "based on the combination of GPU and vCPU count" (the per-shape table
-    # was not read: a small N1 shape gets less), TCP only (no GPUDirect RDMA on N1), gVNIC needed
-    # above 50 Gbps; G2 (L4): up to 100 Gbps. 70 % of 100 Gbps assumed, with socket latency.
-    "gke-n1-t4": Link("gke-n1-t4", 30e-6, 0.7 * 12.5e9, "GKE N1 + T4: up to 100 Gbps TCP (Google Cloud docs), 70 %"),
-    "gke-g2-l4": Link("gke-g2-l4", 30e-6, 0.7 * 12.5e9, "GKE G2 + L4: up to 100 Gbps TCP (Google Cloud docs), 70 %"),
-    # Nebius H100 nodes: 8 x 400 Gb/s NDR InfiniBand per host (3.2 Tbit/s), one port per GPU, as
-    # Nebius describes its H100 clusters; not verified against a Nebius document here (no
-    # page of theirs with the figure was found): the same constants as infiniband-400.
-    "nebius-ib-400": Link("nebius-ib-400", 5e-6, 0.8 * 50e9, "Nebius H100: NDR InfiniBand 400 Gb/s per GPU, 80 %"),
+    # Kept for existing commands; their bandwidths are assumptions, not a document's figure.
+    "pcie": Link("pcie", 10e-6, 0.8 * 16e9,
+                 "legacy: assumed ~16 GB/s ring bus over PCIe (Gen4 x16 is 31.5 GB/s per direction: see "
+                 "pcie-gen4), 80 %, 10 us assumed"),
+    "nvlink": Link("nvlink", 5e-6, 0.8 * 300e9,
+                   "legacy: 300 GB/s per direction (= NVLink 3, A100's 600 GB/s both ways; H100's NVLink 4 "
+                   "is 450: see nvlink4), 80 %, 5 us assumed"),
+    "infiniband-400": Link("infiniband-400", 5e-6, 0.8 * 50e9,
+                           "NVIDIA, 'MMA4Z00-NS 800Gb/s Twin-port OSFP' overview (docs.nvidia.com/networking/"
+                           "display/800GMMA4Z00NS/Overview): 'line rate is 400Gb/s for ... NDR InfiniBand'; "
+                           "400 Gb/s = 50 GB/s per port per direction, one port per GPU assumed; 80 %, 5 us "
+                           "assumed"),
+    "ethernet-100": Link("ethernet-100", 30e-6, 0.7 * 12.5e9,
+                         "100 GbE = 12.5 GB/s per direction (IEEE 802.3 line rate; the standard itself not "
+                         "read); 70 % with TCP/NCCL sockets and 30 us assumed"),
+    # Per GPU within one node (each GPU's own link; GPUS[...].intra_node). PCIe figures are derived
+    # from the PCIe line rates (Gen3 8, Gen4 16, Gen5 32 GT/s per lane, 128b/130b encoding, x16):
+    # 15.75 / 31.5 / 63 GB/s per direction; PCI-SIG's specification was not in the stored corpora.
+    "pcie-gen3": Link("pcie-gen3", 10e-6, 12e9,
+                      "PCIe Gen3 x16 (T4; Google lists no GPU interconnect for N1 T4): 15.75 GB/s per "
+                      "direction by the line rate; ~12 GB/s usable GPU to GPU through the host is the "
+                      "team's assumption (/work/shared/FIELD-NOTES.md), 10 us assumed"),
+    "pcie-gen4": Link("pcie-gen4", 10e-6, 0.8 * 31.5e9,
+                      "PCIe Gen4 x16 (L4; PCIe cards of A100/H100): 31.5 GB/s per direction by the line "
+                      "rate; 80 %, 10 us assumed"),
+    "pcie-gen5": Link("pcie-gen5", 10e-6, 0.8 * 63e9,
+                      "PCIe Gen5 x16: 63 GB/s per direction by the line rate; 80 %, 10 us assumed"),
+    "nvlink3": Link("nvlink3", 5e-6, 0.8 * 300e9,
+                    f"{_GCP_GPUS}: A100 'NVLink Full Mesh @ 600 GBps' (both directions) = 300 GB/s per "
+                    "direction; 80 %, 5 us assumed"),
+    "nvlink4": Link("nvlink4", 5e-6, 0.8 * 450e9,
+                    f"{_GCP_GPUS}: H100/H200 'NVLink Full Mesh @ 900 GBps' (both directions) = 450 GB/s "
+                    "per direction; 80 %, 5 us assumed"),
+    # Between nodes, per cloud. A VM's figure is its egress limit, shared by all its GPUs; a ring
+    # collective crosses each VM boundary once per ring, so it bounds the ring's bus bandwidth.
+    # Google Cloud, "Networking and GPU machines" (cloud.google.com/compute/docs/gpus/
+    # gpu-network-bandwidth; search excerpts, the page's per-shape N1 section was not reachable):
+    # N1 with T4 "up to 100 Gbps, based on the combination of GPU and vCPU count", GPU-to-GPU
+    # technology "N/A" for N1 and G2 (TCP, no GPUDirect), gVNIC recommended for 50 Gbps or more.
+    # Google Cloud, "Network bandwidth" (cloud.google.com/compute/docs/network-bandwidth): an
+    # n1-standard-8 is limited to 16 Gbps egress, so a small N1 T4 shape gets far less than 100.
+    "gke-n1-t4": Link("gke-n1-t4", 30e-6, 0.7 * 12.5e9,
+                      "Google Cloud, 'Networking and GPU machines' (cloud.google.com/compute/docs/gpus/"
+                      "gpu-network-bandwidth): N1 + T4 'up to 100 Gbps, based on the combination of GPU "
+                      "and vCPU count' (the best shape: 4 T4, many vCPUs, gVNIC; per-shape table not "
+                      "read; an n1-standard-8 gets 16 Gbps per 'Network bandwidth'); TCP; 70 %, 30 us "
+                      "assumed"),
+    "gke-g2-l4": Link("gke-g2-l4", 30e-6, 0.7 * 12.5e9,
+                      f"{_GCP_GPUS}, G2 table, maximum network bandwidth per VM: g2-standard-96 (8 L4) "
+                      "100 Gbps, -48 (4 L4) 50, -24 (2 L4) 32, 1-L4 shapes 10-32; 100 Gbps used (the "
+                      "8-L4 shape); TCP; 70 %, 30 us assumed"),
+    # Nebius: no Nebius page with the figure was in the stored corpora (nebius.com, docs.nebius.com
+    # searched). A third-party summary of nebius.com's pages (stored in a public repository) gives
+    # HGX H100 "1x or 8x H100 GPU (80 GB SXM) ... 3.2 Tbit/s InfiniBand" and "NVIDIA Quantum-2
+    # InfiniBand: up to 3.2 Tbit/s per host, 400 Gbit/s per GPU NIC": 8 x 400 Gb/s, NDR.
+    "nebius-ib-400": Link("nebius-ib-400", 5e-6, 0.8 * 50e9,
+                          "Nebius HGX H100: 3.2 Tbit/s InfiniBand per 8-GPU host = 400 Gbit/s NDR per GPU "
+                          "(from a third-party summary of nebius.com; Nebius's own page not in the "
+                          "corpora) = 50 GB/s per direction; 80 %, 5 us assumed"),
 }
 
