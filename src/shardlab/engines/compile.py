@@ -24,13 +24,24 @@ as torchtitan lays out a block (checkpoint wrapper, then torch.compile, then ful
   `torch.compile(module)` would add) reaches state dicts, checkpoints or exports.
 
 [Note: what selective checkpointing saves]
-Selective saves the outputs of the operators that are expensive to recompute and cheap to
-keep relative to their cost, as torchtitan's op-level policy does: matrix products
-(mm, addmm, bmm, baddbmm: every Linear and attention's own products on the math path),
-the fused attention kernels (CPU and CUDA flash, efficient, cuDNN), and convolutions.
-Everything else (layer norms, GELU, softmax, residual adds, dropout masks are replayed with
-the saved RNG state) is recomputed in backward. Full recomputes all of it and keeps only the
-unit's inputs. Memory and time of the three modes are measured in docs/benchmarks.md.
+Selective is torchtitan's op-level policy ("op" SAC): it keeps the outputs of the operators that
+are expensive to recompute, and recomputes the rest in backward:
+- the Linear layers' matrix products (mm, and addmm for a Linear with a bias), *every other one*
+  in the order a unit's forward runs them: the 1st, 3rd, 5th ... are kept, the 2nd, 4th ... are
+  recomputed. In a Llama block that keeps q, v, gate and down (23,552 values per token at
+  hidden 4096) and recomputes k, o and up (19,456): about half the matmul outputs' memory for
+  about a third of the block's matmul FLOPs again. The count starts at 0 in every checkpointed
+  call (a fresh counter per `context_fn` call, as torchtitan's per-call `meta`), and forward and
+  recompute count apart, so the recompute pass agrees with the forward on which product it
+  finds saved. (torchtitan counts `mm` only: its models have no biases; a bias makes the same
+  Linear an `addmm`, counted here alike, so a biased model gets the same every-other policy.)
+- the fused attention kernels (CPU and CUDA flash, efficient, cuDNN), the batched products of
+  attention on the math path (bmm, baddbmm) and convolutions: always.
+Everything else (norms, activations, softmax, residual adds; dropout masks are replayed with the
+saved RNG state) is recomputed. Full recomputes all of it and keeps only the unit's inputs.
+Before 2026-11-23 selective kept every matmul output: 19 GiB more than torchtitan's on Llama 3.1
+8B at 2 x 8192 tokens (docs/memory.md). Memory and time of the three modes are measured in
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -49,24 +60,36 @@ AC_MODES = ("none", "full", "selective")
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-def _selective_save_ops() -> frozenset:
-    """The operators whose outputs selective checkpointing keeps (see the Note); an op this
-    torch build lacks is skipped."""
-    names = ("mm", "addmm", "bmm", "baddbmm", "convolution",
-             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+def _ops(*names: str) -> frozenset:
+    """The aten operators of these names (an op this torch build lacks is skipped)."""
     return frozenset(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
 
 
-SELECTIVE_SAVE_OPS = _selective_save_ops()
+#: The Linear layers' products: every other one is kept (see the Note).
+ALTERNATE_SAVE_OPS = _ops("mm", "addmm")
+#: Always kept: attention (fused kernels, and its batched products on the math path) and convolutions.
+ALWAYS_SAVE_OPS = _ops("bmm", "baddbmm", "convolution",
+                       "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                       "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
 
 
-def _save_matmuls_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def _every_other_matmul_policy() -> Callable[..., CheckpointPolicy]:
+    """A policy for one checkpointed call: its own matmul counters, forward and recompute apart."""
+    count = {False: 0, True: 0}  # ctx.is_recompute -> Linear products seen so far
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op in ALTERNATE_SAVE_OPS:
+            count[ctx.is_recompute] += 1
+            keep = count[ctx.is_recompute] % 2 == 1
+        else:
+            keep = op in ALWAYS_SAVE_OPS
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
 
 
 def _selective_contexts() -> tuple[Any, Any]:
-    return create_selective_checkpoint_contexts(_save_matmuls_policy)
+    return create_selective_checkpoint_contexts(_every_other_matmul_policy())
 
 
 @dataclass(frozen=True)
