@@ -367,11 +367,12 @@ def test_plan_follows_the_checkpointing_mode():
     assert probe_layers(cfg(), 12) == [3, 4] and probe_layers(cfg("train.ac_every=2"), 12) == [3, 4]
     assert probe_layers(cfg("train.activation_checkpointing=full", "train.ac_every=3"), 12) == [3, 6]
     assert probe_layers(cfg("train.activation_checkpointing=full", "train.ac_every=3"), 4) == [3, 4]
-    # compute: full recomputes the forward (6 -> 8 FLOPs per parameter and token), selective its cheap ops only
+    # compute without a probe's counted FLOPs: full recomputes the forward (6 -> 8 FLOPs per parameter and
+    # token), selective every other Linear product (about 0.4 of the forward: 6 -> 6.8)
     gpu, link = GPUS["H100"], INTERCONNECTS["loopback"]
     compute = [step_time(cfg(f"train.activation_checkpointing={m}", *e), "fsdp", 2, link, gpu, None)["compute_s"]
                for m, e in (("none", ()), ("selective", ()), ("full", ()), ("full", ("train.ac_every=2",)))]
-    assert compute == pytest.approx([compute[0] * r for r in (1, 1, 8 / 6, 7 / 6)])  # gpt-tiny: 4 blocks
+    assert compute == pytest.approx([compute[0] * r for r in (1, 6.8 / 6, 8 / 6, 7 / 6)])  # gpt-tiny: 4 blocks
     # the verdict suggests checkpointing when activations dominate, unless it is full already
     big = Prediction("fsdp", 2, 100 << 30, {"params": 0, "grads": 0, "optimizer": 0, "activations": 90 << 30},
                      "backward", {})

@@ -36,6 +36,9 @@ class Prediction:
     notes: list[str] = field(default_factory=list)
     host_bytes: int = 0                  # parallel.offload=cpu: state kept in host memory (not in peak_bytes)
     probe: str = "fake"                  # the probe it rests on: "fake" (FakeTensorMode), "real" or "none"
+    #: FLOPs one rank executes per step (matmuls, convolutions, attention; recomputation included),
+    #: counted on the fake probe's step and scaled in depth; None where no fake probe ran at the real shape
+    step_flops: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -73,9 +76,10 @@ def predict_all(cfg, nproc: int, engines: list[str] | None = None, per_node: int
     depth = {e: [L] if fake[e] and L is not None and L <= P.FAKE_WHOLE_DEPTH else layers for e in engines}
     plans = {e: {"raw": cfgs[e].to_dict(), "fake": fake[e], "micro": shapes[e][0], "seq": shapes[e][1],
                  "layers": depth[e]} for e in probe_ok}
+    probe_accumulation = min(accumulation, 2)
     probes = {}
     try:  # one child builds the engines whose state only building tells, then runs every probe
-        built, probes = in_child(_plan_child, to_build, plans, nproc, layers, min(accumulation, 2),
+        built, probes = in_child(_plan_child, to_build, plans, nproc, layers, probe_accumulation,
                                  timeout_s=P.PROBE_TIMEOUT_S)
         states.update(built)
     except mp.TimeoutError:  # the pool's exit terminates the probe
@@ -83,8 +87,24 @@ def predict_all(cfg, nproc: int, engines: list[str] | None = None, per_node: int
                            "(SHARDLAB_PLAN_PROBE_TIMEOUT_S gives them longer)" for e in probe_ok})
         probes = {}
         states.update({e: model_state(cfgs[e], e, nproc) for e in to_build})
-    return {e: _predicted(e, cfgs[e], nproc, states[e], probes[e], (*shapes[e], L, depth[e])) if e in probes
-            else _not_probed(e, nproc, states[e], why_not[e]) for e in engines}
+    out = {e: _predicted(e, cfgs[e], nproc, states[e], probes[e], (*shapes[e], L, depth[e])) if e in probes
+           else _not_probed(e, nproc, states[e], why_not[e]) for e in engines}
+    for e, p in out.items():
+        if e in probes and shapes[e][2] == 1:  # counted at the real micro batch and sequence
+            p.step_flops = step_flops(probes[e], L) * accumulation / probe_accumulation
+    return out
+
+
+def step_flops(per_layer: dict, L: int | None) -> float:
+    """FLOPs of one probe step at the real depth: a block's FLOPs are the same in every block, so
+    the count is linear in depth (the two probe depths' difference per block), exact like the
+    model state."""
+    keys = sorted(int(k) for k in per_layer if k != "None")
+    if L is None or not keys:
+        return float(per_layer[str(keys[-1]) if keys else "None"]["step_flops"])
+    hi, lo = per_layer[str(keys[-1])]["step_flops"], per_layer[str(keys[0])]["step_flops"]
+    per_block = (hi - lo) / (keys[-1] - keys[0]) if len(keys) > 1 else 0.0
+    return float(hi + (L - keys[-1]) * per_block)
 
 
 PROBE_KINDS = ("auto", "fake", "real")

@@ -41,6 +41,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardlab
@@ -154,6 +155,43 @@ class _ScalarReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class _CountFlops(TorchDispatchMode):
+    """FLOPs of the step as it runs: every operator torch's flop counter has a formula for
+    (matmuls, convolutions, attention), by its shapes, recomputation included (what checkpointing
+    runs again is dispatched again; what selective keeps is not). torch's FlopCounterMode is not
+    used because it also tracks modules with autograd hooks of its own, which would change what
+    the memory tracker beside it measures."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_counter.flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.flops += formula(*args, **kwargs, out_val=out)
+        return out
+
+
+def _cpu_flash_attention_formulas() -> None:
+    """torch counts the CUDA attention kernels; the probes run on CPU, where SDPA is
+    `_scaled_dot_product_flash_attention_for_cpu`: the same products, counted the same way."""
+    aten = torch.ops.aten
+    pairs = ((getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None), flop_counter.sdpa_flop_count, 3),
+             (getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None),
+              flop_counter.sdpa_backward_flop_count, 4))
+    for op, count, shapes in pairs:
+        if op is None or op in flop_counter.flop_registry:
+            continue
+        flop_counter.register_flop_formula(op)(
+            lambda *a, out_shape=None, _count=count, _n=shapes, **kw: _count(*a[:_n]))
+
+
+_cpu_flash_attention_formulas()
+
+
 @contextlib.contextmanager
 def fake_tensors():
     """Every tensor made inside is a FakeTensor: real shapes and sizes, no data."""
@@ -212,7 +250,7 @@ def _probe_once(cfg, rt, fake: bool) -> dict:
         run.state.step += 1
         tracker = memory.LiveMemoryTracker(rt.device, engine=run.engine, optimizer=run.opt, fake=fake)
         t0 = time.perf_counter()
-        with tracker.step(1):
+        with tracker.step(1), _CountFlops() as counted:
             train_step(run, tracker)
         seconds = time.perf_counter() - t0
         full = tracker.summary()
@@ -223,7 +261,8 @@ def _probe_once(cfg, rt, fake: bool) -> dict:
         fwd = _forward_peak(run, rt, fake)
     return {"peak": full["peak_live_bytes"], "parts": full["parts"], "phase": full["phase"],
             "fwd_peak": fwd["peak_live_bytes"], "fwd_parts": fwd["parts"],
-            "end_parts": (full["step_end"] or {}).get("parts", {}), "step_seconds": seconds, "fake": fake}
+            "end_parts": (full["step_end"] or {}).get("parts", {}), "step_seconds": seconds, "fake": fake,
+            "step_flops": counted.flops}
 
 
 def _forward_peak(run, rt, fake: bool) -> dict:

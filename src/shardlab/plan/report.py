@@ -48,11 +48,15 @@ def verdict(cfg, p: Prediction, gpu: GPU, others: dict[str, Prediction], world: 
         sharded = "/".join(e for e in STRATEGIES if engine_class(e).grads_sharded)
         ch.append("a sharded engine: " + (", ".join(f"{e} ({others[e].peak_bytes / 2**30:.1f} GiB)" for e in fitting)
                                            if fitting else f"{sharded} (none fits at this N either)"))
+    whole = without_accumulation(cfg, p, world)
+    if whole:
+        ch.append(f"no accumulation: train.micro_batch_size={whole[0]} (the {p.parts['unsharded_grads'] / 2**30:.1f} "
+                  f"GiB of gradients held unsharded between micro batches go; about {whole[1] / 2**30:.1f} GiB)")
     act = p.parts["activations"]
     if act > 0.1 * p.peak_bytes and cfg.train.activation_checkpointing != "full":
         ch.append(f"train.activation_checkpointing=full (activations are {act / 2**30:.1f} GiB of the peak; it "
                   "keeps each block's input, at ~33% more compute)" + (
-                      "; or selective, which keeps the matmul outputs and recomputes the rest (docs/compile.md)"
+                      "; or selective, which keeps every other matmul output and recomputes the rest (docs/compile.md)"
                       if cfg.train.activation_checkpointing == "none" else ""))
     if act > 0 and cfg.train.micro_batch_size > 1:
         room = usable - (p.peak_bytes - act)
@@ -83,14 +87,32 @@ def fit_limits(cfg, p: Prediction, usable: int) -> dict[str, int | None]:
     return {"max_micro_batch": tokens // cfg.data.seq_len, "max_seq_len": tokens // cfg.train.micro_batch_size}
 
 
+def without_accumulation(cfg, p: Prediction, world: int) -> tuple[int, float] | None:
+    """(micro batch, peak) of the same global batch in one micro batch per rank, when the step
+    accumulates and the engine keeps gradients unsharded between micro batches (inside `no_sync`):
+    those go, activations grow with the micro batch. None where there is nothing to gain."""
+    t = cfg.train
+    whole = t.global_batch_size // world
+    held = p.parts.get("unsharded_grads", 0)
+    if whole <= t.micro_batch_size or held <= 0:
+        return None
+    act = p.parts.get("activations", 0)
+    return whole, p.peak_bytes - held + act * (whole / t.micro_batch_size - 1)
+
+
 def cheapest_change(cfg, p: Prediction, usable: int, others: dict[str, Prediction], world: int) -> str:
     """The first change that fits, cheapest first: another engine at the same settings (no cost
-    beyond its own speed), a smaller micro batch with accumulation (the same global batch, less
+    beyond its own speed), the global batch in one micro batch per rank (no accumulation, so no
+    gradients held unsharded between micro batches), a smaller micro batch with accumulation (the same global batch, less
     overlap), activation checkpointing (~1/3 more compute), more ranks (more GPUs), CPU offload
     (the optimizer step on the host: the slowest)."""
     fitting = sorted((q.peak_bytes, e) for e, q in others.items() if q.probed and q.peak_bytes <= usable)
     if fitting:
         return f"parallel.strategy={fitting[0][1]} ({fitting[0][0] / 2**30:.2f} GiB)"
+    whole = without_accumulation(cfg, p, world)
+    if whole and whole[1] <= usable:
+        return (f"train.micro_batch_size={whole[0]} (no accumulation: the {p.parts['unsharded_grads'] / 2**30:.2f} GiB "
+                f"of gradients kept unsharded between micro batches go; about {whole[1] / 2**30:.2f} GiB)")
     limits = fit_limits(cfg, p, usable)
     if limits["max_micro_batch"]:
         return f"train.micro_batch_size={min(limits['max_micro_batch'], cfg.train.micro_batch_size - 1)}"
@@ -146,7 +168,7 @@ def run(args) -> int:
     for e, p in preds.items():
         c = engine_config(cfg, e, world, args.nproc)
         v = verdict(c, p, gpu, preds, world)
-        ts = step_time(c, e, world, link, gpu, None, args.nodes)
+        ts = step_time(c, e, world, link, gpu, None, args.nodes, p.step_flops)
         ts["comm_stops_hiding_at_nodes"] = hiding_limit(c, e, args.nproc, link, ts["compute_s"])
         r = reserved(p.parts, gpu.name, world)
         report["engines"][e] = {**p.to_dict(), "reserved_bytes": r.reserved_bytes, "device_bytes": r.device_bytes,

@@ -66,26 +66,30 @@ def comm_seconds(cfg, engine: str, world: int, link: Link) -> float:
 
 
 def step_time(cfg, engine: str, world: int, link: Link, gpu: GPU | None, probe_seconds: float | None,
-              nodes: int = 1) -> dict[str, Any]:
-    """Predicted step time: compute (GPU: 6*Psi*tokens at peak FLOP/s x MFU; CPU: the probe's
-    measured step) and communication (alpha-beta); overlapped = max(compute, comm) for engines that
-    overlap (all do: bucketed all-reduce, prefetch), serial = compute + comm."""
+              nodes: int = 1, step_flops: float | None = None) -> dict[str, Any]:
+    """Predicted step time: compute and communication (alpha-beta); overlapped = max(compute,
+    comm) for engines that overlap (all do: bucketed all-reduce, prefetch), serial = compute + comm.
+    Compute on a GPU: the FLOPs a rank executes per step at peak FLOP/s x MFU, the FLOPs counted on
+    the fake probe's step (`step_flops`: matmuls and attention, recomputation included) or, without
+    one, 6*Psi*tokens plus what checkpointing recomputes; on CPU: the probe's measured step."""
     t = cfg.train
     tokens_per_sample = MODELS[cfg.model.name].tokens_per_sample(cfg.data.seq_len)
     tokens_rank = t.global_batch_size // world * tokens_per_sample
-    # 6 = forward 2 + backward 4 per parameter and token; checkpointing adds the recomputed forward's 2
-    recomputed = Checkpointing(t.activation_checkpointing, t.ac_every).recomputed_share(n_layer(cfg))
-    flops = (6 + 2 * recomputed) * param_count(cfg) * tokens_rank
+    if step_flops:
+        flops, counted = step_flops, "FLOPs counted on the probe's step"
+    else:  # 6 = forward 2 + backward 4 per parameter and token; checkpointing adds the recomputed forward's 2
+        recomputed = Checkpointing(t.activation_checkpointing, t.ac_every).recomputed_share(n_layer(cfg))
+        flops, counted = (6 + 2 * recomputed) * param_count(cfg) * tokens_rank, "6*Psi*tokens (+ recompute)"
     if gpu is not None:
         compute = flops / (gpu.peak_flops * MFU)
-        source = f"6*Psi*tokens at {gpu.peak_flops / 1e12:.0f} TFLOP/s x MFU {MFU:g}"
+        source = f"{counted}, {flops / tokens_rank:.3g} per token, at {gpu.peak_flops / 1e12:.0f} TFLOP/s x MFU {MFU:g}"
     else:
         compute = probe_seconds or float("nan")
         source = "the probe's measured step on this CPU, scaled"
     comm = comm_seconds(cfg, engine, world, link)
     overlapped = max(compute, comm)
     tokens_step = t.global_batch_size * tokens_per_sample
-    return {"compute_s": compute, "comm_s": comm, "step_s": overlapped, "step_serial_s": compute + comm,
+    return {"compute_s": compute, "comm_s": comm, "flops_per_token": flops / tokens_rank, "step_s": overlapped, "step_serial_s": compute + comm,
             "tokens_per_s": tokens_step / overlapped if overlapped else None, "compute_source": source,
             "comm_hidden": comm <= compute, "link": link.name}
 
