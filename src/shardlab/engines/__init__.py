@@ -89,7 +89,7 @@ def parallelize(model: nn.Module, strategy: str = "fsdp", wrap: Any = None, *,
     group: the process group (default: the world). Needs torch.distributed initialized,
         except for strategy="single".
     activation_checkpointing: "none", "full" (recompute each unit's activations in backward)
-        or "selective" (keep the matmul and attention outputs, recompute the rest); True and
+        or "selective" (keep every other Linear product and the attention outputs); True and
         False mean "full" and "none". ac_every=K: only units 0, K, 2K, ...
     compile: torch.compile each unit's forward (inductor; compile_mode: torch.compile's mode).
         Both leave the engine's hooks outside: engines/compile.py.
