@@ -10,9 +10,12 @@ Two kinds of probe ([Note: fake-tensor probes]):
   `FakeTensorMode`: every tensor has its real shape, dtype and size but no data (a meta storage),
   so a probe at the real width, micro batch and sequence length costs seconds and megabytes.
 - "real": real tensors at a micro batch of at most `PROBE_TOKENS` tokens, activations scaled up
-  from there; for an engine that cannot run on fake tensors, and then on a real one-rank gloo
-  group where it cannot run on a fake group either (`Engine.fake_group_probe` False: PyTorch's
-  DDP reducer reads tensor data).
+  from there; for an engine that cannot run on fake tensors (or `--probe real`), and then on a
+  real one-rank gloo group where it cannot run on real tensors on a fake group
+  (`Engine.fake_group_probe` False: the future of PyTorch DDP's all-reduce hook needs a real group).
+PyTorch's DDP (torch-ddp) runs its own step on fake tensors too, its C++ reducer allocating its
+buckets as fake storages, with three values answered for it (plan/fake_ddp.py, [Note: PyTorch DDP
+on fake tensors]).
 
 [Note: fake-tensor probes]
 Under FakeTensorMode an operator computes only its outputs' metadata; each output gets a meta
@@ -49,6 +52,7 @@ from shardlab.config import config_from_dict
 from shardlab.data import build_datasets, collate
 from shardlab.engines import engine_class
 from shardlab.models import MODELS
+from shardlab.plan.fake_ddp import ddp_on_fake_tensors
 from shardlab.plan.model import cut_depth, init_fake_group, vocab_size
 from shardlab.runtime import Runtime
 
@@ -121,17 +125,20 @@ def probe_child(plans: dict[str, dict], nproc: int, layers: list[int | None], ac
     """Run each engine for real on a fake N-rank group at each probe depth: an untracked step
     (creates optimizer state), a tracked step (the peak) and a step whose forward alone is
     tracked (the forward peak). plans: {engine: {"raw": its config (engine_config), "fake": probe
-    on fake tensors, "micro": , "seq": }}. Returns {engine: {layers: {...}}}. Engines without
-    `fake_group_probe` run last, on a real one-rank group."""
+    on fake tensors, "micro": , "seq": }}. Returns {engine: {layers: {...}}}. A real-tensor probe
+    of an engine without `fake_group_probe` runs last, on a real one-rank group."""
     torch.set_num_threads(1)
     out: dict = {}
     init_fake_group(0, nproc)
     rt = Runtime(0, 0, nproc, torch.device("cpu"), "fake")
     tmp = tempfile.TemporaryDirectory(prefix="shardlab-plan-")
-    for engine in sorted(plans, key=lambda e: not engine_class(e).fake_group_probe):
+    def needs_real_group(engine: str) -> bool:
+        return not plans[engine]["fake"] and not engine_class(engine).fake_group_probe
+
+    for engine in sorted(plans, key=needs_real_group):
         plan = plans[engine]
         cfg0 = config_from_dict(plan["raw"])
-        if not engine_class(engine).fake_group_probe and rt.backend == "fake":
+        if needs_real_group(engine) and rt.backend == "fake":
             # a real one-rank gloo group (a FileStore, no network): exact for a replica, whose
             # memory does not depend on N
             dist.destroy_process_group()
@@ -157,7 +164,8 @@ class _ScalarReads(TorchDispatchMode):
 @contextlib.contextmanager
 def fake_tensors():
     """Every tensor made inside is a FakeTensor: real shapes and sizes, no data."""
-    with FakeTensorMode(allow_non_fake_inputs=True), _ScalarReads(), _transformers_not_tracing():
+    with FakeTensorMode(allow_non_fake_inputs=True), _ScalarReads(), _transformers_not_tracing(), \
+            ddp_on_fake_tensors():
         yield
 
 
