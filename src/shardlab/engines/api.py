@@ -290,9 +290,10 @@ class Engine:
     #: False for an engine that runs in one process without torch.distributed (`single`): no
     #: process group is made for it and it runs at world size 1 only.
     distributed: ClassVar[bool] = True
-    #: False when plan cannot probe the engine on a fake process group, whose collectives return
-    #: at once without peers (PyTorch's DDP reducer needs real ones); plan then probes it on a
-    #: real one-rank group, which is exact only when a rank's memory does not depend on N.
+    #: False when plan cannot probe the engine on real tensors on a fake process group, whose
+    #: collectives return at once without peers (the future of PyTorch DDP's all-reduce hook needs a
+    #: real one); plan's real-tensor probe then runs it on a real one-rank group, which is exact only
+    #: when a rank's memory does not depend on N. Fake-tensor probes always run on the fake group.
     fake_group_probe: ClassVar[bool] = True
     #: False when plan cannot run the engine's step under FakeTensorMode (plan/probe.py, [Note:
     #: fake-tensor probes]); plan then probes it on real tensors at a reduced micro batch.

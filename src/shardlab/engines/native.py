@@ -72,8 +72,10 @@ from shardlab.models.init import (
 class TorchDDPEngine(Engine):
     strategy = "torch-ddp"
     options = ("bucket_size_bytes", "find_unused_parameters", "gradient_as_bucket_view")
-    fake_group_probe = False  # its reducer's collectives must run; a replica's memory does not depend on N
-    fake_tensor_probe = False  # its C++ reducer reads parameter data when it is built (shape check, broadcast)
+    # On real tensors its hook's future needs a real group (plan probes it on a one-rank gloo group: a
+    # replica's memory does not depend on N); on fake tensors it runs on the fake group, with the three
+    # answers of plan/fake_ddp.py ([Note: PyTorch DDP on fake tensors]).
+    fake_group_probe = False
 
     def __init__(self, module: nn.Module, *, bucket_size_bytes: int = 25 * 2**20,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = True, **kw: Any):

@@ -31,9 +31,11 @@ How the peak is predicted (per engine, per rank):
    materializes scores the quadratic term is NOT modelled: see docs/memory.md), and
    params/optimizer are replaced by their exact values. The predicted peak is the larger of
    the step candidate and the forward candidate (a larger batch moves the peak to where
-   activations are largest). An engine that cannot run on a fake group (`fake_group_probe`:
-   torch-ddp) is probed on a real one-rank gloo group. Hybrid sharding and offload:
-   `engine_config`, docs/memory.md.
+   activations are largest). Every built-in engine, torch-ddp included, is probed on fake tensors
+   (torch-ddp: PyTorch's own reducer, with the three values it reads answered by
+   plan/fake_ddp.py); with `--probe real`, an engine that cannot run on real tensors on a fake
+   group (`fake_group_probe`: torch-ddp) is probed on a real one-rank gloo group. Hybrid sharding
+   and offload: `engine_config`, docs/memory.md.
 
 Time (plan/traffic.py): compute from the probe's measured step time on this CPU (scaled by
 FLOPs) or, for a GPU, 6 * params * tokens FLOPs at `GPUS[...].peak_flops * MFU`; communication
@@ -42,7 +44,8 @@ collectives each engine says a step issues (`Engine.step_traffic`).
 
 The package, one concern a module: catalogue (GPUs, links), model (the meta model and exact
 state), probe, scaling, predict (the prediction per engine), traffic (step time), fit (the
-loopback link's constants, `python -m shardlab.plan fit-loopback`), report (verdict and command).
+loopback link's constants, `python -m shardlab.plan fit-loopback`), report (verdict and command),
+fake_ddp (PyTorch DDP under the fake-tensor probes).
 """
 
 from shardlab.plan.catalogue import GPU, GPUS, INTERCONNECTS, MFU, Link, usable_bytes

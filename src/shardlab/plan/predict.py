@@ -165,14 +165,14 @@ def _predicted(engine: str, cfg, nproc: int, state: dict[str, int], per_layer: d
     if cls.grads_sharded and group and group < nproc:
         notes.append(f"hybrid sharding: shards over {group} ranks, replicated {nproc // group} times "
                      f"(model state 1/{group}, not 1/{nproc})")
-    if not cls.fake_group_probe and nproc > 1:
-        notes.append("probed on a real 1-rank gloo group (it cannot run on a fake group); "
+    kind = "fake" if deepest.get("fake") else "real"
+    if kind == "real" and not cls.fake_group_probe and nproc > 1:
+        notes.append("probed on a real 1-rank gloo group (it cannot run on real tensors on a fake group); "
                      "a replica's memory does not depend on N")
     if act_scale != 1:
         notes.append(f"activations scaled x{act_scale:g} from a probe micro batch of {micro} x {seq} tokens")
     if L is not None and L > max(x or 0 for x in layers):
         notes.append(f"extrapolated from probes at {', '.join(str(x) for x in layers)} of {L} blocks")
-    kind = "fake" if deepest.get("fake") else "real"
     notes.append(f"probed on {kind} tensors" + (" (FakeTensorMode: real shapes, no data)" if kind == "fake" else ""))
     if cfg.train.compile:
         notes.append("train.compile: probed eagerly (the live tracker cannot see compiled kernels); measured for a "

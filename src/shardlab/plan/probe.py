@@ -10,9 +10,12 @@ Two kinds of probe ([Note: fake-tensor probes]):
   `FakeTensorMode`: every tensor has its real shape, dtype and size but no data (a meta storage),
   so a probe at the real width, micro batch and sequence length costs seconds and megabytes.
 - "real": real tensors at a micro batch of at most `PROBE_TOKENS` tokens, activations scaled up
-  from there; for an engine that cannot run on fake tensors, and then on a real one-rank gloo
-  group where it cannot run on a fake group either (`Engine.fake_group_probe` False: PyTorch's
-  DDP reducer reads tensor data).
+  from there; for an engine that cannot run on fake tensors (or `--probe real`), and then on a
+  real one-rank gloo group where it cannot run on real tensors on a fake group
+  (`Engine.fake_group_probe` False: the future of PyTorch DDP's all-reduce hook needs a real group).
+PyTorch's DDP (torch-ddp) runs its own step on fake tensors too, its C++ reducer allocating its
+buckets as fake storages, with three values answered for it (plan/fake_ddp.py, [Note: PyTorch DDP
+on fake tensors]).
 
 [Note: fake-tensor probes]
 Under FakeTensorMode an operator computes only its outputs' metadata; each output gets a meta
@@ -40,7 +43,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -50,6 +53,7 @@ from shardlab.config import config_from_dict
 from shardlab.data import build_datasets, collate
 from shardlab.engines import engine_class
 from shardlab.models import MODELS
+from shardlab.plan.fake_ddp import ddp_on_fake_tensors
 from shardlab.plan.model import cut_depth, init_fake_group, vocab_size
 from shardlab.runtime import Runtime
 
@@ -122,17 +126,20 @@ def probe_child(plans: dict[str, dict], nproc: int, layers: list[int | None], ac
     """Run each engine for real on a fake N-rank group at each probe depth: an untracked step
     (creates optimizer state), a tracked step (the peak) and a step whose forward alone is
     tracked (the forward peak). plans: {engine: {"raw": its config (engine_config), "fake": probe
-    on fake tensors, "micro": , "seq": }}. Returns {engine: {layers: {...}}}. Engines without
-    `fake_group_probe` run last, on a real one-rank group."""
+    on fake tensors, "micro": , "seq": }}. Returns {engine: {layers: {...}}}. A real-tensor probe
+    of an engine without `fake_group_probe` runs last, on a real one-rank group."""
     torch.set_num_threads(1)
     out: dict = {}
     init_fake_group(0, nproc)
     rt = Runtime(0, 0, nproc, torch.device("cpu"), "fake")
     tmp = tempfile.TemporaryDirectory(prefix="shardlab-plan-")
-    for engine in sorted(plans, key=lambda e: not engine_class(e).fake_group_probe):
+    def needs_real_group(engine: str) -> bool:
+        return not plans[engine]["fake"] and not engine_class(engine).fake_group_probe
+
+    for engine in sorted(plans, key=needs_real_group):
         plan = plans[engine]
         cfg0 = config_from_dict(plan["raw"])
-        if not engine_class(engine).fake_group_probe and rt.backend == "fake":
+        if needs_real_group(engine) and rt.backend == "fake":
             # a real one-rank gloo group (a FileStore, no network): exact for a replica, whose
             # memory does not depend on N
             dist.destroy_process_group()
@@ -147,10 +154,13 @@ def probe_child(plans: dict[str, dict], nproc: int, layers: list[int | None], ac
 
 
 class _ScalarReads(TorchDispatchMode):
-    """Under FakeTensorMode, a value read as a Python number is 1 ([Note: fake-tensor probes])."""
+    """Under FakeTensorMode, a value read from a fake tensor as a Python number is 1 ([Note:
+    fake-tensor probes]). A real tensor's value is its own: FSDP2 reads its rank's coordinate in
+    the device mesh from a real host tensor (`unset_fake_temporarily` in models/init.py), and a 1
+    there put rank 0's shard at row offset 1 x shard (at one rank, past the end)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
             return 1.0 if args[0].dtype.is_floating_point else 1
         return func(*args, **(kwargs or {}))
 
@@ -195,7 +205,8 @@ _cpu_flash_attention_formulas()
 @contextlib.contextmanager
 def fake_tensors():
     """Every tensor made inside is a FakeTensor: real shapes and sizes, no data."""
-    with FakeTensorMode(allow_non_fake_inputs=True), _ScalarReads(), _transformers_not_tracing():
+    with FakeTensorMode(allow_non_fake_inputs=True), _ScalarReads(), _transformers_not_tracing(), \
+            ddp_on_fake_tensors():
         yield
 
 

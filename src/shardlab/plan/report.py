@@ -141,7 +141,9 @@ def add_arguments(p) -> None:
     p.add_argument("--engines", default=None, help="comma-separated engines (default: all that apply)")
     p.add_argument("--probe", default="auto", choices=PROBE_KINDS,
                    help="what the probes run on: fake tensors (FakeTensorMode: real shapes, no data) for every "
-                        "engine that can (auto, the default), fake only, or real tensors at a reduced micro batch")
+                        "engine that can (auto, the default: every built-in one; torch-ddp's C++ reducer with the three "
+                        "values it reads answered, plan/fake_ddp.py), fake only, or real tensors at a reduced "
+                        "micro batch (torch-ddp on a real one-rank gloo group)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
