@@ -19,7 +19,7 @@ from shardlab.config import load_config
 from shardlab.plan import predict_all
 
 TOLERANCE = 0.10  # the bar
-ENGINES = ["ddp", "zero3", "fsdp", "torch-fsdp"]
+ENGINES = ["ddp", "zero3", "fsdp", "torch-ddp", "torch-fsdp"]
 SHAPE = {"vocab_size": 3001, "hidden_size": 320, "intermediate_size": 864, "num_hidden_layers": 7,
          "num_attention_heads": 5, "num_key_value_heads": 5, "max_position_embeddings": 256,
          "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
