@@ -230,6 +230,9 @@ def print_report(cfg, report: dict[str, Any]) -> None:
         t = r["time"]
         lim = t["comm_stops_hiding_at_nodes"]
         print(f"  {e:11s} compute {t['compute_s'] * 1e3:9.1f} ms  comm {t['comm_s'] * 1e3:9.1f} ms  step "
-              f"{t['step_s'] * 1e3:9.1f} ms  {t['tokens_per_s'] or 0:12.0f} tokens/s  comm "
+              f"{t['step_s'] * 1e3:9.1f} ms  {t['tokens_per_s'] or 0:12.0f} tokens/s "
+              f"({(t['tokens_per_s'] or 0) / report['world']:.0f} per rank, {t['flops_per_token']:.3g} FLOP/token)  comm "
               f"{'hidden' if t['comm_hidden'] else 'EXPOSED'}"
               + (f"; stops hiding at {lim} node(s)" if lim else "; hidden up to 1024 nodes"))
+    print("  FLOP/token: counted on the probe's own step (matmuls, attention, recomputation) where it ran at the real "
+          "shape, else 6 x parameters (+ what checkpointing recomputes) (docs/memory.md)")
