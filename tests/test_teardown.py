@@ -38,9 +38,12 @@ def _run_each_engine(rank, world, out_dir):
         alive = [type(o).__name__ for o in gc.get_objects()
                  if isinstance(o, (nn.Module, Engine, torch.optim.Optimizer))]
         report[strategy] = (code, dist.is_initialized(), alive)
-    # the harness destroys its group on return: give it one
+    # the harness destroys its group on return: give it one, and meet in it once before returning.
+    # Without a collective, a rank that finished connecting could return and close its sockets while
+    # the other was still in gloo's connectFullMesh: "Connection closed by peer" (seen once, 2026-11-23).
     dist.init_process_group("gloo", store=dist.FileStore(f"{out_dir}/store-end", world), rank=rank,
                             world_size=world)
+    dist.barrier()
     return report
 
 
