@@ -155,6 +155,39 @@ def test_training_reads_windows_of_the_stream(tmp_path):
     assert d.info["manifest_sha256"] == read_manifest(path).sha256
 
 
+def test_a_bpe_corpus_keeps_its_tokenizer_and_generate_decodes_with_it(tmp_path, bpe_dir, capsys):
+    """prepare copies the tokenizer into DATA_DIR, a run copies it beside its checkpoints, and
+    `shardlab generate` decodes with it, after the original tokenizer directory is gone (a cluster
+    mount has only DATA_DIR). Before, generate fell back to bytes for a tokens corpus."""
+    import shutil
+
+    from shardlab import train as T
+    from shardlab.cli import main as cli_main
+    from shardlab.data.text import Tokenizer
+    from shardlab.export import gpt_tokenizer_dir, load_model
+    from tests.checkpoint_helpers import runtime
+
+    original = tmp_path / "tok"
+    shutil.copytree(bpe_dir, original)
+    path = prepare([as_text_files(tmp_path, DOCS)], str(tmp_path / "out"), tokenizer=str(original))
+    shutil.rmtree(original)
+    assert read_manifest(path).raw["tokenizer"]["copy"] == "tokenizer"
+    with open(os.path.join(path, "tokenizer", "tokenizer.json"), "rb") as a, \
+            open(os.path.join(bpe_dir, "tokenizer.json"), "rb") as b:
+        assert a.read() == b.read()
+    cfg = _cfg(path, "model.name=gpt", "model.preset=gpt-nano", "model.vocab_size=300", "parallel.strategy=single",
+               "train.steps=2", "checkpoint.every_steps=2", f"output.dir={tmp_path}/runs", "output.run_name=bpe",
+               "output.progress=false", "output.tensorboard=false")
+    T.train(cfg, runtime(0, 1, "single"))
+    run = f"{tmp_path}/runs/bpe"
+    assert os.path.isfile(f"{run}/tokenizer/tokenizer.json")
+    _, info = load_model(run)
+    assert gpt_tokenizer_dir(info) == f"{run}/tokenizer" and Tokenizer(gpt_tokenizer_dir(info)).vocab_size == 300
+    capsys.readouterr()
+    assert cli_main(["generate", run, "--prompt", "the data", "--max-new-tokens", "8"]) == 0
+    assert capsys.readouterr().out.startswith("the data")
+
+
 def test_bad_corpora_are_refused_with_the_fix(tmp_path, bpe_dir):
     with pytest.raises(DataError, match="no manifest.json"):
         check(_cfg(str(tmp_path)))

@@ -34,6 +34,7 @@ from shardlab.amp import autocast, make_loss_scaler
 from shardlab.config import Config, dump_config, engine_options, validate_for_world
 from shardlab.data import GlobalBatchSampler, build_datasets
 from shardlab.data.loader import StepBatches
+from shardlab.data.text import copy_tokenizer_files
 from shardlab.doctor import RECORDER
 from shardlab.doctor import worker as doctor
 from shardlab.engines import Engine, collectives, engine_class, engine_of, optimizer_state_bytes
@@ -255,6 +256,8 @@ def write_run_args(run: Run) -> None:
             from shardlab.data.sft import SFTTokenizer
 
             SFTTokenizer(run.data.tokenizer_dir).save(os.path.join(run.out_dir, "tokenizer"))
+        elif run.data.tokenizer_files:  # a prepared corpus's tokenizer: `generate` decodes with it
+            copy_tokenizer_files(run.data.tokenizer_files, os.path.join(run.out_dir, "tokenizer"))
 
 
 def announce(run: Run) -> None:

@@ -18,6 +18,9 @@ class Datasets:
     tokens_per_sample: int | None = None
     info: dict[str, Any] | None = None  # goes to run_args.json (e.g. corpus hash)
     tokenizer_dir: str | None = None    # sft: the tokenizer used (exports copy it)
+    # prepared token corpora with a tokenizer (not bytes): its files, copied into each run's
+    # <run dir>/tokenizer, where `generate` and exports find them
+    tokenizer_files: str | None = None
     # sft: non-padding tokens of each training sample (tokens_processed counts these, not padding)
     real_tokens: torch.Tensor | None = None
     # what happened to the data (examples read, dropped, truncated, rows, target tokens, warnings):

@@ -47,13 +47,14 @@ from shardlab.data.shards import (
     FORMAT_VERSION,
     INDEX_DTYPE,
     MANIFEST,
+    TOKENIZER_COPY,
     DataError,
     file_sha256,
     read_manifest,
     record_verified,
     token_dtype,
 )
-from shardlab.data.text import Tokenizer
+from shardlab.data.text import Tokenizer, copy_tokenizer_files
 
 KEY_BYTES = 4096          # the document prefix whose hash decides train or val
 ENCODE_BATCH_BYTES = 1 << 20
@@ -296,6 +297,9 @@ def prepare(specs: list[str], out: str, *, tokenizer: str | None = None, field: 
         manifest.update(inputs=[{"path": i.path, "format": i.format, "bytes": i.bytes, "sha256": h}
                                 for i, h in zip(inputs, manifest.pop("input_sha256"))],
                         field=field, val_fraction=val_fraction, shard_mb=shard_mb)
+        if tokenizer is not None:  # the corpus decodes without the original directory (a cluster mount)
+            copy_tokenizer_files(tokenizer, os.path.join(tmp, TOKENIZER_COPY))
+            manifest["tokenizer"]["copy"] = TOKENIZER_COPY
         _write_manifest(tmp, manifest)
         os.rename(tmp, out)  # atomic: DATA_DIR appears complete or not at all
     except BaseException:

@@ -7,6 +7,8 @@ A prepared DATA_DIR holds, per split (train, val):
                         document that ends in that shard, its end-of-document token included
     manifest.json       written last: format and version, tokenizer identity and hash, vocab
                         size, dtype, token and document counts, SHA-256 of every file, inputs
+    tokenizer/          a copy of the tokenizer's files (not for bytes), so the directory alone
+                        decodes its ids: runs copy it beside their checkpoints, `generate` reads it
 The stream a split trains on is its shards concatenated in manifest order. Nothing else
 in the directory is read; a directory without manifest.json is not a prepared corpus.
 
@@ -35,6 +37,8 @@ import numpy as np
 FORMAT = "shardlab-tokens"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+#: Where a DATA_DIR keeps its copy of the tokenizer (manifest: tokenizer.copy).
+TOKENIZER_COPY = "tokenizer"
 SPLITS = ("train", "val")
 INDEX_DTYPE = np.dtype("<i8")
 _DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
@@ -74,6 +78,12 @@ class Manifest:
     @property
     def vocab_size(self) -> int:
         return int(self.raw["tokenizer"]["vocab_size"])
+
+    @property
+    def tokenizer_dir(self) -> str | None:
+        """The corpus's copy of its tokenizer; None for bytes (and corpora prepared before the copy)."""
+        copy = self.raw["tokenizer"].get("copy")
+        return os.path.join(self.path, copy) if copy and os.path.isdir(os.path.join(self.path, copy)) else None
 
     @property
     def dtype(self) -> np.dtype:

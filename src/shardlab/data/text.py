@@ -41,6 +41,24 @@ def _eos_from_config(directory: str) -> str | None:
     return eos.get("content") if isinstance(eos, dict) else eos
 
 
+#: The files of a tokenizer directory that decide its ids: hashed into a corpus's identity and copied
+#: with it (into a prepared DATA_DIR, then into each run that trains on it).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def copy_tokenizer_files(src: str, dst: str) -> None:
+    """Copy a tokenizer directory's files (TOKENIZER_FILES that exist) into dst, each written whole
+    and renamed, so a reader never sees half a tokenizer.json."""
+    import shutil
+
+    os.makedirs(dst, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(src, name)):
+            tmp = os.path.join(dst, f".{name}.{os.getpid()}.tmp")
+            shutil.copyfile(os.path.join(src, name), tmp)
+            os.replace(tmp, os.path.join(dst, name))
+
+
 class Tokenizer:
     """Bytes (vocab 256) unless a local tokenizer directory is given."""
 
@@ -79,7 +97,7 @@ class Tokenizer:
             return {"kind": "bytes", "vocab_size": 256, "eod_id": BYTES_EOD, "eod_token": "byte 0xFF",
                     "sha256": hashlib.sha256(b"shardlab-bytes-v1").hexdigest()}
         h = hashlib.sha256()
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        for name in TOKENIZER_FILES:
             p = os.path.join(self.directory, name)
             if os.path.isfile(p):
                 h.update(name.encode() + b"\0" + Path(p).read_bytes())

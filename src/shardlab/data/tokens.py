@@ -148,7 +148,7 @@ def build(cfg) -> Datasets:
             "val_tokens": raw["splits"]["val"]["tokens"], "documents": raw["counts"]["documents"],
             "replaced_invalid_utf8_bytes": raw["counts"]["replaced_invalid_utf8_bytes"]}
     return Datasets(train, val if len(val) > 0 else None, vocab_size=m.vocab_size, tokens_per_sample=T, info=info,
-                    manifest_sha256=m.sha256)
+                    manifest_sha256=m.sha256, tokenizer_files=m.tokenizer_dir)
 
 
 # -- the sources (shardlab.data.DATA_SOURCES) --------------------------------------------------------
