@@ -37,7 +37,7 @@ class Prediction:
     host_bytes: int = 0                  # parallel.offload=cpu: state kept in host memory (not in peak_bytes)
     probe: str = "fake"                  # the probe it rests on: "fake" (FakeTensorMode), "real" or "none"
     #: FLOPs one rank executes per step (matmuls, convolutions, attention; recomputation included),
-    #: counted on the fake probe's step and scaled in depth; None where no fake probe ran at the real shape
+    #: counted on the probe's step and scaled in depth; None where no probe ran at the real micro batch and sequence
     step_flops: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
