@@ -164,7 +164,7 @@ def test_a_bpe_corpus_keeps_its_tokenizer_and_generate_decodes_with_it(tmp_path,
     from shardlab import train as T
     from shardlab.cli import main as cli_main
     from shardlab.data.text import Tokenizer
-    from shardlab.export import gpt_tokenizer_dir, load_model
+    from shardlab.export import load_model
     from tests.checkpoint_helpers import runtime
 
     original = tmp_path / "tok"
@@ -182,7 +182,7 @@ def test_a_bpe_corpus_keeps_its_tokenizer_and_generate_decodes_with_it(tmp_path,
     run = f"{tmp_path}/runs/bpe"
     assert os.path.isfile(f"{run}/tokenizer/tokenizer.json")
     _, info = load_model(run)
-    assert gpt_tokenizer_dir(info) == f"{run}/tokenizer" and Tokenizer(gpt_tokenizer_dir(info)).vocab_size == 300
+    assert info["tokenizer_dir"] == f"{run}/tokenizer" and Tokenizer(info["tokenizer_dir"]).vocab_size == 300
     capsys.readouterr()
     assert cli_main(["generate", run, "--prompt", "the data", "--max-new-tokens", "8"]) == 0
     assert capsys.readouterr().out.startswith("the data")

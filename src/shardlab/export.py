@@ -35,7 +35,6 @@ from shardlab.checkpoint import (
     step_dir_name,
 )
 from shardlab.config import config_from_dict
-from shardlab.data.shards import TOKENIZER_COPY
 
 METADATA_KEY = "shardlab"
 
@@ -168,7 +167,7 @@ def _generate_cmd(args: argparse.Namespace) -> int:
         print(f"error: {args.model} holds a {info['model']['name']} model; generate needs a GPT or an hf model",
               file=sys.stderr)
         return 1
-    tok = Tokenizer(gpt_tokenizer_dir(info))
+    tok = Tokenizer(info.get("tokenizer_dir"))  # None: bytes
     ids = tok.encode(args.prompt)
     if ids.numel() == 0:
         print("error: --prompt must not be empty", file=sys.stderr)
@@ -178,19 +177,6 @@ def _generate_cmd(args: argparse.Namespace) -> int:
                          top_k=args.top_k, generator=gen)
     print(tok.decode(out[0].tolist()))
     return 0
-
-
-def gpt_tokenizer_dir(info: dict[str, Any]) -> str | None:
-    """The tokenizer a GPT run trained with: the run's copy (<run dir>/tokenizer, a prepared corpus's
-    tokenizer), the config's data.tokenizer, or the corpus's own copy; None: bytes."""
-    found = info.get("tokenizer_dir")
-    if found:
-        return found
-    data = (info.get("config") or {}).get("data", {})
-    for c in (data.get("tokenizer"), os.path.join(data["path"], TOKENIZER_COPY) if data.get("path") else None):
-        if c and os.path.isfile(os.path.join(c, "tokenizer.json")):
-            return c
-    return None
 
 
 def _generate_hf(model: nn.Module, info: dict[str, Any], args: argparse.Namespace) -> int:

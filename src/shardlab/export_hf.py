@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardlab.data.shards import TOKENIZER_COPY
+
 
 def gpt_to_gpt2(model: nn.Module):
     """A transformers GPT2LMHeadModel computing what shardlab's GPT `model` computes."""
@@ -126,13 +128,15 @@ def export_hf(model: nn.Module, out_dir: str, *, tokenizer_dir: str | None = Non
 
 
 def run_tokenizer_dir(run_dir: str | None, config: dict[str, Any] | None) -> str | None:
-    """The tokenizer a run used: <run dir>/tokenizer (copied there by training), else the config's."""
+    """The tokenizer a run used: <run dir>/tokenizer (copied there by training), else the config's,
+    else a prepared corpus's own copy (<data.path>/tokenizer); None: none (a GPT then uses bytes)."""
     candidates = []
     if run_dir:
         candidates.append(os.path.join(run_dir, "tokenizer"))
     data = (config or {}).get("data", {})
     model = (config or {}).get("model", {})
-    candidates += [data.get("tokenizer_path"), data.get("tokenizer"), model.get("hf_path")]
+    candidates += [data.get("tokenizer_path"), data.get("tokenizer"), model.get("hf_path"),
+                   os.path.join(data["path"], TOKENIZER_COPY) if data.get("path") else None]
     for c in candidates:
         if c and os.path.isfile(os.path.join(c, "tokenizer.json")):
             return c
