@@ -34,11 +34,10 @@ def verdict(cfg, p: Prediction, gpu: GPU, others: dict[str, Prediction], world: 
         ch.append(precision_problem)
     if p.peak_bytes <= usable:
         return out
-    sharded_state = p.parts["params"] + p.parts["grads"] + p.parts["optimizer"]
+    sharded_state, rest = _state_and_rest(p)
     if engine_class(p.engine).grads_sharded and sharded_state > 0:
-        rest = p.peak_bytes - sharded_state
-        if rest < usable:
-            need = math.ceil(world * sharded_state / (usable - rest))
+        need = ranks_to_fit(p, usable, world)
+        if need:
             ch.append(f"more ranks: about {need} in all (model state {sharded_state / 2**30:.1f} GiB/rank now "
                       f"scales as 1/N; the other {rest / 2**30:.1f} GiB do not); check with --nproc")
         else:
@@ -50,20 +49,17 @@ def verdict(cfg, p: Prediction, gpu: GPU, others: dict[str, Prediction], world: 
                                            if fitting else f"{sharded} (none fits at this N either)"))
     whole = without_accumulation(cfg, p, world)
     if whole:
-        ch.append(f"no accumulation: train.micro_batch_size={whole[0]} (the {p.parts['unsharded_grads'] / 2**30:.1f} "
-                  f"GiB of gradients held unsharded between micro batches go; about {whole[1] / 2**30:.1f} GiB)")
+        ch.append(_no_accumulation(p, whole))
     act = p.parts["activations"]
     if act > 0.1 * p.peak_bytes and cfg.train.activation_checkpointing != "full":
         ch.append(f"train.activation_checkpointing=full (activations are {act / 2**30:.1f} GiB of the peak; it "
                   "keeps each block's input, at ~33% more compute)" + (
                       "; or selective, which keeps every other matmul output and recomputes the rest (docs/compile.md)"
                       if cfg.train.activation_checkpointing == "none" else ""))
-    if act > 0 and cfg.train.micro_batch_size > 1:
-        room = usable - (p.peak_bytes - act)
-        b = int(cfg.train.micro_batch_size * room / act) if room > 0 else 0
-        if b >= 1:
-            ch.append(f"a smaller micro batch: train.micro_batch_size={min(b, cfg.train.micro_batch_size - 1)} "
-                      "(activations scale linearly; keep global_batch_size by accumulation)")
+    b = out["max_micro_batch"] or 0
+    if b >= 1 and cfg.train.micro_batch_size > 1:
+        ch.append(f"a smaller micro batch: train.micro_batch_size={min(b, cfg.train.micro_batch_size - 1)} "
+                  "(activations scale linearly; keep global_batch_size by accumulation)")
     if cfg.train.precision == "fp32" and cfg.parallel.mixed_precision == "fp32":
         if gpu.bf16:
             ch.append("bf16: train.precision=bf16 parallel.mixed_precision=bf16 (about halves activations and "
@@ -103,28 +99,45 @@ def without_accumulation(cfg, p: Prediction, world: int) -> tuple[int, float] | 
 def cheapest_change(cfg, p: Prediction, usable: int, others: dict[str, Prediction], world: int) -> str:
     """The first change that fits, cheapest first: another engine at the same settings (no cost
     beyond its own speed), the global batch in one micro batch per rank (no accumulation, so no
-    gradients held unsharded between micro batches), a smaller micro batch with accumulation (the same global batch, less
-    overlap), activation checkpointing (~1/3 more compute), more ranks (more GPUs), CPU offload
-    (the optimizer step on the host: the slowest)."""
+    gradients held unsharded between micro batches), a smaller micro batch with accumulation (the
+    same global batch, less overlap), more ranks (more GPUs), CPU offload (the optimizer step on the
+    host: the slowest). Activation checkpointing is not among them: what it keeps is known only by
+    probing again, so it stays a `changes` suggestion (plan again with it)."""
     fitting = sorted((q.peak_bytes, e) for e, q in others.items() if q.probed and q.peak_bytes <= usable)
     if fitting:
         return f"parallel.strategy={fitting[0][1]} ({fitting[0][0] / 2**30:.2f} GiB)"
     whole = without_accumulation(cfg, p, world)
     if whole and whole[1] <= usable:
-        return (f"train.micro_batch_size={whole[0]} (no accumulation: the {p.parts['unsharded_grads'] / 2**30:.2f} GiB "
-                f"of gradients kept unsharded between micro batches go; about {whole[1] / 2**30:.2f} GiB)")
+        return _no_accumulation(p, whole)
     limits = fit_limits(cfg, p, usable)
     if limits["max_micro_batch"]:
         return f"train.micro_batch_size={min(limits['max_micro_batch'], cfg.train.micro_batch_size - 1)}"
-    if not cfg.train.activation_checkpointing and p.parts.get("activations", 0) > 0.1 * p.peak_bytes:
-        return "train.activation_checkpointing=true (then plan again)"
-    state = p.parts["params"] + p.parts["grads"] + p.parts["optimizer"]
-    rest = p.peak_bytes - state
-    if engine_class(p.engine).grads_sharded and state > 0 and rest < usable:
-        return f"more ranks: about {math.ceil(world * state / (usable - rest))} in all"
-    if "offload" in engine_class(p.engine).options and rest < usable:
+    need = ranks_to_fit(p, usable, world)
+    if need:
+        return f"more ranks: about {need} in all"
+    if "offload" in engine_class(p.engine).options and _state_and_rest(p)[1] < usable:
         return "parallel.offload=cpu"
-    return "none of engine, micro batch, activation checkpointing, ranks or offload fits alone"
+    return "none of engine, micro batch, ranks or offload fits alone"
+
+
+def _state_and_rest(p: Prediction) -> tuple[int, int]:
+    """(model state at the peak, the rest of the peak)."""
+    state = p.parts["params"] + p.parts["grads"] + p.parts["optimizer"]
+    return state, p.peak_bytes - state
+
+
+def ranks_to_fit(p: Prediction, usable: int, world: int) -> int | None:
+    """Ranks in all at which a sharded engine's model state (1/N) leaves room for the rest of its
+    peak (which does not shrink with N); None: more ranks alone cannot make it fit."""
+    state, rest = _state_and_rest(p)
+    if not engine_class(p.engine).grads_sharded or state <= 0 or rest >= usable:
+        return None
+    return math.ceil(world * state / (usable - rest))
+
+
+def _no_accumulation(p: Prediction, whole: tuple[int, float]) -> str:
+    return (f"train.micro_batch_size={whole[0]} (no accumulation: the {p.parts['unsharded_grads'] / 2**30:.2f} GiB "
+            f"of gradients kept unsharded between micro batches go; about {whole[1] / 2**30:.2f} GiB)")
 
 
 # -- the command -------------------------------------------------------------------------------------
