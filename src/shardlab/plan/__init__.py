@@ -38,7 +38,9 @@ How the peak is predicted (per engine, per rank):
    and offload: `engine_config`, docs/memory.md.
 
 Time (plan/traffic.py): compute from the probe's measured step time on this CPU (scaled by
-FLOPs) or, for a GPU, 6 * params * tokens FLOPs at `GPUS[...].peak_flops * MFU`; communication
+FLOPs) or, for a GPU, the FLOPs counted on the probe's own step (`step_flops`; without a probe at
+the real shape, 6 * params * tokens plus what checkpointing recomputes) at
+`GPUS[...].peak_flops * MFU`; communication
 from an alpha-beta model per collective (plan/catalogue.py's `INTERCONNECTS`) over the
 collectives each engine says a step issues (`Engine.step_traffic`).
 

@@ -70,7 +70,7 @@ def step_time(cfg, engine: str, world: int, link: Link, gpu: GPU | None, probe_s
     """Predicted step time: compute and communication (alpha-beta); overlapped = max(compute,
     comm) for engines that overlap (all do: bucketed all-reduce, prefetch), serial = compute + comm.
     Compute on a GPU: the FLOPs a rank executes per step at peak FLOP/s x MFU, the FLOPs counted on
-    the fake probe's step (`step_flops`: matmuls and attention, recomputation included) or, without
+    the probe's step (`step_flops`: matmuls and attention, recomputation included) or, without
     one, 6*Psi*tokens plus what checkpointing recomputes; on CPU: the probe's measured step."""
     t = cfg.train
     tokens_per_sample = MODELS[cfg.model.name].tokens_per_sample(cfg.data.seq_len)
@@ -89,9 +89,9 @@ def step_time(cfg, engine: str, world: int, link: Link, gpu: GPU | None, probe_s
     comm = comm_seconds(cfg, engine, world, link)
     overlapped = max(compute, comm)
     tokens_step = t.global_batch_size * tokens_per_sample
-    return {"compute_s": compute, "comm_s": comm, "flops_per_token": flops / tokens_rank, "step_s": overlapped, "step_serial_s": compute + comm,
-            "tokens_per_s": tokens_step / overlapped if overlapped else None, "compute_source": source,
-            "comm_hidden": comm <= compute, "link": link.name}
+    return {"compute_s": compute, "comm_s": comm, "flops_per_token": flops / tokens_rank, "step_s": overlapped,
+            "step_serial_s": compute + comm, "tokens_per_s": tokens_step / overlapped if overlapped else None,
+            "compute_source": source, "comm_hidden": comm <= compute, "link": link.name}
 
 
 def hiding_limit(cfg, engine: str, per_node: int, link: Link, compute_s: float, max_nodes: int = 1024) -> int | None:
