@@ -175,10 +175,7 @@ def test_two_worker_resume_refuses_crafted_metadata(trained, tmp_path):
     assert not marker.exists()
     assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr, r.stderr[-3000:]
     refusals = [ln for ln in r.stderr.splitlines() if ln.startswith("error: checkpoint ") and "refers to" in ln]
-    # Each worker refuses (the error is printed after its teardown); once the first has exited the
-    # launcher stops the other, which may not have printed yet: one or two lines, never another error
-    # (failed once with one line, 2026-11-23; this race is the likely cause, not reproduced).
-    assert len(refusals) in (1, 2) and len(set(refusals)) == 1, r.stderr[-3000:]
+    assert len(refusals) == 2 and refusals[0] == refusals[1], r.stderr[-3000:]
     assert [s for s, _ in list_checkpoints(str(run / "checkpoints"))] == [K, TOTAL]
 
 

@@ -200,7 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except CheckpointError as e:  # a checkpoint that cannot be used: its message says what to do
-        print(f"error: {e}", file=sys.stderr)
+        # One write of the whole line: workers that refuse a checkpoint together share the launcher's
+        # stderr, and print's two writes (text, then newline) interleave: "error: Aerror: B" on one line.
+        sys.stderr.write(f"error: {e}\n")
+        sys.stderr.flush()
         return 1
 
 
