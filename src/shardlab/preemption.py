@@ -98,9 +98,11 @@ class PreemptionGuard:
         import torch
         import torch.distributed as dist
 
+        from shardlab.engines import collectives
+
         flag = torch.tensor([self.signum or 0], dtype=torch.int32, device=rt.device)
         if rt.distributed and rt.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            collectives.all_reduce(flag, op=dist.ReduceOp.MAX)  # in the hang doctor's record
         agreed = int(flag.item())
         if agreed and self.signum is None:  # another rank got it: report its signal
             self.signum = agreed

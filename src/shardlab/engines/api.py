@@ -86,6 +86,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardlab.engines import collectives
 from shardlab.engines.collectives import CommCounter, merged_seconds, merged_totals
 from shardlab.models import outermost_modules, repeated_blocks
 from shardlab.models.init import materialize_
@@ -456,14 +457,14 @@ def global_grad_norm(grads: Iterable[torch.Tensor], norm_type: float, group: dis
         local = max((g.detach().abs().max().to(device, dtype) for g in grads if g.numel()), default=torch.tensor(0.0))
         local = torch.as_tensor(local, dtype=dtype, device=device)
         if sharded and dist.is_initialized():
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+            collectives.all_reduce(local, group=group, op=dist.ReduceOp.MAX)  # in the doctor's record
         return local
     local = torch.zeros((), dtype=dtype, device=device)
     for g in grads:
         if g.numel():
             local += (g.detach().to(dtype).norm(norm_type) ** norm_type).to(device)
     if sharded and dist.is_initialized():
-        dist.all_reduce(local, group=group)
+        collectives.all_reduce(local, group=group)  # in the hang doctor's record, like every step collective
     return local ** (1.0 / norm_type)
 
 

@@ -182,8 +182,10 @@ def _dist_broadcast(tensor: torch.Tensor, src: int, group, async_op: bool):
 
 
 def all_reduce(tensor: torch.Tensor, group=None, *, average: bool = False, async_op: bool = False,
-               counter: CommCounter | None = None):
-    """Sum (or average) `tensor` in place across the group."""
+               counter: CommCounter | None = None, op: dist.ReduceOp.RedOpType = ReduceOp.SUM):
+    """Sum (or average, or `op`: MAX for a flag or an inf-norm) `tensor` in place across the group."""
+    if average and op != ReduceOp.SUM:
+        raise ValueError("average=True is a sum divided by the world size; it takes no other op")
     world = _world(group)
     issued, entry = issue(counter, "all_reduce", nbytes(tensor), world, group)
     if world == 1:
@@ -191,8 +193,8 @@ def all_reduce(tensor: torch.Tensor, group=None, *, average: bool = False, async
     if average:
         # Divide before the sum: keeps low-precision values in range, and the result is the mean.
         tensor.div_(world)
-    return timed(counter, "all_reduce", issued, dist.all_reduce(tensor, op=ReduceOp.SUM, group=group,
-                                                                 async_op=async_op), entry)
+    return timed(counter, "all_reduce", issued, dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
+                 entry)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, *, async_op: bool = False,
