@@ -120,6 +120,16 @@ def test_diagnosis_of_hand_made_records(tmp_path):
     line = report.verdict(d)
     assert line.startswith("rank 1 is stuck (frozen") and "step 3, phase forward" in line
     assert "rank 0 waited for it in all_gather #3" in line
+    # frozen after its step's last reduce-scatter, before the optimizer's gradient-norm all-reduce
+    # (CI's window): rank 0 waits in that all-reduce, which rank 1 never issued
+    run, (r0, r1) = _ranks(tmp_path / "frozen-before-norm")
+    r0.step(3, "backward").coll("reduce_scatter").step(3, "optimizer").coll("all_reduce", 4, done=False)
+    r1.step(3, "backward").coll("reduce_scatter")
+    r1.close(tick_age=10)
+    r0.close(exit=_timed_out())
+    line = report.verdict(analysis.diagnose(str(run)))
+    assert line.startswith("rank 1 is stuck (frozen") and "step 3, phase backward" in line
+    assert "rank 0 waited for it in all_reduce #2" in line and "optimizer, step 3, 4 B" in line, line
     # the same, but rank 1's process still ran: a straggler; in phase data: a data stall
     for phase, kind in (("optimizer", "straggler"), ("data", "data stall"), ("checkpoint", "checkpoint stall")):
         run, (r0, r1) = _ranks(tmp_path / kind.replace(" ", "-"))
