@@ -95,6 +95,7 @@ class ParallelConfig:
     # The keys below reach the engines that take them (their `options`; engine_options):
     reshard_after_forward: bool = True     # free gathered parameters after each unit's forward
     mixed_precision: str = "fp32"          # fp32 | bf16 | fp16: engine compute/communication dtype (fp64: verify's)
+    reduce_dtype: Optional[str] = None     # gradients reduced in: null = as mixed_precision | fp32 | bf16 | fp16
     bucket_size_mb: float = 25.0           # gradient buckets of the all-reducing engines
     prefetch: bool = True                  # gather the next unit while this one computes
     shard_size: Optional[int] = None       # hybrid sharding over S ranks (null = ranks per node)
@@ -454,11 +455,17 @@ def _validate_parallel(p: ParallelConfig) -> None:
     """The engine's options are checked against the options its class takes."""
     _choice("parallel.strategy", p.strategy, tuple(STRATEGIES))
     _choice("parallel.mixed_precision", p.mixed_precision, ("fp32", "bf16", "fp16", "fp64"))
+    if p.reduce_dtype is not None:
+        _choice("parallel.reduce_dtype", p.reduce_dtype, ("fp32", "bf16", "fp16", "fp64"))
     _choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
     _check(p.bucket_size_mb > 0, f"parallel.bucket_size_mb must be > 0, got {p.bucket_size_mb}")
     _check(p.timeout_s > 0, f"parallel.timeout_s must be > 0, got {p.timeout_s}")
     _choice("parallel.offload", p.offload, ("none", "cpu"))
     takes = engine_class(p.strategy).options
+    if p.reduce_dtype is not None and "mixed_precision" not in takes:
+        _check(False, f"parallel.reduce_dtype={p.reduce_dtype} sets the dtype gradients are reduced in, which "
+               f"parallel.strategy={p.strategy} does not take (it communicates in the parameters' dtype): use "
+               f"parallel.strategy={' or '.join(strategies_taking('mixed_precision'))}, or parallel.reduce_dtype=null")
     if p.offload != "none" and "offload" not in takes:
         _check(False, f"parallel.offload={p.offload} needs a sharded engine; parallel.strategy={p.strategy} keeps the "
                f"whole model on every device: use parallel.strategy={' or '.join(strategies_taking('offload'))}, "
@@ -504,7 +511,7 @@ def engine_options(cfg: Config) -> dict[str, Any]:
     p = cfg.parallel
     offered = {
         "reshard_after_forward": p.reshard_after_forward,
-        "mixed_precision": MixedPrecision.parse(p.mixed_precision),
+        "mixed_precision": MixedPrecision.from_names(p.mixed_precision, p.reduce_dtype),
         "bucket_size_bytes": int(p.bucket_size_mb * 2**20),
         "prefetch": p.prefetch,
         "shard_size": p.shard_size,

@@ -118,6 +118,15 @@ class MixedPrecision:
             return cls(**{k: DTYPES[v] if isinstance(v, str) else v for k, v in value.items()})
         raise TypeError(f"mixed_precision must be None, a dtype name or a dict, not {value!r}")
 
+    @classmethod
+    def from_names(cls, param: str, reduce: str | None) -> MixedPrecision | None:
+        """The config's pair (parallel.mixed_precision, parallel.reduce_dtype): reduce None follows
+        param; fp32 for both is no policy at all (the parameters' own dtype throughout)."""
+        if reduce is None or reduce == param:
+            return cls.parse(param)
+        param_dtype = None if DTYPES[param] == torch.float32 else DTYPES[param]
+        return cls(param_dtype=param_dtype, reduce_dtype=DTYPES[reduce])
+
 
 @dataclass(frozen=True)
 class CPUOffload:

@@ -72,7 +72,7 @@ def probe_param_bytes(cfg, layers: int) -> int:
 # -- each engine's state -------------------------------------------------------------------------
 def engine_config(cfg, engine: str, world: int, per_node: int | None = None):
     """The config as `engine` would run it: options it does not take are dropped (shard_size,
-    offload: its class's `options`), and hybrid sharding's default S, the ranks per node, is made
+    offload, reduce_dtype: its class's `options`), and hybrid sharding's default S, the ranks per node, is made
     explicit (`per_node`, from --nproc)."""
     c = copy.deepcopy(cfg)
     c.parallel.strategy = engine
@@ -82,6 +82,8 @@ def engine_config(cfg, engine: str, world: int, per_node: int | None = None):
         c.parallel.shard_size = per_node if per_node and per_node < world else world
     if engine not in strategies_taking("offload"):
         c.parallel.offload = "none"
+    if engine not in strategies_taking("mixed_precision"):
+        c.parallel.reduce_dtype = None
     return c
 
 

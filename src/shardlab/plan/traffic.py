@@ -8,9 +8,11 @@ import copy
 import math
 from typing import Any
 
+import torch
+
 from shardlab.config import engine_options
 from shardlab.engines import engine_class
-from shardlab.engines.api import Collective, ModelTraffic
+from shardlab.engines.api import Collective, MixedPrecision, ModelTraffic
 from shardlab.engines.compile import Checkpointing
 from shardlab.models import MODELS, repeated_blocks
 from shardlab.plan.catalogue import GPU, MFU, Link
@@ -32,20 +34,24 @@ def collective_time(kind: str, nbytes: float, world: int, link: Link) -> float:
     return steps * alpha + bus * nbytes / bandwidth
 
 
-def model_traffic(cfg, world: int) -> ModelTraffic:
-    """What the engines' traffic depends on, from the meta model: parameter bytes in the
-    communication dtype (parallel.mixed_precision), trainable and root bytes, wrap units."""
+def model_traffic(cfg, world: int, mixed_precision: MixedPrecision | None = None) -> ModelTraffic:
+    """What the engines' traffic depends on, from the meta model: parameter bytes in the dtype
+    they are gathered in (the engine's `mixed_precision.param_dtype`), trainable bytes in the
+    dtype gradients are reduced in (its `reduce_dtype`, parallel.reduce_dtype), root bytes, wrap
+    units. No policy (fp32, or an engine that takes none): the parameters' own dtype."""
     model = meta_model(cfg)
     units = repeated_blocks(model)
     in_units = {id(p) for u in units for p in u.parameters()}
     params = list({id(p): p for p in model.parameters()}.values())
-    mp_bytes = {"bf16": 2, "fp16": 2}.get(cfg.parallel.mixed_precision)
+    mp = mixed_precision or MixedPrecision()
 
-    def nbytes(ps) -> int:
-        return sum(p.numel() * (mp_bytes or p.element_size()) for p in ps)
+    def nbytes(ps, dtype: torch.dtype | None) -> int:
+        return sum(p.numel() * (dtype.itemsize if dtype is not None else p.element_size()) for p in ps)
 
-    return ModelTraffic(param_bytes=nbytes(params), trainable_bytes=nbytes([p for p in params if p.requires_grad]),
-                        root_bytes=nbytes([p for p in params if id(p) not in in_units]), units=len(units),
+    gathered, reduced = mp.param_dtype, mp.reduce_dtype or mp.param_dtype
+    return ModelTraffic(param_bytes=nbytes(params, gathered),
+                        trainable_bytes=nbytes([p for p in params if p.requires_grad], reduced),
+                        root_bytes=nbytes([p for p in params if id(p) not in in_units], gathered), units=len(units),
                         micro_batches=max(1, cfg.train.global_batch_size // (world * cfg.train.micro_batch_size)),
                         world=world)
 
@@ -57,7 +63,8 @@ def comm_plan(cfg, engine: str, world: int) -> list[Collective]:
         return []
     c = copy.deepcopy(cfg)
     c.parallel.strategy = engine
-    planned = engine_class(engine).step_traffic(model_traffic(cfg, world), engine_options(c))
+    options = engine_options(c)
+    planned = engine_class(engine).step_traffic(model_traffic(cfg, world, options.get("mixed_precision")), options)
     return [x for x in planned if x.ranks > 1]
 
 

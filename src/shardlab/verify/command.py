@@ -108,6 +108,11 @@ def make_plan(cfg, args, workdir: str) -> Plan:
             notes.append(f"parallel.mixed_precision={mp} runs as fp64: the engine's casts and reductions run, in "
                          f"float64 (--dtype config keeps {mp})")
             raw["parallel"]["mixed_precision"] = "fp64"
+        rd = raw["parallel"].get("reduce_dtype")
+        if rd not in (None, "fp64"):  # a reduction in fp32 or less would round the float64 gradients
+            notes.append(f"parallel.reduce_dtype={rd} runs as fp64: the engine reduces in float64 (--dtype config "
+                         f"keeps {rd})")
+            raw["parallel"]["reduce_dtype"] = "fp64"
         if raw["train"]["precision"] != "fp32":
             notes.append(f"train.precision={raw['train']['precision']}: autocast leaves float64 alone (an fp16 loss "
                          "scaler still scales, exactly: a power of two)")
@@ -115,6 +120,7 @@ def make_plan(cfg, args, workdir: str) -> Plan:
     ref["parallel"].update(strategy=args.against, offload="none", shard_size=None)
     if args.against == ONE_PROCESS:
         ref["train"].update(micro_batch_size=n * t.micro_batch_size, activation_checkpointing="none")
+        ref["parallel"]["reduce_dtype"] = None  # one process reduces nothing
     ref["train"].update(compile=False, compile_mode=None)  # the reference is the plain maths; the engine keeps its own
     try:
         engine_cfg, ref_cfg = config_from_dict(raw), config_from_dict(ref)

@@ -84,6 +84,8 @@ def compute_dtype(plan, initial_state: dict) -> torch.dtype:
     dtypes = [v.dtype for v in initial_state.values() if v.is_floating_point()]
     if plan.dtype != "float64":
         dtypes.append(DTYPES[plan.engine["parallel"]["mixed_precision"]])
+        if plan.engine["parallel"].get("reduce_dtype"):
+            dtypes.append(DTYPES[plan.engine["parallel"]["reduce_dtype"]])
         dtypes.append(AUTOCAST_DTYPES.get(plan.engine["train"]["precision"], torch.float32))
     return max(dtypes, key=lambda d: UNIT_ROUNDOFF[d])
 
