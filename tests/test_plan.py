@@ -187,6 +187,23 @@ def test_catalogue_links_and_reserved_bytes():
     assert reserved(parts, "H100", 1).parts["nccl"] == 0
 
 
+def test_comm_hiding_limit_keeps_each_ranks_work_as_configured():
+    """16 nodes x 8 ranks, one micro batch per rank (global 256): the node count where the step's
+    communication stops hiding is searched at that same work per rank, the shard group spanning
+    every world tried (it once kept 16 micro batches per rank at 1 node: "stops hiding at 1 node"
+    for a run whose 16 nodes hid)."""
+    from shardlab.plan import comm_seconds, hiding_limit
+    from shardlab.plan.catalogue import INTERCONNECTS
+
+    cfg = load_config("configs/gpt-tiny.yaml", ["data.source=synthetic", "train.global_batch_size=256",
+                                                "train.micro_batch_size=2", "parallel.shard_size=128"])
+    link = INTERCONNECTS["infiniband-400"]
+    compute = 1.5 * comm_seconds(cfg, "fsdp", 128, link)
+    limit = hiding_limit(cfg, "fsdp", 8, link, compute, 128)
+    assert limit is None or limit > 16, limit
+    assert hiding_limit(cfg, "fsdp", 8, link, 0.5 * comm_seconds(cfg, "fsdp", 128, link), 128) <= 16
+
+
 def test_what_must_change_to_fit():
     """The largest micro batch and sequence length that fit (activations linear in tokens), and the
     cheapest change: another engine that fits first, then a smaller micro batch, then more ranks."""

@@ -184,7 +184,7 @@ def run(args) -> int:
         c = engine_config(cfg, e, world, args.nproc)
         v = verdict(c, p, gpu, preds, world)
         ts = step_time(c, e, world, link, gpu, None, args.nodes, p.step_flops)
-        ts["comm_stops_hiding_at_nodes"] = hiding_limit(c, e, args.nproc, link, ts["compute_s"])
+        ts["comm_stops_hiding_at_nodes"] = hiding_limit(c, e, args.nproc, link, ts["compute_s"], world)
         r = reserved(p.parts, gpu.name, world)
         report["engines"][e] = {**p.to_dict(), "reserved_bytes": r.reserved_bytes, "device_bytes": r.device_bytes,
                                 "reserved_parts": r.parts, "verdict": v, "time": ts}

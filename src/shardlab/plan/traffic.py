@@ -101,16 +101,26 @@ def step_time(cfg, engine: str, world: int, link: Link, gpu: GPU | None, probe_s
             "compute_source": source, "comm_hidden": comm <= compute, "link": link.name}
 
 
-def hiding_limit(cfg, engine: str, per_node: int, link: Link, compute_s: float, max_nodes: int = 1024) -> int | None:
-    """The first node count (at fixed micro batch per rank) at which the step's communication
-    exceeds its compute, i.e. stops hiding behind it; None if it never does up to max_nodes."""
+def hiding_limit(cfg, engine: str, per_node: int, link: Link, compute_s: float, world: int | None = None,
+                 max_nodes: int = 1024) -> int | None:
+    """The first node count at which the step's communication exceeds its compute, i.e. stops
+    hiding behind it; None if it never does up to max_nodes. Each rank's work stays as configured
+    at `world` ranks (default: one node): the same micro batch and number of micro batches, so
+    the same compute. A shard group spanning the configured world (plain FSDP) spans every
+    world tried; a smaller one (hybrid sharding) stays its size."""
+    world = world or per_node
+    micro = cfg.train.micro_batch_size
+    accumulation = max(1, cfg.train.global_batch_size // (micro * world))
+    shard_size = cfg.parallel.shard_size
+    spans_world = shard_size is not None and shard_size >= world
     c = copy.deepcopy(cfg)
     k = 1
     while k <= max_nodes:
-        world = per_node * k
-        c.train.global_batch_size = cfg.train.micro_batch_size * world * max(
-            1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * per_node))
-        if comm_seconds(c, engine, world, link) > compute_s:
+        ranks = per_node * k
+        c.train.global_batch_size = micro * ranks * accumulation
+        if spans_world:
+            c.parallel.shard_size = ranks
+        if comm_seconds(c, engine, ranks, link) > compute_s:
             return k
         k *= 2
     return None
