@@ -95,6 +95,11 @@ def test_invalid_cells_are_skipped_with_their_reason():
     assert len(skipped) == 2, skipped
     assert skipped[0].startswith("ddp x2 offload=cpu: ddp has no offload")
     assert skipped[1].startswith("fsdp x2 shard_size=4: parallel.shard_size=4 must divide the world size 2")
+    # --reduce-dtype reaches the engines inside their mixed-precision policy: those taking one vary,
+    # torch-ddp (none) runs once
+    order, skipped = plan_cells(["fsdp", "torch-ddp"], [2], [{"reduce_dtype": r} for r in ("bf16", "fp32")])
+    assert order == [("fsdp", 2, {"reduce_dtype": "bf16"}), ("fsdp", 2, {"reduce_dtype": "fp32"}),
+                     ("torch-ddp", 2, {})] and not skipped
 
 
 def test_theory_uses_the_shard_group_size():

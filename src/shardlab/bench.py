@@ -55,6 +55,14 @@ from shardlab.models import GPT_PRESETS
 BYTES_FP32 = 4
 #: Axes that set a `train.*` key, which every engine takes (the others are `parallel.*` engine options).
 TRAIN_AXES = ("activation_checkpointing", "compile")
+#: axes that are part of another engine option: parallel.reduce_dtype reaches the engine inside its
+#: mixed-precision policy (config.engine_options), so the engines taking that take it
+OPTION_OF_AXIS = {"reduce_dtype": "mixed_precision"}
+
+
+def _takes(accepted: tuple[str, ...], key: str) -> bool:
+    """Whether an engine with these options has `key` as an axis of its own (else it runs once)."""
+    return key in TRAIN_AXES or key in accepted or OPTION_OF_AXIS.get(key) in accepted
 
 
 def _axis_key(key: str) -> str:
@@ -253,8 +261,8 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
         """The other engine's cell with the same settings, as far as it takes them."""
         if strategy not in STRATEGIES:
             return None
-        accepted = (*engine_class(strategy).options, *TRAIN_AXES)
-        own = ",".join(kv for kv in variant.split(",") if kv and kv.split("=")[0] in accepted)
+        accepted = engine_class(strategy).options
+        own = ",".join(kv for kv in variant.split(",") if kv and _takes(accepted, kv.split("=")[0]))
         return by.get((strategy, n, own))
 
     # "vs ddp": the first replicated engine with a cell at the same settings
@@ -389,6 +397,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1, help="interleaved rounds over all cells")
     p.add_argument("--mixed-precision", default=None,
                    help="comma-separated axis of parallel.mixed_precision values, e.g. fp32,bf16")
+    p.add_argument("--reduce-dtype", default=None,
+                   help="comma-separated axis of parallel.reduce_dtype values: fp32,bf16,fp16 (the gradient "
+                        "reductions' dtype; ddp, zero3, fsdp, torch-fsdp)")
     p.add_argument("--reshard-after-forward", default=None,
                    help="comma-separated axis of parallel.reshard_after_forward values: true,false "
                         "(FULL_SHARD vs SHARD_GRAD_OP)")
@@ -462,7 +473,7 @@ def plan_cells(strategies: list[str], worlds: list[int],
                         if line not in skipped:
                             skipped.append(line)
                     continue
-                cell = tuple((k, x) for k, x in v.items() if k in accepted or k in TRAIN_AXES)
+                cell = tuple((k, x) for k, x in v.items() if _takes(accepted, k))
                 if cell not in own:
                     own.append(cell)
             order += [(s, n, dict(c)) for c in own]
@@ -496,6 +507,7 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], lis
     if not 0 <= args.warmup < args.steps:
         raise ValueError(f"--warmup must be >= 0 and smaller than --steps ({args.steps}), got {args.warmup}")
     axes = {"mixed_precision": _axis(args.mixed_precision, "mixed_precision", ("fp32", "bf16", "fp16")),
+            "reduce_dtype": _axis(args.reduce_dtype, "reduce_dtype", ("fp32", "bf16", "fp16")),
             "reshard_after_forward": _axis(args.reshard_after_forward, "reshard_after_forward", ("true", "false")),
             "shard_size": _shard_size_axis(args.shard_size),
             "offload": _axis(args.offload, "offload", ("none", "cpu")),
