@@ -21,7 +21,7 @@ from shardlab.plan.model import (
     probe_param_bytes,
     state_by_rule,
 )
-from shardlab.plan.scaling import scale_probe
+from shardlab.plan.scaling import deepest_probe, scale_flops, scale_probe
 
 
 @dataclass
@@ -91,20 +91,8 @@ def predict_all(cfg, nproc: int, engines: list[str] | None = None, per_node: int
            else _not_probed(e, nproc, states[e], why_not[e]) for e in engines}
     for e, p in out.items():
         if e in probes and shapes[e][2] == 1:  # counted at the real micro batch and sequence
-            p.step_flops = step_flops(probes[e], L) * accumulation / probe_accumulation
+            p.step_flops = scale_flops(probes[e], L) * accumulation / probe_accumulation
     return out
-
-
-def step_flops(per_layer: dict, L: int | None) -> float:
-    """FLOPs of one probe step at the real depth: a block's FLOPs are the same in every block, so
-    the count is linear in depth (the two probe depths' difference per block), exact like the
-    model state."""
-    keys = sorted(int(k) for k in per_layer if k != "None")
-    if L is None or not keys:
-        return float(per_layer[str(keys[-1]) if keys else "None"]["step_flops"])
-    hi, lo = per_layer[str(keys[-1])]["step_flops"], per_layer[str(keys[0])]["step_flops"]
-    per_block = (hi - lo) / (keys[-1] - keys[0]) if len(keys) > 1 else 0.0
-    return float(hi + (L - keys[-1]) * per_block)
 
 
 PROBE_KINDS = ("auto", "fake", "real")
@@ -143,7 +131,7 @@ def _predicted(engine: str, cfg, nproc: int, state: dict[str, int], per_layer: d
     the larger of the step candidate and the forward candidate."""
     micro, seq, act_scale, L, layers = shape
     cls = engine_class(engine)
-    deepest = per_layer[max(per_layer, key=lambda k: -1 if k == "None" else int(k))]
+    deepest = deepest_probe(per_layer)
     parts_step, parts_fwd = scale_probe(per_layer, L, act_scale, cls.grads_sharded)
     candidates = []
     for parts, phase in ((parts_step, deepest["phase"]), (parts_fwd, "forward")):

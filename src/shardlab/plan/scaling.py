@@ -1,9 +1,38 @@
-"""Scaling a probe's measured peak to the real model: its depth and its tokens per micro batch
+"""Scaling a probe's measured peak and FLOPs to the real model: its depth and its tokens per micro batch
 (see the Note at `scale_probe`)."""
 
 from __future__ import annotations
 
 from shardlab.memory import PARTS
+
+
+def deepest_probe(per_layer: dict[str, dict]) -> dict:
+    """The probe of the most blocks ("None": a model probed whole, without a block count)."""
+    keys = [int(k) for k in per_layer if k != "None"]
+    return per_layer[str(max(keys)) if keys else "None"]
+
+
+def _extrapolation(per_layer: dict[str, dict], L: int | None) -> tuple[dict, dict, float] | None:
+    """(deepest probe, shallowest probe, blocks): a value linear in depth is, at the real depth L,
+    deepest + blocks x (deepest - shallowest). None where there is no depth to reach (L None, or no
+    probe at a block count)."""
+    keys = sorted(int(k) for k in per_layer if k != "None")
+    if L is None or not keys:
+        return None
+    hi = per_layer[str(keys[-1])]
+    lo = per_layer[str(keys[0])] if len(keys) > 1 else hi
+    return hi, lo, ((L - keys[-1]) / (keys[-1] - keys[0]) if len(keys) > 1 else 0.0)
+
+
+def scale_flops(per_layer: dict[str, dict], L: int | None) -> float:
+    """FLOPs of one probe step at the real depth: a block's FLOPs are the same in every block, so
+    the count is linear in depth (the two probe depths' difference per block), exact like the
+    model state."""
+    ext = _extrapolation(per_layer, L)
+    if ext is None:
+        return float(deepest_probe(per_layer)["step_flops"])
+    hi, lo, blocks = ext
+    return float(hi["step_flops"] + blocks * (hi["step_flops"] - lo["step_flops"]))
 
 
 def scale_probe(per_layer: dict[str, dict], L: int | None, act_scale: float, sharded: bool) -> tuple[dict, dict]:
@@ -34,14 +63,12 @@ def scale_probe(per_layer: dict[str, dict], L: int | None, act_scale: float, sha
     do not exist yet there).
     Activations scale with tokens per micro batch in both.
     """
-    keys = sorted(int(k) for k in per_layer if k != "None")
-    if L is None or not keys:
-        v = per_layer[str(keys[-1]) if keys else "None"]
+    ext = _extrapolation(per_layer, L)
+    if ext is None:
+        v = deepest_probe(per_layer)
         step, fwd = dict(v["parts"]), dict(v["fwd_parts"])
     else:
-        hi = per_layer[str(keys[-1])]
-        lo = per_layer[str(keys[0])] if len(keys) > 1 else hi
-        blocks = (L - keys[-1]) / (keys[-1] - keys[0]) if len(keys) > 1 else 0.0
+        hi, lo, blocks = ext
         act_step = hi["parts"].get("activations", 0) - lo["parts"].get("activations", 0)
         act_fwd = hi["fwd_parts"].get("activations", 0) - lo["fwd_parts"].get("activations", 0)
         at_backward_start = act_fwd > 0 and abs(act_step - act_fwd) <= 0.05 * act_fwd
