@@ -43,7 +43,8 @@ from shardlab.data.source import DataSource
 from shardlab.errors import ConfigError
 
 IGNORE = -100
-FORMAT_VERSION = 2  # 2: EOS after every default chat turn, no double BOS, counts in info
+FORMAT_VERSION = 3  # 2: EOS after every default chat turn, no double BOS, counts in info; 3: chat
+# templates tokenized whole, as apply_chat_template does (no BOS the template does not render)
 SPECIALS = {"pad": "<pad>", "bos": "<s>", "eos": "</s>"}
 EOS = None  # a piece of `pieces`: the end-of-text token (a token id, not text)
 WARN_FRACTION = 0.05  # report_lines warns when more examples than this are dropped or truncated
@@ -156,18 +157,33 @@ def builtin_examples(limit: int = 2000) -> list[dict[str, Any]]:
 
 # -- the tokenizer --------------------------------------------------------------------------------
 class SFTTokenizer:
-    """Token ids, special tokens and the prompt template; a transformers fast tokenizer inside."""
+    """Token ids, special tokens and the prompt template; a transformers fast tokenizer inside.
+
+    [Note: the tokenizer as written, and train as you infer]
+    A directory's tokenizer.json is loaded as written, through transformers' generic fast tokenizer
+    (`PreTrainedTokenizerFast.from_pretrained`: the special tokens and chat template come from
+    tokenizer_config.json / chat_template.jinja). `AutoTokenizer` would pick the class that
+    config.json's model type names, and some of those classes rebuild the pipeline from the
+    vocabulary (Qwen2's replaces a ByteLevel pre-tokenizer with its own split and NFC), so the
+    ids would not be the ones the user's tokenizer.json gives. The run's copy and the export are
+    saved from this same object, so `AutoTokenizer` on them loads the generic class again.
+
+    With a chat template, an example's ids are exactly `apply_chat_template(messages,
+    tokenize=True)`'s: the conversation is rendered once and tokenized whole without added special
+    tokens (as transformers does), a BOS only where the template renders one, and the labels
+    come from the characters each token covers (prompt or response). Without a chat template,
+    shardlab's DEFAULT_TEMPLATE is used, with the tokenizer's BOS first.
+    """
 
     def __init__(self, directory: str, trained: bool = False):
         from transformers import PreTrainedTokenizerFast
 
         self.directory = directory
         self.trained = trained
-        cfg_path = os.path.join(directory, "tokenizer_config.json")
-        if os.path.isfile(cfg_path):
-            from transformers import AutoTokenizer
-
-            self.tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        configured = any(os.path.isfile(os.path.join(directory, f))
+                         for f in ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"))
+        if configured:
+            self.tok = PreTrainedTokenizerFast.from_pretrained(directory, local_files_only=True)
         else:
             self.tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(directory, "tokenizer.json"),
                                                pad_token=SPECIALS["pad"], bos_token=SPECIALS["bos"],
@@ -184,6 +200,12 @@ class SFTTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
 
+    def describe(self) -> str:
+        """One line: which tokenizer the rows are made with (the run prints it)."""
+        template = "its chat template (BOS only where it renders one)" if self.has_chat_template else \
+            "shardlab's default template, BOS first"
+        return f"tokenizer: {self.directory}/tokenizer.json as written ({self.vocab_size} tokens), {template}"
+
     def sha256(self) -> str:
         """What the rows depend on: the tokenizer files and the chat template as loaded (from
         tokenizer_config.json or chat_template.jinja; none: the default template's version)."""
@@ -198,22 +220,29 @@ class SFTTokenizer:
     def save(self, out_dir: str) -> None:
         self.tok.save_pretrained(out_dir)
 
-    # -- prompt/response pieces: [(text, is_response)] ---------------------------------------
+    # -- the conversation as text, with the characters to train on ----------------------------
+    def messages(self, ex: dict[str, Any]) -> list[dict[str, str]] | None:
+        return ex.get("messages") or _alpaca_as_messages(ex)
+
+    def rendered(self, ex: dict[str, Any]) -> tuple[str, list[tuple[int, int]]]:
+        """The conversation rendered by the chat template, and the [start, end) characters of each
+        assistant turn (what the template adds for it, its end-of-turn tokens included)."""
+        msgs, spans, done = self.messages(ex), [], ""
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            prompt = self.tok.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True)
+            full = self.tok.apply_chat_template(msgs[:i + 1], tokenize=False)
+            if not prompt.startswith(done) or not full.startswith(prompt):
+                raise SFTDataError("the tokenizer's chat template does not render turns as prefixes of the "
+                                   "conversation; use a tokenizer without a chat template (the default template)")
+            spans.append((len(prompt), len(full)))
+            done = full
+        return done, spans
+
     def pieces(self, ex: dict[str, Any]) -> list[tuple[str, bool]]:
-        msgs = ex.get("messages") or _alpaca_as_messages(ex) if self.has_chat_template else ex.get("messages")
-        if self.has_chat_template:
-            out, done = [], ""
-            for i, m in enumerate(msgs):
-                if m["role"] != "assistant":
-                    continue
-                prompt = self.tok.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True)
-                full = self.tok.apply_chat_template(msgs[:i + 1], tokenize=False)
-                if not prompt.startswith(done) or not full.startswith(prompt):
-                    raise SFTDataError("the tokenizer's chat template does not render turns as prefixes of the "
-                                       "conversation; use a tokenizer without a chat template (the default template)")
-                out += [(prompt[len(done):], False), (full[len(prompt):], True)]
-                done = full
-            return out
+        """DEFAULT_TEMPLATE's prompt/response pieces: [(text, is_response)], EOS for the end-of-text token."""
+        msgs = ex.get("messages")
         if msgs is None:
             a = DEFAULT_TEMPLATE["alpaca"]
             prompt = a[0].format(instruction=ex["instruction"]) + (a[1].format(input=ex["input"]) if ex["input"] else "")
@@ -228,8 +257,16 @@ class SFTTokenizer:
         return out
 
     def encode_example(self, ex: dict[str, Any]) -> tuple[list[int], list[int]]:
-        """Token ids and their labels (-100 on prompt tokens): one BOS first (the tokenizer's,
-        unless the chat template already renders it), responses and their end-of-text trained."""
+        """Token ids and their labels (-100 on prompt tokens): see [Note: the tokenizer as written,
+        and train as you infer]."""
+        if self.has_chat_template:
+            text, spans = self.rendered(ex)
+            enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids = list(enc["input_ids"])
+            # a token is trained when it covers a character of a response (one that straddles the
+            # prompt's last character and the answer's first carries the answer)
+            trained = [any(start < b and end > a for a, b in spans) for start, end in enc["offset_mapping"]]
+            return ids, [t if keep else IGNORE for t, keep in zip(ids, trained)]
         ids: list[int] = []
         labels: list[int] = []
         for text, is_response in self.pieces(ex):
@@ -241,8 +278,14 @@ class SFTTokenizer:
         return ids, labels
 
     def prompt_ids(self, instruction: str) -> list[int]:
-        """What a model fine-tuned on this template reads before its answer to `instruction`: the
-        ids of a one-turn example up to its first trained token (`shardlab generate --chat`)."""
+        """What a model fine-tuned on this template reads before its answer to `instruction`
+        (`shardlab generate --chat`): with a chat template, `apply_chat_template` of the one user
+        turn with the generation prompt, as plain transformers builds it; else the ids of a one-turn
+        example up to its first trained token."""
+        if self.has_chat_template:
+            out = self.tok.apply_chat_template([{"role": "user", "content": instruction}], tokenize=True,
+                                               add_generation_prompt=True)
+            return list(out["input_ids"] if hasattr(out, "keys") else out)
         ids, labels = self.encode_example({"instruction": instruction, "input": "", "output": "."})
         return ids[:next(i for i, label in enumerate(labels) if label != IGNORE)]
 
@@ -388,7 +431,7 @@ def prepare(cfg) -> tuple[Path, str]:
     out = {name: _rows(part, T, tok.pad_id, cfg.data.packing) for name, part in split.items()}
     info = {"sft_source": source, "examples": len(examples), "dropped_no_response_after_truncation": dropped,
             "truncated": truncated, "longest_example_tokens": longest, "seq_len": T, "tokenizer": tdir,
-            "packing": cfg.data.packing}
+            "tokenizer_used": tok.describe(), "packing": cfg.data.packing}
     for name, (_, y, _) in out.items():
         info[f"{name}_rows"] = int(y.shape[0])
         info[f"{name}_target_tokens"] = int((y != IGNORE).sum())
@@ -414,6 +457,8 @@ def report_lines(info: dict[str, Any]) -> list[str]:
     if info["val_rows"] == 0:
         lines.append("warning: no validation rows (data.val_fraction of the examples rounds to 0): no "
                      "validation loss; raise data.val_fraction")
+    if "tokenizer_used" in info:
+        lines.append(info["tokenizer_used"])
     return lines
 
 
