@@ -59,6 +59,18 @@ class SumLossMLP(MLPModel):
         return out if targets is None else F.cross_entropy(out, targets, reduction="sum")
 
 
+class Float32IslandMLP(MLPModel):
+    """An MLP whose hidden activations pass through a float32 buffer (an in-place copy, which
+    verify's float64 mode cannot keep in float64): rounding, not a fault, at 3 ranks."""
+
+    def forward(self, x, targets=None):
+        h = F.gelu(self.layers[0](x))
+        staging = torch.empty(h.shape, dtype=torch.float32)
+        staging.copy_(h)
+        out = self.layers[1](staging.to(h.dtype))
+        return out if targets is None else F.cross_entropy(out, targets)
+
+
 def _mlp_sizes(section) -> tuple[int, ...]:
     return tuple(section.mlp_sizes)
 
@@ -75,7 +87,11 @@ def _sum_loss_mlp(section, seed, vocab):
 
 ENGINES = {"skip-averaging": "tests.verify_faults:SkipAveragingDDP",
            "frozen-zero-grad": "tests.verify_faults:FrozenGetsZeroGradDDP"}
-MODEL_BUILDS = {"frozen": _frozen_mlp, "sum-loss": _sum_loss_mlp}
+def _island_mlp(section, seed, vocab):
+    return Float32IslandMLP(_mlp_sizes(section), seed=seed)
+
+
+MODEL_BUILDS = {"frozen": _frozen_mlp, "sum-loss": _sum_loss_mlp, "float32-island": _island_mlp}
 _ORIGINAL = (dict(STRATEGIES), dict(MODELS))
 
 

@@ -54,6 +54,12 @@ FROZEN_MOVED = ("a frozen parameter changed: {name} has requires_grad=False and 
 OPTIMIZER = ("the value after the optimizer step differs while gradients and norm agree: clipping, the "
              "learning rate, or this parameter's optimizer state.")
 BUFFER = "this buffer differs while parameters and gradients agree: its update differs per rank."
+# A gradient equal to the reference's (1x) but for an error of float32's rounding or less is no
+# reduction fault (those are off by a factor): some module rounds in lower precision.
+ROUNDING_SIZED = 1e-5
+ROUNDING = ("a rounding-sized difference ({error:.1e}, 1x the reference's gradient): no reduction fault looks like "
+            "this (those are off by a factor). Some module computes in float32 or lower inside the float64 run "
+            "in a way verify did not see; --dtype config compares at the config's precision.")
 
 
 def module_of(name: str, types: dict[str, str]) -> str:
@@ -106,6 +112,8 @@ def _gradient_cause(f, plan, ref, engine) -> str:
         return NOT_AVERAGED.format(rank=rank, ratio=c, n=n)
     if resid < 1e-6 and n > 1 and _close(c, 1 / n):
         return AVERAGED_TWICE.format(rank=rank, ratio=c, n=n)
+    if _close(c, 1.0, 1e-4) and f.error < ROUNDING_SIZED:
+        return ROUNDING.format(error=f.error)
     if f.rank is not None and n > 1:
         how = f"{c:.4g}x" if resid < 1e-6 else "not a multiple of it"
         return REPLICA.format(rank=rank, ratio=how)
@@ -152,7 +160,7 @@ def _unmoved(ref, f) -> bool:
 
 
 def run_notes(plan, ref, engine) -> list[str]:
-    notes = []
+    notes = _float64_notes(ref, engine)
     if ref.dropout_disabled:
         shown = ", ".join(ref.dropout_disabled[:6]) + (", ..." if len(ref.dropout_disabled) > 6 else "")
         notes.append(f"dropout turned off in both runs ({len(ref.dropout_disabled)}: {shown}): each rank would "
@@ -160,4 +168,24 @@ def run_notes(plan, ref, engine) -> list[str]:
     if plan.keep_dropout and any("Dropout" in t for t in ref.meta["module_types"].values()):
         notes.append("--keep-dropout: masks are drawn per rank and per micro batch layout, so the runs are expected "
                      "to differ where dropout is active")
+    return notes
+
+
+def _sites(counts: dict[str, int], limit: int = 4) -> str:
+    names = sorted(counts, key=lambda k: -counts[k])
+    return ", ".join(names[:limit]) + (f", and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _float64_notes(ref, engine) -> list[str]:
+    """What Float64Everywhere did and saw (verify/float64.py): the downcasts it kept in float64, and
+    the modules that still computed in a lower precision, by name, with what that did to the tolerance."""
+    kept = {**(ref.float64 or {}).get("kept", {}), **(engine.float64 or {}).get("kept", {})}
+    islands = {**(ref.float64 or {}).get("islands", {}), **(engine.float64 or {}).get("islands", {})}
+    notes = []
+    if kept:
+        notes.append(f"float32 casts kept in float64 ({_sites(kept)}): the model computes in float32 there even in a "
+                     "float64 model; verify runs it in float64 end to end (docs/verify.md)")
+    if islands:
+        notes.append(f"module(s) computing in float32 inside a float64 run, which verify cannot change: "
+                     f"{_sites(islands)}; the tolerance is that precision's, not float64's")
     return notes

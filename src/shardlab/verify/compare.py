@@ -103,6 +103,7 @@ class Records:
                        if all(p in a["prints"] for a in acts)}
         self.seconds = max(a["seconds"] for a in acts)
         self.dropout_disabled = acts[0]["dropout_disabled"]
+        self.float64 = merge_float64([a.get("float64") for a in acts])
 
     def _load(self, name: str):
         return torch.load(path_of(self.workdir, self.kind, name), weights_only=False)
@@ -112,6 +113,26 @@ class Records:
 
     def pieces(self, s: int) -> list[dict[str, list[tuple[int, torch.Tensor]]]]:
         return [self._load(f"grads{s}.rank{r}.pt") for r in range(self.world)]
+
+
+def merge_float64(per_rank: list[dict | None]) -> dict | None:
+    """The ranks' Float64Everywhere records as one: counts summed by site, dtypes united."""
+    if not any(per_rank):
+        return None
+    out: dict = {"kept": {}, "islands": {}, "island_dtypes": set()}
+    for r in filter(None, per_rank):
+        for key in ("kept", "islands"):
+            for site, n in r[key].items():
+                out[key][site] = out[key].get(site, 0) + n
+        out["island_dtypes"] |= set(r["island_dtypes"])
+    return out
+
+
+def islands_dtype(*runs: Records) -> torch.dtype | None:
+    """The least precise dtype a float32 island of any run computed in (None: no island)."""
+    names = {d for r in runs if r.float64 for d in r.float64["island_dtypes"]}
+    dtypes = [getattr(torch, n) for n in names]
+    return max(dtypes, key=lambda d: torch.finfo(d).eps) if dtypes else None
 
 
 # -- errors ------------------------------------------------------------------------------------------
@@ -230,7 +251,7 @@ def compare(plan: Plan) -> Report:
         floor = StepComparison(ref, noise, s, ref_step, ref_grads).worst().error if noise is not None else None
         steps.append((ref_step["loss"], got, floor))
     noise_floor = max(floor for _, _, floor in steps) if noise is not None else None
-    tol = tolerance_for(plan, ref.meta, noise_floor)
+    tol = tolerance_for(plan, ref.meta, noise_floor, islands_dtype(ref, engine))
     rows = [StepRow(s, loss, got.error_of("forward", "loss"), got.error_of("clip", "gradient norm"), got.worst(),
                     floor, got.within(tol)) for s, (loss, got, floor) in enumerate(steps)]
     first = next(((f, got) for _, got, _ in steps for f in got.findings if not f.error <= limit(f, tol)), None)

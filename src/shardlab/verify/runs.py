@@ -21,6 +21,7 @@ output per sample (`fingerprint`). compare.py reads them back.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import os
@@ -42,6 +43,7 @@ from shardlab.engines import ONE_PROCESS
 from shardlab.loss import count_targets
 from shardlab.runtime import Runtime
 from shardlab.train import build_run, train_step
+from shardlab.verify.float64 import Float64Everywhere
 
 # How long the ranks not running a one-process reference wait for it (a cut 7B in float64
 # on CPU takes minutes); the engine run's collectives keep parallel.timeout_s.
@@ -233,7 +235,14 @@ def target_counts(run, steps: int, world: int) -> list[list[list[int]]]:
 
 def record_run(rt: Runtime, cfg, kind: str, plan: Plan, data) -> None:
     """Train `plan.steps` steps of `cfg` through build_run/train_step and record them (see the
-    module docstring). Every rank of `rt` calls it."""
+    module docstring). Every rank of `rt` calls it. In float64 the whole run, build and steps, is
+    under `Float64Everywhere` ([Note: float32 islands in a float64 run])."""
+    mode = Float64Everywhere() if plan.dtype == "float64" else contextlib.nullcontext()
+    with mode:
+        _record_run(rt, cfg, kind, plan, data, mode)
+
+
+def _record_run(rt: Runtime, cfg, kind: str, plan: Plan, data, mode) -> None:
     t0 = time.perf_counter()
     os.makedirs(os.path.join(plan.workdir, kind), exist_ok=True)
     dropped: list[str] = []
@@ -270,7 +279,8 @@ def record_run(rt: Runtime, cfg, kind: str, plan: Plan, data) -> None:
             run.opt.zero_grad(set_to_none=True)
             run.state.step += 1
         _save({"prints": acts.prints, "order": acts.order, "seconds": time.perf_counter() - t0,
-               "dropout_disabled": dropped}, path_of(plan.workdir, kind, f"acts.rank{rt.rank}.pt"))
+               "dropout_disabled": dropped, "float64": mode.summary() if isinstance(mode, Float64Everywhere) else None},
+              path_of(plan.workdir, kind, f"acts.rank{rt.rank}.pt"))
     finally:
         acts.remove()
         del run, model

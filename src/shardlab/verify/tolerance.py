@@ -90,8 +90,12 @@ def compute_dtype(plan, initial_state: dict) -> torch.dtype:
     return max(dtypes, key=lambda d: UNIT_ROUNDOFF[d])
 
 
-def tolerance_for(plan, ref_meta: dict, noise_floor: float | None) -> Tolerance:
+def tolerance_for(plan, ref_meta: dict, noise_floor: float | None, island: torch.dtype | None = None) -> Tolerance:
+    """`island`: the dtype a module still computed in inside a float64 run ([Note: float32 islands in
+    a float64 run] in verify/float64.py): that rounding is in both runs, so it sets the tolerance."""
     dtype = compute_dtype(plan, ref_meta["initial"])
+    if island is not None and UNIT_ROUNDOFF[island] > UNIT_ROUNDOFF[dtype]:
+        dtype = island
     u, n = UNIT_ROUNDOFF[dtype], ref_meta["num_parameters"]
     name = str(dtype).removeprefix("torch.")
     size_bound = SAFETY * u * math.sqrt(n)
