@@ -1,0 +1,128 @@
+"""Hugging Face decoders on every engine at 3 ranks against one process, in float64: a Mistral
+(untied head) and a Qwen2 with tied embeddings, LoRA on and off, packed and padded rows, two micro
+batches per rank (accumulation under `no_sync`), plain SGD (a gradient off by N shows in the
+step). 3 ranks is where transformers' float32 norms once broke float64 parity: a rank's loss is
+scaled by a factor that float32 does not round exactly ([Note: float32 islands in a float64 run]
+in verify/float64.py). Both runs compute under `Float64Everywhere`, so what is compared is the
+engines' arithmetic in float64; tests/test_verify_float64.py shows what the mode removes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+import shardlab  # noqa: E402
+from shardlab.models.hf import HFCausalLM  # noqa: E402
+from shardlab.testing import run_workers  # noqa: E402
+from shardlab.verify.float64 import Float64Everywhere  # noqa: E402
+from tests.parity import F64_ATOL, F64_RTOL, assert_parity  # noqa: E402
+
+VOCAB, T, WORLD, MICRO, STEPS = 53, 10, 3, 2, 3
+GLOBAL = WORLD * MICRO * 2  # two micro batches per rank
+ENGINES = ("ddp", "zero3", "fsdp", "torch-ddp", "torch-fsdp")
+LORA = {"rank": 2, "alpha": 4.0, "dropout": 0.0, "target_modules": None}
+
+
+def hf_config(arch: str):
+    from transformers import MistralConfig, Qwen2Config
+
+    kw = dict(vocab_size=VOCAB, hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=32)
+    return MistralConfig(**kw, tie_word_embeddings=False) if arch == "mistral" else \
+        Qwen2Config(**kw, tie_word_embeddings=True)
+
+
+def build(arch: str, device: str, lora: bool) -> HFCausalLM:
+    with torch.device(device):
+        return HFCausalLM(hf_config(arch), seed=3, dtype=torch.float64, lora=LORA if lora else None)
+
+
+def batch(step: int, packed: bool):
+    """The global batch of a step: random ids, targets the next tokens with a random prompt
+    masked; packed rows hold two examples (position ids restart, no target across them)."""
+    g = torch.Generator().manual_seed(200 + step)
+    ids = torch.randint(1, VOCAB, (GLOBAL, T), generator=g)
+    y = torch.roll(ids, -1, dims=1)
+    prompt = torch.randint(1, T // 2, (GLOBAL,), generator=g)
+    y[torch.arange(T)[None, :] < prompt[:, None]] = -100
+    y[:, -1] = -100
+    if not packed:
+        return ids, y
+    cut = torch.randint(3, T - 3, (GLOBAL,), generator=g)
+    pos = torch.stack([torch.cat([torch.arange(c), torch.arange(T - c)]) for c in cut.tolist()])
+    y[torch.arange(T)[None, :] == (cut[:, None] - 1)] = -100
+    return torch.stack([ids, pos], dim=1), y
+
+
+def _sgd(model):
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+
+
+def reference(arch: str, packed: bool, lora: bool):
+    """One process: the mean over every rank's micro batches of their mean losses."""
+    with Float64Everywhere():
+        model = build(arch, "cpu", lora)
+        opt, losses = _sgd(model), []
+        for step in range(STEPS):
+            x, y = batch(step, packed)
+            opt.zero_grad(set_to_none=True)
+            parts = [model(x[i:i + MICRO], y[i:i + MICRO]) for i in range(0, GLOBAL, MICRO)]
+            loss = sum(parts) / len(parts)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train(rank: int, world: int, arch: str, strategy: str, packed: bool, lora: bool):
+    import torch.distributed as dist
+
+    with Float64Everywhere():
+        model = shardlab.parallelize(build(arch, "meta", lora), strategy, device="cpu")
+        opt, losses, per_rank = _sgd(model), [], GLOBAL // world
+        for step in range(STEPS):
+            x, y = batch(step, packed)
+            x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+            opt.zero_grad(set_to_none=True)
+            total = torch.zeros((), dtype=torch.float64)
+            k = per_rank // MICRO
+            for m in range(k):
+                last = m == k - 1
+                with (shardlab.no_sync(model) if not last else torch.enable_grad()):
+                    loss = model(x[m * MICRO:(m + 1) * MICRO], y[m * MICRO:(m + 1) * MICRO]) / k
+                    loss.backward()
+                total += loss.detach()
+            opt.step()
+            dist.all_reduce(total)
+            losses.append(total.item() / world)
+        return losses, shardlab.full_state_dict(model)
+
+
+def _all(rank: int, world: int, cases):
+    return {case: _train(rank, world, *case) for case in cases}
+
+
+# each engine on both architectures; LoRA and packing alternate so every combination meets each arch
+CASES = [(arch, strategy, (i + j) % 2 == 0, (i + j // 2) % 2 == 0)
+         for j, strategy in enumerate(ENGINES) for i, arch in enumerate(("mistral", "qwen2-tied"))]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_workers(WORLD, _all, CASES, timeout_s=420)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{'packed' if c[2] else 'padded'}-"
+                                                      f"{'lora' if c[3] else 'full'}")
+def test_hf_decoder_engines_match_one_process_at_3_ranks(runs, case):
+    arch, strategy, packed, lora = case
+    assert_parity(reference(arch, packed, lora), runs[case], f"{arch}/{strategy}", rtol=F64_RTOL, atol=F64_ATOL)
+
+
+def test_the_cases_cover_every_combination():
+    combos = {(arch, packed, lora) for arch, _, packed, lora in CASES}
+    assert len(combos) == 8 and {s for _, s, _, _ in CASES} == set(ENGINES)
