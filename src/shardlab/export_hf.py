@@ -67,21 +67,23 @@ def gpt_to_gpt2(model: nn.Module):
 
 def model_from_state(record: dict[str, Any], state: dict[str, torch.Tensor]) -> nn.Module:
     """The model of `record` holding `state`, built on the meta device and filled without a
-    random init (a 7B export does not first draw 7B random numbers); buffers recomputed."""
+    random init (a 7B export does not first draw 7B random numbers). An hf model takes the state
+    and derives the rest as every other construction does (HFCausalLM.load_state_)."""
     from shardlab.models import rebuild_model
-    from shardlab.models.hf import recompute_buffers_
 
     model = rebuild_model(record, "meta")
+    if record["name"] == "hf":
+        model.load_state_(state)
+        if getattr(model.hf_config, "tie_word_embeddings", False):
+            model.hf_model.tie_weights()
+        return model.eval()
     model.load_state_dict(state, strict=True, assign=True)
     for m in model.modules():
         for name, b in list(m._buffers.items()):
             if b is not None and b.device.type == "meta":
                 m._buffers[name] = torch.zeros(b.shape, dtype=b.dtype)
-        recompute_buffers_(m)
     if record["name"] == "gpt":
         model.lm_head.weight = model.tok_emb.weight
-    elif getattr(model.hf_config, "tie_word_embeddings", False):
-        model.hf_model.tie_weights()
     return model.eval()
 
 
@@ -168,19 +170,22 @@ def is_hf_dir(path: str) -> bool:
                                        for f in ("config.json", "adapter_config.json"))
 
 
-def load_hf_dir(path: str) -> nn.Module:
-    """A local Hugging Face directory as shardlab's HFCausalLM on CPU: a whole model (config.json +
-    safetensors, read as model.hf_path is), or a peft adapter (adapter_config.json) on top of the
-    base directory it names (`base_model_name_or_path`)."""
+def load_hf_dir(path: str, hf_dtype: str = "fp32") -> nn.Module:
+    """A local Hugging Face directory as shardlab's HFCausalLM on CPU, built as training builds it
+    (`shardlab.models.build_model` of a model section naming the directory): a whole model
+    (config.json + safetensors, read as model.hf_path is), or a peft adapter (adapter_config.json)
+    on top of the base directory it names (`base_model_name_or_path`)."""
     import json
+    from types import SimpleNamespace
 
     from shardlab.checkpoint import CheckpointError
-    from shardlab.models.hf import HFCausalLM, require_transformers
+    from shardlab.models import build_model
+    from shardlab.models.hf import LoRAKeys
 
-    auto_config = require_transformers().AutoConfig
     adapter_file = os.path.join(path, "adapter_config.json")
+    section = SimpleNamespace(name="hf", hf_path=path, hf_config=None, hf_dtype=hf_dtype, lora=LoRAKeys())
     if not os.path.isfile(adapter_file):
-        return HFCausalLM(auto_config.from_pretrained(path), hf_path=path).eval()
+        return build_model(section).eval()
     with open(adapter_file) as f:
         a = json.load(f)
     base = a.get("base_model_name_or_path")
@@ -192,9 +197,10 @@ def load_hf_dir(path: str) -> nn.Module:
     from safetensors.torch import load_file
 
     targets = a.get("target_modules")
-    lora = {"rank": a["r"], "alpha": a["lora_alpha"], "dropout": a.get("lora_dropout", 0.0),
-            "target_modules": sorted(targets) if isinstance(targets, list) else targets}
-    model = HFCausalLM(auto_config.from_pretrained(base), hf_path=base, lora=lora)
+    section.hf_path = base
+    section.lora = LoRAKeys(rank=a["r"], alpha=a["lora_alpha"], dropout=a.get("lora_dropout", 0.0),
+                            target_modules=sorted(targets) if isinstance(targets, list) else targets)
+    model = build_model(section)
     set_peft_model_state_dict(model.model, load_file(os.path.join(path, "adapter_model.safetensors")))
     return model.eval()
 

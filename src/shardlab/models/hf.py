@@ -33,27 +33,38 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import warnings
-import zlib
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 from shardlab.errors import ConfigError
-from shardlab.models.init import init_parameters_
+from shardlab.models.hf_load import (  # noqa: F401  (SafetensorsReader, weight_files: this module's API too)
+    INDEX_FILE,
+    POSITION_IDS,
+    SINGLE_FILE,
+    SafetensorsReader,
+    builds_packed_masks,
+    checkpoint_names,
+    derive_,
+    fallback_route,
+    init_owners,
+    mark_,
+    marks,
+    packed_mask,
+    seed_for,
+    weight_files,
+)
+from shardlab.models.init import materialize_
 from shardlab.models.spec import ModelSpec
 
 IGNORE_INDEX = -100
 HF_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 
 
 def require_transformers():
@@ -62,85 +73,6 @@ def require_transformers():
     except ImportError as e:  # pragma: no cover - the extra is installed by make setup
         raise RuntimeError("model.name=hf needs the `transformers` package: pip install 'shardlab[hf]'") from e
     return transformers
-
-
-# -- the local files ------------------------------------------------------------------------------
-def weight_files(hf_path: str) -> dict[str, str]:
-    """checkpoint key -> safetensors file, from the index of a sharded directory or the one file."""
-    index = os.path.join(hf_path, INDEX_FILE)
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return {k: os.path.join(hf_path, v) for k, v in weight_map.items()}
-    single = os.path.join(hf_path, SINGLE_FILE)
-    if os.path.isfile(single):
-        with safe_open(single, framework="pt") as f:
-            return {k: single for k in f.keys()}
-    raise FileNotFoundError(f"model.hf_path {hf_path!r}: neither {INDEX_FILE} nor {SINGLE_FILE} there; "
-                            "save the model with save_pretrained(..., safe_serialization=True)")
-
-
-class SafetensorsReader:
-    """Reads single tensors (or slices of them) from a local HF directory, keeping files open."""
-
-    def __init__(self, hf_path: str):
-        self.hf_path = hf_path
-        self.files = weight_files(hf_path)
-        self._open: dict[str, Any] = {}
-        self.bytes_read = 0       # what was read from the files, for tests and reports
-        self.elements_read = 0
-
-    def _handle(self, path: str):
-        if path not in self._open:
-            self._open[path] = safe_open(path, framework="pt")
-        return self._open[path]
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.files
-
-    def get(self, key: str, index: Any = None) -> torch.Tensor:
-        """The tensor `key`, or only `index` of it (safetensors reads just that slice)."""
-        f = self._handle(self.files[key])
-        t = f.get_tensor(key) if index is None else f.get_slice(key)[index]
-        self._count(t)
-        return t
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        """The stored shape of `key`, from the file's header (no data read)."""
-        return tuple(self._handle(self.files[key]).get_slice(key).get_shape())
-
-    def read_flat_range(self, key: str, start: int, end: int) -> torch.Tensor:
-        """Elements [start, end) of tensor `key` flattened (row-major), as a 1-D tensor, reading
-        only the rows of dim 0 that cover them: see [Note: reading a flat range by rows].
-
-        [Note: reading a flat range by rows]
-        fsdp keeps a slice [lo, hi) of each unit's flat buffer (the unit's tensors flattened and
-        laid end to end), so a rank holds a range of elements of each tensor it overlaps, which
-        may start and end mid-row. safetensors' `get_slice(key)[a:b]` reads whole rows of dim 0
-        (a row = the product of the other dims; one element for a 1-D tensor) straight from the
-        memory-mapped file, and nothing else. So we read rows floor(start/row) .. ceil(end/row)
-        and cut the exact elements: at most one partial row is over-read at each end, i.e. fewer
-        than 2 rows per tensor per rank beyond the elements the rank holds. A scalar is read whole.
-        """
-        if not 0 <= start < end:
-            raise ValueError(f"{key}: empty or negative element range [{start}, {end})")
-        shape = self.shape(key)
-        numel = math.prod(shape)
-        if end > numel:
-            raise ValueError(f"{key}: element range [{start}, {end}) beyond its {numel} elements {shape}")
-        if not shape:  # a scalar
-            return self.get(key).reshape(1)
-        row = numel // shape[0]
-        first, last = start // row, -(-end // row)
-        rows = self.get(key, slice(first, last)).reshape(-1)
-        return rows[start - first * row:end - first * row]
-
-    def _count(self, t: torch.Tensor) -> None:
-        self.elements_read += t.numel()
-        self.bytes_read += t.numel() * t.element_size()
-
-    def close(self) -> None:
-        self._open.clear()
 
 
 # -- the model ------------------------------------------------------------------------------------
@@ -154,33 +86,38 @@ class LoRAKeys:
     target_modules: Optional[list[str]] = None   # null: peft's default for the architecture
 
 
-def _seed_for(seed: int, name: str) -> int:
-    return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
-
-
 class HFCausalLM(nn.Module):
     """A transformers causal LM behind shardlab's model contract:
     forward(inputs, targets=None) -> logits, or the mean loss over targets != -100."""
 
     def __init__(self, hf_config: Any, *, seed: int = 0, hf_path: str | None = None,
                  dtype: torch.dtype = torch.float32, lora: dict[str, Any] | None = None):
+        """Built on the meta device whatever the device in effect (`with torch.device(...)`), then,
+        unless that device is meta, materialized there by `materialize_`: the path every engine
+        takes (see [Note: every tensor after the meta device] in models/hf_load.py)."""
         super().__init__()
         transformers = require_transformers()
         self.init_seed = seed
         self.hf_path = hf_path
         self.lora = dict(lora) if lora and lora.get("rank", 0) > 0 else None
-        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-        if self.lora is not None:
-            for p in model.parameters():
-                p.requires_grad_(False)
-            model = _add_lora(model, self.lora)
-            for name, m in model.named_modules():  # adapters in the model's dtype, on meta too
-                if _is_lora_leaf(name):
-                    m.to(dtype)
+        device = torch.get_default_device()
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+            # the family hands restarting position ids to transformers' mask builder ([Note: packed sequences])
+            self.packs_by_position_ids = builds_packed_masks(model)
+            if self.lora is not None:
+                for p in model.parameters():
+                    p.requires_grad_(False)
+                model = _add_lora(model, self.lora)
+                for name, m in model.named_modules():  # adapters in the model's dtype
+                    if _is_lora_leaf(name):
+                        m.to(dtype)
         self.model = model
         self._reader: SafetensorsReader | None = None
-        if not any(t.device.type == "meta" for t in self.parameters()):
-            init_parameters_(self, seed)
+        self._names: dict[str, str] | None = None  # model key -> checkpoint key (see _find)
+        self._converted: list[str] = []
+        if device.type != "meta":
+            materialize_(self, device, seed)
 
     # the pieces the rest of shardlab asks for
     @property
@@ -197,15 +134,31 @@ class HFCausalLM(nn.Module):
         names = set(getattr(self.hf_model, "_no_split_modules", None) or ())
         return {type(m) for m in self.modules() if type(m).__name__ in names}
 
+    @property
+    def attention(self) -> str:
+        """The attention implementation in use (transformers' `_attn_implementation`)."""
+        return self.hf_config._attn_implementation
+
+    def packed_route(self) -> str | None:
+        """How packed examples are kept apart under the attention implementation in use:
+        hf_load.POSITION_IDS, ADDITIVE or BOOLEAN, None when no way is known (packing refused)."""
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+        if self.packs_by_position_ids and self.attention in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+            return POSITION_IDS
+        return fallback_route(self.hf_config)
+
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         kwargs: dict[str, Any] = {}
         if inputs.dim() == 3:  # packed: [B, 2, T] = token ids, position ids
-            ids, pos = inputs[:, 0], inputs[:, 1]
-            segment = torch.cumsum((pos == 0).to(torch.int32), dim=1)
-            T = ids.shape[1]
-            causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
-            mask = (segment[:, :, None] == segment[:, None, :]) & causal
-            kwargs = {"position_ids": pos, "attention_mask": mask[:, None]}
+            ids, pos = inputs[:, 0], inputs[:, 1].long()
+            kwargs = {"position_ids": pos}
+            route = self.packed_route()
+            if route is None:
+                raise ValueError(f"packed rows: no known way to keep examples apart in {self.hf_config.model_type} "
+                                 f"under attention {self.attention!r}; set data.packing=false")
+            if route != POSITION_IDS:
+                kwargs["attention_mask"] = packed_mask(pos, route, next(self.parameters()).dtype)
         else:
             ids = inputs
         logits = self.model(input_ids=ids, use_cache=False, **kwargs).logits
@@ -223,17 +176,25 @@ class HFCausalLM(nn.Module):
         return key
 
     def _find(self, reader: SafetensorsReader, key: str, alternatives: list[str]) -> str | None:
+        """The checkpoint key of model key `key` (or of one of `alternatives`), through transformers'
+        renaming of checkpoint keys (hf_load.checkpoint_names), with or without the base prefix."""
+        if self._names is None:
+            self._names, self._converted = checkpoint_names(self.hf_model, reader.files)
         prefix = getattr(self.hf_model, "base_model_prefix", "") + "."
         for k in [key, *alternatives]:
             for cand in (k, k.removeprefix(prefix), prefix + k):
-                if cand in reader:
-                    return cand
+                if cand in self._names:
+                    return self._names[cand]
         return None
 
     def _file_key(self, reader: SafetensorsReader, canonical: str, tied_names: list[str]) -> str:
         """The checkpoint key holding parameter `canonical` (or one of the names it is tied to)."""
         key = self._find(reader, self.checkpoint_key(canonical), [self.checkpoint_key(n) for n in tied_names])
         if key is None:
+            if self._converted:
+                raise KeyError(f"model.hf_path {self.hf_path!r}: {self.checkpoint_key(canonical)!r} is made by transformers' "
+                               f"weight converters from several stored tensors ({self._converted[0]}, ...); shardlab reads "
+                               "tensors one by one and cannot load this layout")
             raise KeyError(f"model.hf_path {self.hf_path!r} has no weight for {self.checkpoint_key(canonical)!r}; "
                            "the directory does not match its config.json")
         return key
@@ -267,9 +228,9 @@ class HFCausalLM(nn.Module):
     @torch.no_grad()
     def shardlab_initialize_(self, modules=None, names: dict[int, str] | None = None) -> None:
         """Fill the parameters and buffers of `modules` (all when None) that have storage: from
-        model.hf_path, or by random init; recompute non-persistent buffers. Called by
-        shardlab.models.init.init_parameters_, i.e. by every engine's materialization."""
-        all_names = {id(p): n for n, p in self.named_parameters(remove_duplicate=False)}
+        model.hf_path, then transformers' own `_init_weights` for the rest (see [Note: every tensor
+        after the meta device] in models/hf_load.py). Called by shardlab.models.init.init_parameters_,
+        i.e. by every engine's materialization."""
         tied: dict[int, list[str]] = {}
         for n, p in self.named_parameters(remove_duplicate=False):
             tied.setdefault(id(p), []).append(n)
@@ -280,32 +241,61 @@ class HFCausalLM(nn.Module):
         # (GPT-2 attention scaling its c_proj) has the last word, as in a whole build
         order = [m for m in self.modules() if wanted is None or id(m) in wanted][::-1]
         reader = self._open_reader() if self.hf_path else None
-        hf = self.hf_model
-        for m in order:
-            params = [(ln, p) for ln, p in m.named_parameters(recurse=False) if p.device.type != "meta"]
-            if reader is None and params and not _is_lora_leaf(module_names[id(m)]):
-                with torch.random.fork_rng(devices=_rng_devices(params[0][1])):
-                    torch.manual_seed(_seed_for(self.init_seed, module_names[id(m)]))
-                    hf._init_weights(m)
-            for _local, p in params:
-                canonical = names.get(id(p)) or all_names[id(p)]
-                if ".lora_" in canonical:
-                    _init_lora_(p, canonical, self.init_seed)
-                elif reader is not None:
-                    key = self._file_key(reader, canonical, tied[id(p)])
-                    value = reader.get(key)
-                    self._check_shape(key, value.shape, p)
-                    p.copy_(value.to(dtype=p.dtype))
-            recompute_buffers_(m)
+        with marks() as marked:
+            for m in order:
+                self._load_module_(m, module_names[id(m)], reader, names, tied, marked)
+            derive_(order, init_owners(self), module_names, self.init_seed, marked)
+
+    @torch.no_grad()
+    def load_state_(self, state: dict[str, torch.Tensor]) -> None:
+        """A meta build given `state` (a checkpoint's: parameters and persistent buffers, assigned
+        as they are), and everything else derived as after any materialization: the non-persistent
+        buffers by transformers' own `_init_weights`, never from the files."""
+        self.load_state_dict(state, strict=True, assign=True)
+        for m in self.modules():
+            for name, b in list(m._buffers.items()):
+                if b is not None and b.device.type == "meta":
+                    m._buffers[name] = torch.empty(b.shape, dtype=b.dtype)
+        module_names = {id(m): n for n, m in self.named_modules(remove_duplicate=False)}
+        with marks() as marked:
+            for t in self.state_dict(keep_vars=True).values():  # what `state` gave: parameters, persistent buffers
+                mark_(t, marked)
+            derive_(list(self.modules())[::-1], init_owners(self), module_names, self.init_seed, marked)
+
+    def _load_module_(self, m: nn.Module, module_name: str, reader: SafetensorsReader | None,
+                      names: dict[int, str], tied: dict[int, list[str]], marked: list[torch.Tensor]) -> None:
+        """Pass 1 for one module: its parameters with storage from the files (LoRA adapters: peft's
+        init) and its persistent buffers the files hold, each marked as filled."""
+        for local, p in m.named_parameters(recurse=False):
+            if p.device.type == "meta":
+                continue
+            canonical = names.get(id(p)) or tied.get(id(p), [f"{module_name}.{local}"])[0]
+            if ".lora_" in canonical:
+                _init_lora_(p, canonical, self.init_seed)
+            elif reader is not None:
+                key = self._file_key(reader, canonical, tied.get(id(p), [canonical]))
+                value = reader.get(key)
+                self._check_shape(key, value.shape, p)
+                p.copy_(value.to(dtype=p.dtype))
+            else:
+                continue
+            mark_(p, marked)
+        if reader is None:
+            return
+        for bname, b in m._buffers.items():
+            if b is None or b.device.type == "meta" or bname in m._non_persistent_buffers_set:
+                continue
+            key = self._find(reader, self.checkpoint_key(f"{module_name}.{bname}"), [])
+            if key is not None:
+                value = reader.get(key)
+                self._check_shape(key, value.shape, b)
+                b.copy_(value.to(dtype=b.dtype))
+                mark_(b, marked)
 
     def _open_reader(self) -> SafetensorsReader:
         if self._reader is None:
             self._reader = SafetensorsReader(self.hf_path)
         return self._reader
-
-
-def _rng_devices(t: torch.Tensor) -> list:
-    return [t.device] if t.device.type == "cuda" else []
 
 
 def _is_lora_leaf(module_name: str) -> bool:
@@ -317,25 +307,11 @@ def _init_lora_(p: torch.Tensor, name: str, seed: int) -> None:
     if ".lora_B" in name:
         p.zero_()
         return
-    g = torch.Generator().manual_seed(_seed_for(seed, name))
+    g = torch.Generator().manual_seed(seed_for(seed, name))
     value = torch.empty(p.shape, dtype=torch.float64)
     bound = (1.0 / p.shape[1]) ** 0.5  # kaiming_uniform_(a=sqrt(5)) = U(-1/sqrt(fan_in), 1/sqrt(fan_in))
     value.uniform_(-bound, bound, generator=g)
     p.copy_(value.to(p.dtype))
-
-
-@torch.no_grad()
-def recompute_buffers_(m: nn.Module) -> None:
-    """Non-persistent buffers computed at construction: rotary inverse frequencies."""
-    if "RotaryEmbedding" in type(m).__name__ and hasattr(m, "inv_freq") and m.inv_freq.device.type != "meta":
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # deferred: see require_transformers
-
-        fns = {"default": getattr(m, "compute_default_rope_parameters", None), **ROPE_INIT_FUNCTIONS}
-        inv_freq, scaling = fns[m.rope_type](m.config)
-        m.inv_freq.copy_(inv_freq.to(m.inv_freq.device))
-        if hasattr(m, "original_inv_freq"):
-            m.original_inv_freq.copy_(inv_freq.to(m.inv_freq.device))
-        m.attention_scaling = scaling
 
 
 def _add_lora(model: nn.Module, lora: dict[str, Any]) -> nn.Module:
