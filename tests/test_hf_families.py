@@ -34,17 +34,18 @@ EXAMPLE_LENGTHS = (6, 4, 7)  # longer than the sliding windows (5) of the famili
 T = 20                        # the packed row: the three examples, then 3 padding tokens
 
 
-def section(path: str, dtype: str = "fp64"):
+def section(path: str, dtype: str = "fp64", attention: str | None = None):
     from shardlab.models.hf import LoRAKeys
 
-    return SimpleNamespace(name="hf", hf_path=path, hf_config=None, hf_dtype=dtype, lora=LoRAKeys())
+    return SimpleNamespace(name="hf", hf_path=path, hf_config=None, hf_dtype=dtype, hf_attention=attention,
+                           lora=LoRAKeys())
 
 
-def shardlab_model(path: str, strategy: str = "single", dtype: str = "fp64"):
+def shardlab_model(path: str, strategy: str = "single", dtype: str = "fp64", attention: str | None = None):
     """The model as `shardlab train` builds it: on the meta device, materialized by the engine."""
     from shardlab.models import build_model
 
-    return shardlab.parallelize(build_model(section(path, dtype), device="meta"), strategy, device="cpu")
+    return shardlab.parallelize(build_model(section(path, dtype, attention), device="meta"), strategy, device="cpu")
 
 
 def reference(path: str, dtype=torch.float64):
@@ -151,9 +152,8 @@ def test_packed_examples_are_isolated(dirs, name, impl):
     """(2) Changing the other examples of a packed row moves none of an example's logits (<= 1e-10,
     float64: the same shapes, so no rounding differs), and each example's logits equal those it
     gets alone (<= 1e-10; under eager with a float32 softmax, <= EAGER_FP32_FLOOR)."""
-    model = shardlab_model(dirs[name])
+    model = shardlab_model(dirs[name], attention=impl)  # model.hf_attention=impl
     inner = shardlab.engine_of(model).unwrapped()
-    inner.hf_model.set_attn_implementation(impl)
     assert inner.attention == impl
     model.eval()
     exs = examples(name)
@@ -221,3 +221,32 @@ def test_export_loads_in_transformers(dirs, name, tmp_path):
     # the same weights and buffers (test_build_equals_from_pretrained); the logits differ by at most
     # 2.2e-15 here (BLAS on the loaded tensors' other memory), never beyond float64's noise
     assert (got - want).abs().max().item() <= 1e-12, (name, (got - want).abs().max().item())
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_fallback_masks_isolate_and_a_boolean_mask_under_eager_does_not(dirs, impl):
+    """A family that did not build packed masks from position ids would get shardlab's 4-D mask in
+    the form its implementation takes (additive for eager, boolean for sdpa): examples isolated as
+    well. A boolean mask under eager (the former way) is added to the scores as 0/1: examples mix."""
+    from shardlab.models.hf_load import ADDITIVE, BOOLEAN, packed_mask
+
+    model = shardlab_model(dirs["llama"], attention=impl)
+    inner = shardlab.engine_of(model).unwrapped()
+    inner.packs_by_position_ids = False
+    assert inner.packed_route() == {"eager": ADDITIVE, "sdpa": BOOLEAN}[impl]
+    model.eval()
+    exs = examples("llama")
+    x, _ = packed_row(exs)
+    packed = _logits(model, x)
+    n0 = len(exs[0][0])
+    floor = EAGER_FP32_FLOOR if impl == "eager" else EXACT
+    assert (packed[:n0] - _logits(model, exs[0][0][None])).abs().max().item() <= floor
+    later = x.clone()
+    later[0, 0, n0:] = 5  # every later token changed
+    assert (_logits(model, later)[:n0] - packed[:n0]).abs().max().item() <= EXACT
+    if impl == "eager":
+        with torch.no_grad():
+            mask = packed_mask(x[:, 1], BOOLEAN, torch.float64)
+            a = inner.model(input_ids=x[:, 0], position_ids=x[:, 1], attention_mask=mask, use_cache=False).logits
+            b = inner.model(input_ids=later[:, 0], position_ids=x[:, 1], attention_mask=mask, use_cache=False).logits
+        assert (a[0, :n0] - b[0, :n0]).abs().max().item() > 1e-3

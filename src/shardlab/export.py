@@ -150,7 +150,8 @@ def _export_hf_cmd(args: argparse.Namespace) -> int:
     lora = args.lora or config.get("export", {}).get("lora", "merged")
     run_dir = args.run if os.path.isfile(os.path.join(args.run, "config.yaml")) else None
     out = export_hf(model_from_state(record, state), args.out, tokenizer_dir=run_tokenizer_dir(run_dir, config),
-                    lora=lora, base_model=(record.get("kwargs") or {}).get("hf_path"), run_config=config or None)
+                    lora=lora, base_model=(record.get("kwargs") or {}).get("hf_path"), run_config=config or None,
+                    progress=config.get("output", {}).get("progress", True))
     print(f"exported step {manifest['step']} of {path} as a Hugging Face directory: {out}")
     return 0
 

@@ -13,6 +13,7 @@ The tokenizer files are written beside the model when the run had a tokenizer.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from typing import Any
@@ -90,11 +91,34 @@ def model_from_state(record: dict[str, Any], state: dict[str, torch.Tensor]) -> 
 RUN_CONFIG = "shardlab_config.yaml"  # the run's resolved config, beside the model: `shardlab eval DIR` reads it
 
 
+@contextlib.contextmanager
+def transformers_progress(show: bool):
+    """transformers' (and huggingface_hub's) tqdm bars ("Writing model shards", ...) on or off
+    for the block; off follows output.progress=false."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if not show:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was and not show:
+            hf_logging.enable_progress_bar()
+
+
 def export_hf(model: nn.Module, out_dir: str, *, tokenizer_dir: str | None = None, lora: str = "merged",
-              base_model: str | None = None, run_config: dict[str, Any] | None = None) -> str:
+              base_model: str | None = None, run_config: dict[str, Any] | None = None, progress: bool = True) -> str:
     """Write `model` (shardlab's HFCausalLM or GPT) as a Hugging Face directory; returns out_dir.
     base_model: the local directory the weights came from (model.hf_path), which a LoRA adapter
-    names as its base (`base_model_name_or_path`); run_config: the run's config (-> RUN_CONFIG)."""
+    names as its base (`base_model_name_or_path`); run_config: the run's config (-> RUN_CONFIG);
+    progress: transformers' progress bars (output.progress)."""
+    with transformers_progress(progress):
+        return _export_hf(model, out_dir, tokenizer_dir, lora, base_model, run_config)
+
+
+def _export_hf(model: nn.Module, out_dir: str, tokenizer_dir: str | None, lora: str, base_model: str | None,
+               run_config: dict[str, Any] | None) -> str:
     from shardlab.models.gpt import GPT
     from shardlab.models.hf import HFCausalLM
 
@@ -161,7 +185,8 @@ def export_at_end(run) -> str | None:
     out = cfg.export.dir or os.path.join(run.out_dir, "hf")
     tok = run_tokenizer_dir(run.out_dir, cfg.to_dict())
     return export_hf(model, out, tokenizer_dir=tok, lora=cfg.export.lora,
-                     base_model=(record.get("kwargs") or {}).get("hf_path"), run_config=cfg.to_dict())
+                     base_model=(record.get("kwargs") or {}).get("hf_path"), run_config=cfg.to_dict(),
+                     progress=cfg.output.progress)
 
 
 # -- reading a Hugging Face directory back (shardlab generate / eval) ---------------------------------

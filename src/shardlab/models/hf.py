@@ -5,6 +5,7 @@ built from local files only, optionally with LoRA adapters through `peft`.
                       sharded with model.safetensors.index.json)
     model.hf_config   a config JSON only: random init with the model's own `_init_weights`
     model.hf_dtype    the parameters' (master weights') dtype: fp32 | bf16 | fp64
+    model.hf_attention  transformers' attention implementation (null: its default for the family)
     model.lora.*      rank > 0 adds LoRA adapters; the base weights are frozen
 
 [Note: how an engine fills a model built on the meta device]
@@ -13,10 +14,11 @@ Engines build nothing themselves: they give a meta module's tensors storage and 
 materialize (a sharded engine: one unit at a time). When the root model defines
 `shardlab_initialize_(modules, names)` that call is handed to it, so this model fills each
 materialized tensor itself: from the safetensors files (only the tensors of those modules are
-read, through `safe_open`, never the whole model), or by the model's own `_init_weights`
-under a generator seeded by (seed, module name), so a unit materialized alone equals the same
-unit of a whole build. Non-persistent buffers (rotary `inv_freq`) are not in any file and a
-meta build left them meta; they are recomputed here from the config on the real device.
+read, through `safe_open`, never the whole model), then transformers' own `_init_weights` for
+everything else (non-persistent buffers, parameters without files: see [Note: every tensor after
+the meta device] in models/hf_load.py), under a generator seeded by (seed, module name), so a
+unit materialized alone equals the same unit of a whole build. Every construction (train,
+verify, eval, generate, export) builds on the meta device and fills this way.
 fsdp and torch-fsdp go one step further: through `shardlab_range_readers` each rank reads only the
 element ranges of its flat shard (fsdp, see [Note: reading a flat range by rows] in
 SafetensorsReader) or the rows of its DTensor shards (torch-fsdp, see [Note: torch-fsdp from the
@@ -24,9 +26,13 @@ meta device] in engines/native.py).
 
 [Note: packed sequences]
 A batch's inputs are either token ids [B, T], or [B, 2, T]: token ids and position ids. Position
-ids restart at 0 at each packed example, so the examples are the runs between zeros; the
-forward turns them into a block-diagonal causal mask (4-D boolean, which transformers' sdpa
-and eager attention honour) so attention never crosses examples. Targets of -100 are ignored.
+ids restart at 0 at each packed example. The forward passes the position ids and no attention
+mask: transformers builds the block-causal mask from them itself (a new sequence wherever the
+position does not grow by 1), in its attention implementation's form, sliding windows included.
+Whether the family does is found once, on the meta device (hf_load.builds_packed_masks). A family
+that does not gets a block-diagonal 4-D mask in the form its implementation takes: additive for
+eager (which adds the mask to the scores: a boolean one would be added as 0/1), boolean for sdpa;
+otherwise data.packing is refused before any worker starts. Targets of -100 are ignored.
 """
 
 from __future__ import annotations
@@ -45,10 +51,13 @@ from torch import nn
 
 from shardlab.errors import ConfigError
 from shardlab.models.hf_load import (  # noqa: F401  (SafetensorsReader, weight_files: this module's API too)
+    ADDITIVE,
+    BOOLEAN,
     INDEX_FILE,
     POSITION_IDS,
     SINGLE_FILE,
     SafetensorsReader,
+    build_problem,
     builds_packed_masks,
     checkpoint_names,
     derive_,
@@ -91,8 +100,9 @@ class HFCausalLM(nn.Module):
     forward(inputs, targets=None) -> logits, or the mean loss over targets != -100."""
 
     def __init__(self, hf_config: Any, *, seed: int = 0, hf_path: str | None = None,
-                 dtype: torch.dtype = torch.float32, lora: dict[str, Any] | None = None):
-        """Built on the meta device whatever the device in effect (`with torch.device(...)`), then,
+                 dtype: torch.dtype = torch.float32, lora: dict[str, Any] | None = None,
+                 attention: str | None = None):
+        """attention: transformers' attn_implementation (None: its default for the family). Built on the meta device whatever the device in effect (`with torch.device(...)`), then,
         unless that device is meta, materialized there by `materialize_`: the path every engine
         takes (see [Note: every tensor after the meta device] in models/hf_load.py)."""
         super().__init__()
@@ -102,7 +112,8 @@ class HFCausalLM(nn.Module):
         self.lora = dict(lora) if lora and lora.get("rank", 0) > 0 else None
         device = torch.get_default_device()
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+            chosen = {"attn_implementation": attention} if attention else {}
+            model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype, **chosen)
             # the family hands restarting position ids to transformers' mask builder ([Note: packed sequences])
             self.packs_by_position_ids = builds_packed_masks(model)
             if self.lora is not None:
@@ -147,6 +158,14 @@ class HFCausalLM(nn.Module):
         if self.packs_by_position_ids and self.attention in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
             return POSITION_IDS
         return fallback_route(self.hf_config)
+
+    def attention_record(self, packing: bool) -> dict[str, Any]:
+        """What run_args.json records and the run prints once: the implementation and how packed
+        examples are kept apart."""
+        how = {POSITION_IDS: "transformers' masks from position ids", ADDITIVE: "shardlab's 4-D additive mask",
+               BOOLEAN: "shardlab's 4-D boolean mask"}
+        return {"implementation": self.attention,
+                "packed_examples": how.get(self.packed_route(), "refused") if packing else None}
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         kwargs: dict[str, Any] = {}
@@ -337,6 +356,7 @@ class HFKeys:
     hf_path: Optional[str] = None          # local HF directory: config.json + safetensors
     hf_config: Optional[str] = None        # a config JSON (or a directory with config.json): random init
     hf_dtype: str = "fp32"                 # parameter dtype: fp32 | bf16 | fp64
+    hf_attention: Optional[str] = None     # attention implementation: eager | sdpa | ...; null: transformers' default
     lora: LoRAKeys = field(default_factory=LoRAKeys)
 
 
@@ -396,6 +416,52 @@ def _check(section) -> None:
         problem = lora_target_problem(section, raw["model_type"])
         if problem:
             raise ConfigError(problem)
+    problem = _meta_build(section)[1]
+    if problem:
+        raise ConfigError(problem)
+
+
+def _section_key(section) -> tuple:
+    path = config_file(section)
+    return (section.hf_path, section.hf_config, section.hf_dtype, getattr(section, "hf_attention", None), path,
+            os.path.getmtime(path))
+
+
+def _meta_build(section) -> tuple[HFCausalLM | None, str | None]:
+    """The model on the meta device and what stops shardlab from filling it (hf_load.build_problem),
+    once per config (cached: validation runs on the launcher and in every worker)."""
+    return _meta_build_cached(_section_key(section))
+
+
+@functools.lru_cache(maxsize=16)
+def _meta_build_cached(key: tuple) -> tuple[HFCausalLM | None, str | None]:
+    hf_path, hf_config, hf_dtype, attention = key[:4]
+    section = SimpleNamespace(name="hf", hf_path=hf_path, hf_config=hf_config, hf_dtype=hf_dtype,
+                              hf_attention=attention, lora=LoRAKeys())
+
+    def build() -> HFCausalLM:
+        with torch.device("meta"):
+            return _build(section, 0, None)
+
+    try:
+        model = build()
+    except (ValueError, ImportError) as e:  # transformers refuses the implementation for this family
+        if attention is None:
+            raise
+        return None, f"model.hf_attention={attention}: {str(e).splitlines()[0]}"
+    return model, build_problem(build, hf_path)
+
+
+def _packing_problem(section) -> str | None:
+    """data.packing=true: None when the model keeps packed examples apart under its attention
+    implementation ([Note: packed sequences]), else why not."""
+    model = _meta_build(section)[0]
+    if model is None or model.packed_route() is not None:
+        return None
+    return (f"data.packing=true: {type(model.hf_model).__name__} under attention {model.attention!r} has no known way "
+            "to keep packed examples apart (transformers does not build its mask from the position ids, and this "
+            "implementation takes no 4-D mask shardlab writes, or a sliding window would be lost); set "
+            "data.packing=false, or model.hf_attention=eager or sdpa")
 
 
 def lora_layer_names(section) -> dict[str, list[str]]:
@@ -440,15 +506,17 @@ def lora_target_problem(section, model_type: str) -> str | None:
 
 
 def _build(section, seed: int, vocab_size: int | None) -> HFCausalLM:
+    """The one construction of an hf model (train, verify, eval, generate, export all come here or
+    through `_rebuild` of what `_record` kept)."""
     config = load_hf_config(section, vocab_size)
     return HFCausalLM(config, seed=seed, hf_path=section.hf_path, dtype=HF_DTYPES[section.hf_dtype],
-                      lora=asdict(section.lora))
+                      lora=asdict(section.lora), attention=getattr(section, "hf_attention", None))
 
 
 def _record(model: HFCausalLM) -> dict[str, Any]:
     dtype = {v: k for k, v in HF_DTYPES.items()}[next(model.parameters()).dtype]
     return {"hf_config": model.hf_config.to_dict(), "dtype": dtype, "lora": model.lora,
-            "hf_path": model.hf_path}
+            "hf_path": model.hf_path, "attention": model.attention}
 
 
 def _rebuild(kwargs: dict[str, Any], seed: int) -> HFCausalLM:
@@ -456,7 +524,8 @@ def _rebuild(kwargs: dict[str, Any], seed: int) -> HFCausalLM:
     transformers = require_transformers()
     raw = dict(kwargs["hf_config"])
     config = transformers.AutoConfig.for_model(**raw)
-    return HFCausalLM(config, seed=seed, dtype=HF_DTYPES[kwargs.get("dtype", "fp32")], lora=kwargs.get("lora"))
+    return HFCausalLM(config, seed=seed, dtype=HF_DTYPES[kwargs.get("dtype", "fp32")], lora=kwargs.get("lora"),
+                      attention=kwargs.get("attention"))
 
 
 def _max_seq_len(section) -> int | None:
@@ -499,6 +568,7 @@ SPEC = ModelSpec(
     name="hf", keys=HFKeys, data_kind="tokens",
     build=_build, record=_record, rebuild=_rebuild, check=_check,
     synthetic=lambda section: {"vocab_size": hf_vocab_size(section) or 256},
+    packing_problem=_packing_problem,
     max_seq_len=_max_seq_len,
     depth=lambda section: load_hf_config(section).num_hidden_layers,
     cut_depth=_cut_depth)

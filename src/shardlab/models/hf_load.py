@@ -239,6 +239,27 @@ def underived_buffers(build: Callable[[], nn.Module], fill: Callable[[nn.Module]
     return sorted(n for n in a if n not in b or a[n].shape != b[n].shape or not torch.equal(a[n], b[n]))
 
 
+def build_problem(build: Callable[[], nn.Module], hf_path: str | None) -> str | None:
+    """What stops shardlab from filling the model `build()` makes on the meta device (an HFCausalLM),
+    found before any worker starts: a checkpoint layout it cannot read tensor by tensor, or a buffer
+    nothing derives (`underived_buffers`). None: nothing."""
+    model = build()
+    kind = type(model.hf_model).__name__
+    if hf_path:
+        _, converted = checkpoint_names(model.hf_model, weight_files(hf_path))
+        if converted:
+            return (f"model.hf_path {hf_path!r}: {kind} loads {converted[0]} (and {len(converted) - 1} more) through "
+                    "transformers' weight converters (several stored tensors into one); shardlab reads tensors one by "
+                    "one and cannot load this layout")
+    bad = underived_buffers(build, lambda m: m.shardlab_initialize_())
+    if bad:
+        return (f"model: {kind}'s buffer{'s' if len(bad) > 1 else ''} {', '.join(bad)} "
+                f"{'are' if len(bad) > 1 else 'is'} derived by nothing after a meta-device build (not in the model's "
+                "files, not set by its _init_weights), so every engine would train on whatever memory held: shardlab "
+                "cannot train this model")
+    return None
+
+
 # -- packed rows: which attention mask (see [Note: packed sequences] in models/hf.py) ---------------
 POSITION_IDS = "position_ids"   # transformers builds the block-causal mask from the position ids
 ADDITIVE = "additive mask"      # shardlab passes a 4-D float mask: 0 allowed, the dtype's minimum not
