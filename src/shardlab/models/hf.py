@@ -439,17 +439,14 @@ def _meta_build_cached(key: tuple) -> tuple[HFCausalLM | None, str | None]:
     section = SimpleNamespace(name="hf", hf_path=hf_path, hf_config=hf_config, hf_dtype=hf_dtype,
                               hf_attention=attention, lora=LoRAKeys())
 
-    def build() -> HFCausalLM:
-        with torch.device("meta"):
-            return _build(section, 0, None)
-
     try:
-        model = build()
+        with torch.device("meta"):
+            model = _build(section, 0, None)
     except (ValueError, ImportError) as e:  # transformers refuses the implementation for this family
         if attention is None:
             raise
         return None, f"model.hf_attention={attention}: {str(e).splitlines()[0]}"
-    return model, build_problem(build, hf_path)
+    return model, build_problem(model, hf_path)
 
 
 def _packing_problem(section) -> str | None:

@@ -222,13 +222,12 @@ def buffer_values(root: nn.Module) -> dict[str, torch.Tensor]:
     return {n: b.detach().clone() for n, b in root.named_buffers() if b is not None}
 
 
-def underived_buffers(build: Callable[[], nn.Module], fill: Callable[[nn.Module], None]) -> list[str]:
-    """The buffers of the model `build()` returns (on the meta device) that `fill(model)` does not
-    produce: each buffer gets storage holding one value, then another, and is filled; a buffer whose
-    result follows the value it started from was not derived (see the Note above)."""
+def underived_buffers(model: nn.Module, fill: Callable[[nn.Module], None]) -> list[str]:
+    """The buffers of `model` (built on the meta device) that `fill(model)` does not produce: each
+    buffer gets storage holding one value, then another, and is filled; a buffer whose result
+    follows the value it started from was not derived (see the Note above)."""
     results = []
     for start in (3, 5):
-        model = build()
         for m in model.modules():
             for name, b in list(m._buffers.items()):
                 if b is not None:
@@ -239,11 +238,10 @@ def underived_buffers(build: Callable[[], nn.Module], fill: Callable[[nn.Module]
     return sorted(n for n in a if n not in b or a[n].shape != b[n].shape or not torch.equal(a[n], b[n]))
 
 
-def build_problem(build: Callable[[], nn.Module], hf_path: str | None) -> str | None:
-    """What stops shardlab from filling the model `build()` makes on the meta device (an HFCausalLM),
-    found before any worker starts: a checkpoint layout it cannot read tensor by tensor, or a buffer
-    nothing derives (`underived_buffers`). None: nothing."""
-    model = build()
+def build_problem(model: nn.Module, hf_path: str | None) -> str | None:
+    """What stops shardlab from filling `model` (an HFCausalLM built on the meta device; its buffers
+    are given storage here), found before any worker starts: a checkpoint layout it cannot read
+    tensor by tensor, or a buffer nothing derives (`underived_buffers`). None: nothing."""
     kind = type(model.hf_model).__name__
     if hf_path:
         _, converted = checkpoint_names(model.hf_model, weight_files(hf_path))
@@ -251,7 +249,7 @@ def build_problem(build: Callable[[], nn.Module], hf_path: str | None) -> str | 
             return (f"model.hf_path {hf_path!r}: {kind} loads {converted[0]} (and {len(converted) - 1} more) through "
                     "transformers' weight converters (several stored tensors into one); shardlab reads tensors one by "
                     "one and cannot load this layout")
-    bad = underived_buffers(build, lambda m: m.shardlab_initialize_())
+    bad = underived_buffers(model, lambda m: m.shardlab_initialize_())
     if bad:
         return (f"model: {kind}'s buffer{'s' if len(bad) > 1 else ''} {', '.join(bad)} "
                 f"{'are' if len(bad) > 1 else 'is'} derived by nothing after a meta-device build (not in the model's "
