@@ -409,6 +409,8 @@ def _validate_data(cfg: Config, spec: Any) -> None:
                "local tokenizer directory (or null for model.hf_path's, else one trained at run time)")
     packs = [name for name, s in DATA_SOURCES.items() if s.packing]
     _check(not d.packing or source.packing, f"data.packing applies to data.source={' or '.join(packs)} only")
+    problem = spec.packing_problem(m) if d.packing else None
+    _check(problem is None, problem or "")
     if d.tokenizer is not None:
         _check(os.path.isfile(os.path.join(d.tokenizer, "tokenizer.json")),
                f"data.tokenizer {d.tokenizer!r}: no tokenizer.json in that directory")

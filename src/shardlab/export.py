@@ -84,8 +84,10 @@ def load_model(source: str, step: int | None = None) -> tuple[nn.Module, dict[st
 
     if is_hf_dir(source):
         tok = source if os.path.isfile(os.path.join(source, "tokenizer.json")) else None
-        return load_hf_dir(source), {"model": {"name": "hf"}, "config": hf_dir_run_config(source), "step": None,
-                                     "tokenizer_dir": tok, "hf_dir": source}
+        config = hf_dir_run_config(source)
+        dtype = ((config or {}).get("model") or {}).get("hf_dtype") or "fp32"  # the dtype the run trained in
+        return load_hf_dir(source, dtype), {"model": {"name": "hf"}, "config": config, "step": None,
+                                            "tokenizer_dir": tok, "hf_dir": source}
     if os.path.isfile(source):
         state, info = load_exported(source)
     else:
@@ -148,7 +150,8 @@ def _export_hf_cmd(args: argparse.Namespace) -> int:
     lora = args.lora or config.get("export", {}).get("lora", "merged")
     run_dir = args.run if os.path.isfile(os.path.join(args.run, "config.yaml")) else None
     out = export_hf(model_from_state(record, state), args.out, tokenizer_dir=run_tokenizer_dir(run_dir, config),
-                    lora=lora, base_model=(record.get("kwargs") or {}).get("hf_path"), run_config=config or None)
+                    lora=lora, base_model=(record.get("kwargs") or {}).get("hf_path"), run_config=config or None,
+                    progress=config.get("output", {}).get("progress", True))
     print(f"exported step {manifest['step']} of {path} as a Hugging Face directory: {out}")
     return 0
 

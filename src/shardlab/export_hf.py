@@ -13,6 +13,7 @@ The tokenizer files are written beside the model when the run had a tokenizer.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from typing import Any
@@ -67,32 +68,57 @@ def gpt_to_gpt2(model: nn.Module):
 
 def model_from_state(record: dict[str, Any], state: dict[str, torch.Tensor]) -> nn.Module:
     """The model of `record` holding `state`, built on the meta device and filled without a
-    random init (a 7B export does not first draw 7B random numbers); buffers recomputed."""
+    random init (a 7B export does not first draw 7B random numbers). An hf model takes the state
+    and derives the rest as every other construction does (HFCausalLM.load_state_)."""
     from shardlab.models import rebuild_model
-    from shardlab.models.hf import recompute_buffers_
 
     model = rebuild_model(record, "meta")
+    if record["name"] == "hf":
+        model.load_state_(state)
+        if getattr(model.hf_config, "tie_word_embeddings", False):
+            model.hf_model.tie_weights()
+        return model.eval()
     model.load_state_dict(state, strict=True, assign=True)
     for m in model.modules():
         for name, b in list(m._buffers.items()):
             if b is not None and b.device.type == "meta":
                 m._buffers[name] = torch.zeros(b.shape, dtype=b.dtype)
-        recompute_buffers_(m)
     if record["name"] == "gpt":
         model.lm_head.weight = model.tok_emb.weight
-    elif getattr(model.hf_config, "tie_word_embeddings", False):
-        model.hf_model.tie_weights()
     return model.eval()
 
 
 RUN_CONFIG = "shardlab_config.yaml"  # the run's resolved config, beside the model: `shardlab eval DIR` reads it
 
 
+@contextlib.contextmanager
+def transformers_progress(show: bool):
+    """transformers' (and huggingface_hub's) tqdm bars ("Writing model shards", ...) on or off
+    for the block; off follows output.progress=false."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if not show:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was and not show:
+            hf_logging.enable_progress_bar()
+
+
 def export_hf(model: nn.Module, out_dir: str, *, tokenizer_dir: str | None = None, lora: str = "merged",
-              base_model: str | None = None, run_config: dict[str, Any] | None = None) -> str:
+              base_model: str | None = None, run_config: dict[str, Any] | None = None, progress: bool = True) -> str:
     """Write `model` (shardlab's HFCausalLM or GPT) as a Hugging Face directory; returns out_dir.
     base_model: the local directory the weights came from (model.hf_path), which a LoRA adapter
-    names as its base (`base_model_name_or_path`); run_config: the run's config (-> RUN_CONFIG)."""
+    names as its base (`base_model_name_or_path`); run_config: the run's config (-> RUN_CONFIG);
+    progress: transformers' progress bars (output.progress)."""
+    with transformers_progress(progress):
+        return _export_hf(model, out_dir, tokenizer_dir, lora, base_model, run_config)
+
+
+def _export_hf(model: nn.Module, out_dir: str, tokenizer_dir: str | None, lora: str, base_model: str | None,
+               run_config: dict[str, Any] | None) -> str:
     from shardlab.models.gpt import GPT
     from shardlab.models.hf import HFCausalLM
 
@@ -159,7 +185,8 @@ def export_at_end(run) -> str | None:
     out = cfg.export.dir or os.path.join(run.out_dir, "hf")
     tok = run_tokenizer_dir(run.out_dir, cfg.to_dict())
     return export_hf(model, out, tokenizer_dir=tok, lora=cfg.export.lora,
-                     base_model=(record.get("kwargs") or {}).get("hf_path"), run_config=cfg.to_dict())
+                     base_model=(record.get("kwargs") or {}).get("hf_path"), run_config=cfg.to_dict(),
+                     progress=cfg.output.progress)
 
 
 # -- reading a Hugging Face directory back (shardlab generate / eval) ---------------------------------
@@ -168,19 +195,22 @@ def is_hf_dir(path: str) -> bool:
                                        for f in ("config.json", "adapter_config.json"))
 
 
-def load_hf_dir(path: str) -> nn.Module:
-    """A local Hugging Face directory as shardlab's HFCausalLM on CPU: a whole model (config.json +
-    safetensors, read as model.hf_path is), or a peft adapter (adapter_config.json) on top of the
-    base directory it names (`base_model_name_or_path`)."""
+def load_hf_dir(path: str, hf_dtype: str = "fp32") -> nn.Module:
+    """A local Hugging Face directory as shardlab's HFCausalLM on CPU, built as training builds it
+    (`shardlab.models.build_model` of a model section naming the directory): a whole model
+    (config.json + safetensors, read as model.hf_path is), or a peft adapter (adapter_config.json)
+    on top of the base directory it names (`base_model_name_or_path`)."""
     import json
+    from types import SimpleNamespace
 
     from shardlab.checkpoint import CheckpointError
-    from shardlab.models.hf import HFCausalLM, require_transformers
+    from shardlab.models import build_model
+    from shardlab.models.hf import LoRAKeys
 
-    auto_config = require_transformers().AutoConfig
     adapter_file = os.path.join(path, "adapter_config.json")
+    section = SimpleNamespace(name="hf", hf_path=path, hf_config=None, hf_dtype=hf_dtype, lora=LoRAKeys())
     if not os.path.isfile(adapter_file):
-        return HFCausalLM(auto_config.from_pretrained(path), hf_path=path).eval()
+        return build_model(section).eval()
     with open(adapter_file) as f:
         a = json.load(f)
     base = a.get("base_model_name_or_path")
@@ -192,9 +222,10 @@ def load_hf_dir(path: str) -> nn.Module:
     from safetensors.torch import load_file
 
     targets = a.get("target_modules")
-    lora = {"rank": a["r"], "alpha": a["lora_alpha"], "dropout": a.get("lora_dropout", 0.0),
-            "target_modules": sorted(targets) if isinstance(targets, list) else targets}
-    model = HFCausalLM(auto_config.from_pretrained(base), hf_path=base, lora=lora)
+    section.hf_path = base
+    section.lora = LoRAKeys(rank=a["r"], alpha=a["lora_alpha"], dropout=a.get("lora_dropout", 0.0),
+                            target_modules=sorted(targets) if isinstance(targets, list) else targets)
+    model = build_model(section)
     set_peft_model_state_dict(model.model, load_file(os.path.join(path, "adapter_model.safetensors")))
     return model.eval()
 

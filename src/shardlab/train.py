@@ -249,7 +249,8 @@ def write_run_args(run: Run) -> None:
             cfg.to_dict(), rt.world_size, hosts,
             {"num_parameters": run.num_parameters, "num_trainable_parameters": run.num_trainable,
              "accumulation_steps": run.accumulation, "data": run.data.info,
-             "restart_count": rt.restart_count, "resumed_from_step": run.state.step}), default=str)
+             "restart_count": rt.restart_count, "resumed_from_step": run.state.step,
+             "attention": attention_record(run)}), default=str)
         with open(os.path.join(run.out_dir, "config.yaml"), "w") as f:
             f.write(dump_config(cfg))
         if run.data.tokenizer_dir:  # exports read it from here (a trained one lives in a cache)
@@ -260,12 +261,24 @@ def write_run_args(run: Run) -> None:
             copy_tokenizer_files(run.data.tokenizer_files, os.path.join(run.out_dir, "tokenizer"))
 
 
+def attention_record(run: Run) -> dict[str, Any] | None:
+    """A model that says how it attends (models/hf.py: the implementation, how packed examples are
+    kept apart), else None."""
+    describe = getattr(run.engine.unwrapped(), "attention_record", None)
+    return describe(run.cfg.data.packing) if describe is not None else None
+
+
 def announce(run: Run) -> None:
     """Rank 0 says what the run starts from: the checkpoint it resumed, a schedule kept from it
     (schedule.py), and what happened to the data (Datasets.report)."""
     if not run.rt.is_main:
         return
     lines = list(run.data.report)
+    attention = attention_record(run)
+    if attention is not None:
+        packed = attention["packed_examples"]
+        lines.append(f"model: attention {attention['implementation']}"
+                     + (f"; packed examples kept apart by {packed}" if packed else ""))
     if run.resumed_from:
         lines.insert(0, f"shardlab: resumed from step {run.state.step} of {run.out_dir} ({run.resumed_from})")
         note = schedule_note(run.cfg, run.sched)

@@ -317,7 +317,7 @@ def _materialize_sharded_(root: nn.Module, units: list[nn.Module], device: torch
       (`dtensor_local_rows`), i.e. the flat range [first*row, (first + rows)*row): whole rows, so
       `read_flat_range` reads exactly the shard's elements, nothing more, and no rank ever reads
       or holds a whole tensor. Everything else (LoRA adapters, random init, and the buffers the
-      model recomputes, rotary `inv_freq`) goes through the model's own initializer, one FSDP
+      model derives: rotary `inv_freq`, Gemma's `embed_scale`) goes through the model's own initializer, one FSDP
       unit at a time "on the side": the unit's parameters are swapped for stand-ins (a whole
       empty tensor for each that needs a value, a meta tensor, which the initializer leaves
       alone, for those already read), the initializer fills the unit as any engine's unit by unit

@@ -5,6 +5,7 @@ built from local files only, optionally with LoRA adapters through `peft`.
                       sharded with model.safetensors.index.json)
     model.hf_config   a config JSON only: random init with the model's own `_init_weights`
     model.hf_dtype    the parameters' (master weights') dtype: fp32 | bf16 | fp64
+    model.hf_attention  transformers' attention implementation (null: its default for the family)
     model.lora.*      rank > 0 adds LoRA adapters; the base weights are frozen
 
 [Note: how an engine fills a model built on the meta device]
@@ -13,10 +14,11 @@ Engines build nothing themselves: they give a meta module's tensors storage and 
 materialize (a sharded engine: one unit at a time). When the root model defines
 `shardlab_initialize_(modules, names)` that call is handed to it, so this model fills each
 materialized tensor itself: from the safetensors files (only the tensors of those modules are
-read, through `safe_open`, never the whole model), or by the model's own `_init_weights`
-under a generator seeded by (seed, module name), so a unit materialized alone equals the same
-unit of a whole build. Non-persistent buffers (rotary `inv_freq`) are not in any file and a
-meta build left them meta; they are recomputed here from the config on the real device.
+read, through `safe_open`, never the whole model), then transformers' own `_init_weights` for
+everything else (non-persistent buffers, parameters without files: see [Note: every tensor after
+the meta device] in models/hf_load.py), under a generator seeded by (seed, module name), so a
+unit materialized alone equals the same unit of a whole build. Every construction (train,
+verify, eval, generate, export) builds on the meta device and fills this way.
 fsdp and torch-fsdp go one step further: through `shardlab_range_readers` each rank reads only the
 element ranges of its flat shard (fsdp, see [Note: reading a flat range by rows] in
 SafetensorsReader) or the rows of its DTensor shards (torch-fsdp, see [Note: torch-fsdp from the
@@ -24,36 +26,54 @@ meta device] in engines/native.py).
 
 [Note: packed sequences]
 A batch's inputs are either token ids [B, T], or [B, 2, T]: token ids and position ids. Position
-ids restart at 0 at each packed example, so the examples are the runs between zeros; the
-forward turns them into a block-diagonal causal mask (4-D boolean, which transformers' sdpa
-and eager attention honour) so attention never crosses examples. Targets of -100 are ignored.
+ids restart at 0 at each packed example. The forward passes the position ids and no attention
+mask: transformers builds the block-causal mask from them itself (a new sequence wherever the
+position does not grow by 1), in its attention implementation's form, sliding windows included.
+Whether the family does is found once, on the meta device (hf_load.builds_packed_masks). A family
+that does not gets a block-diagonal 4-D mask in the form its implementation takes: additive for
+eager (which adds the mask to the scores: a boolean one would be added as 0/1), boolean for sdpa;
+otherwise data.packing is refused before any worker starts. Targets of -100 are ignored.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import warnings
-import zlib
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 from shardlab.errors import ConfigError
-from shardlab.models.init import init_parameters_
+from shardlab.models.hf_load import (  # noqa: F401  (SafetensorsReader, weight_files: this module's API too)
+    ADDITIVE,
+    BOOLEAN,
+    INDEX_FILE,
+    POSITION_IDS,
+    SINGLE_FILE,
+    SafetensorsReader,
+    build_problem,
+    builds_packed_masks,
+    checkpoint_names,
+    derive_,
+    fallback_route,
+    init_owners,
+    mark_,
+    marks,
+    packed_mask,
+    seed_for,
+    weight_files,
+)
+from shardlab.models.init import materialize_
 from shardlab.models.spec import ModelSpec
 
 IGNORE_INDEX = -100
 HF_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 
 
 def require_transformers():
@@ -62,85 +82,6 @@ def require_transformers():
     except ImportError as e:  # pragma: no cover - the extra is installed by make setup
         raise RuntimeError("model.name=hf needs the `transformers` package: pip install 'shardlab[hf]'") from e
     return transformers
-
-
-# -- the local files ------------------------------------------------------------------------------
-def weight_files(hf_path: str) -> dict[str, str]:
-    """checkpoint key -> safetensors file, from the index of a sharded directory or the one file."""
-    index = os.path.join(hf_path, INDEX_FILE)
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return {k: os.path.join(hf_path, v) for k, v in weight_map.items()}
-    single = os.path.join(hf_path, SINGLE_FILE)
-    if os.path.isfile(single):
-        with safe_open(single, framework="pt") as f:
-            return {k: single for k in f.keys()}
-    raise FileNotFoundError(f"model.hf_path {hf_path!r}: neither {INDEX_FILE} nor {SINGLE_FILE} there; "
-                            "save the model with save_pretrained(..., safe_serialization=True)")
-
-
-class SafetensorsReader:
-    """Reads single tensors (or slices of them) from a local HF directory, keeping files open."""
-
-    def __init__(self, hf_path: str):
-        self.hf_path = hf_path
-        self.files = weight_files(hf_path)
-        self._open: dict[str, Any] = {}
-        self.bytes_read = 0       # what was read from the files, for tests and reports
-        self.elements_read = 0
-
-    def _handle(self, path: str):
-        if path not in self._open:
-            self._open[path] = safe_open(path, framework="pt")
-        return self._open[path]
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.files
-
-    def get(self, key: str, index: Any = None) -> torch.Tensor:
-        """The tensor `key`, or only `index` of it (safetensors reads just that slice)."""
-        f = self._handle(self.files[key])
-        t = f.get_tensor(key) if index is None else f.get_slice(key)[index]
-        self._count(t)
-        return t
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        """The stored shape of `key`, from the file's header (no data read)."""
-        return tuple(self._handle(self.files[key]).get_slice(key).get_shape())
-
-    def read_flat_range(self, key: str, start: int, end: int) -> torch.Tensor:
-        """Elements [start, end) of tensor `key` flattened (row-major), as a 1-D tensor, reading
-        only the rows of dim 0 that cover them: see [Note: reading a flat range by rows].
-
-        [Note: reading a flat range by rows]
-        fsdp keeps a slice [lo, hi) of each unit's flat buffer (the unit's tensors flattened and
-        laid end to end), so a rank holds a range of elements of each tensor it overlaps, which
-        may start and end mid-row. safetensors' `get_slice(key)[a:b]` reads whole rows of dim 0
-        (a row = the product of the other dims; one element for a 1-D tensor) straight from the
-        memory-mapped file, and nothing else. So we read rows floor(start/row) .. ceil(end/row)
-        and cut the exact elements: at most one partial row is over-read at each end, i.e. fewer
-        than 2 rows per tensor per rank beyond the elements the rank holds. A scalar is read whole.
-        """
-        if not 0 <= start < end:
-            raise ValueError(f"{key}: empty or negative element range [{start}, {end})")
-        shape = self.shape(key)
-        numel = math.prod(shape)
-        if end > numel:
-            raise ValueError(f"{key}: element range [{start}, {end}) beyond its {numel} elements {shape}")
-        if not shape:  # a scalar
-            return self.get(key).reshape(1)
-        row = numel // shape[0]
-        first, last = start // row, -(-end // row)
-        rows = self.get(key, slice(first, last)).reshape(-1)
-        return rows[start - first * row:end - first * row]
-
-    def _count(self, t: torch.Tensor) -> None:
-        self.elements_read += t.numel()
-        self.bytes_read += t.numel() * t.element_size()
-
-    def close(self) -> None:
-        self._open.clear()
 
 
 # -- the model ------------------------------------------------------------------------------------
@@ -154,33 +95,40 @@ class LoRAKeys:
     target_modules: Optional[list[str]] = None   # null: peft's default for the architecture
 
 
-def _seed_for(seed: int, name: str) -> int:
-    return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
-
-
 class HFCausalLM(nn.Module):
     """A transformers causal LM behind shardlab's model contract:
     forward(inputs, targets=None) -> logits, or the mean loss over targets != -100."""
 
     def __init__(self, hf_config: Any, *, seed: int = 0, hf_path: str | None = None,
-                 dtype: torch.dtype = torch.float32, lora: dict[str, Any] | None = None):
+                 dtype: torch.dtype = torch.float32, lora: dict[str, Any] | None = None,
+                 attention: str | None = None):
+        """attention: transformers' attn_implementation (None: its default for the family). Built on the meta device whatever the device in effect (`with torch.device(...)`), then,
+        unless that device is meta, materialized there by `materialize_`: the path every engine
+        takes (see [Note: every tensor after the meta device] in models/hf_load.py)."""
         super().__init__()
         transformers = require_transformers()
         self.init_seed = seed
         self.hf_path = hf_path
         self.lora = dict(lora) if lora and lora.get("rank", 0) > 0 else None
-        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-        if self.lora is not None:
-            for p in model.parameters():
-                p.requires_grad_(False)
-            model = _add_lora(model, self.lora)
-            for name, m in model.named_modules():  # adapters in the model's dtype, on meta too
-                if _is_lora_leaf(name):
-                    m.to(dtype)
+        device = torch.get_default_device()
+        with torch.device("meta"):
+            chosen = {"attn_implementation": attention} if attention else {}
+            model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype, **chosen)
+            # the family hands restarting position ids to transformers' mask builder ([Note: packed sequences])
+            self.packs_by_position_ids = builds_packed_masks(model)
+            if self.lora is not None:
+                for p in model.parameters():
+                    p.requires_grad_(False)
+                model = _add_lora(model, self.lora)
+                for name, m in model.named_modules():  # adapters in the model's dtype
+                    if _is_lora_leaf(name):
+                        m.to(dtype)
         self.model = model
         self._reader: SafetensorsReader | None = None
-        if not any(t.device.type == "meta" for t in self.parameters()):
-            init_parameters_(self, seed)
+        self._names: dict[str, str] | None = None  # model key -> checkpoint key (see _find)
+        self._converted: list[str] = []
+        if device.type != "meta":
+            materialize_(self, device, seed)
 
     # the pieces the rest of shardlab asks for
     @property
@@ -197,15 +145,39 @@ class HFCausalLM(nn.Module):
         names = set(getattr(self.hf_model, "_no_split_modules", None) or ())
         return {type(m) for m in self.modules() if type(m).__name__ in names}
 
+    @property
+    def attention(self) -> str:
+        """The attention implementation in use (transformers' `_attn_implementation`)."""
+        return self.hf_config._attn_implementation
+
+    def packed_route(self) -> str | None:
+        """How packed examples are kept apart under the attention implementation in use:
+        hf_load.POSITION_IDS, ADDITIVE or BOOLEAN, None when no way is known (packing refused)."""
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+        if self.packs_by_position_ids and self.attention in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+            return POSITION_IDS
+        return fallback_route(self.hf_config)
+
+    def attention_record(self, packing: bool) -> dict[str, Any]:
+        """What run_args.json records and the run prints once: the implementation and how packed
+        examples are kept apart."""
+        how = {POSITION_IDS: "transformers' masks from position ids", ADDITIVE: "shardlab's 4-D additive mask",
+               BOOLEAN: "shardlab's 4-D boolean mask"}
+        return {"implementation": self.attention,
+                "packed_examples": how.get(self.packed_route(), "refused") if packing else None}
+
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         kwargs: dict[str, Any] = {}
         if inputs.dim() == 3:  # packed: [B, 2, T] = token ids, position ids
-            ids, pos = inputs[:, 0], inputs[:, 1]
-            segment = torch.cumsum((pos == 0).to(torch.int32), dim=1)
-            T = ids.shape[1]
-            causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
-            mask = (segment[:, :, None] == segment[:, None, :]) & causal
-            kwargs = {"position_ids": pos, "attention_mask": mask[:, None]}
+            ids, pos = inputs[:, 0], inputs[:, 1].long()
+            kwargs = {"position_ids": pos}
+            route = self.packed_route()
+            if route is None:
+                raise ValueError(f"packed rows: no known way to keep examples apart in {self.hf_config.model_type} "
+                                 f"under attention {self.attention!r}; set data.packing=false")
+            if route != POSITION_IDS:
+                kwargs["attention_mask"] = packed_mask(pos, route, next(self.parameters()).dtype)
         else:
             ids = inputs
         logits = self.model(input_ids=ids, use_cache=False, **kwargs).logits
@@ -223,17 +195,25 @@ class HFCausalLM(nn.Module):
         return key
 
     def _find(self, reader: SafetensorsReader, key: str, alternatives: list[str]) -> str | None:
+        """The checkpoint key of model key `key` (or of one of `alternatives`), through transformers'
+        renaming of checkpoint keys (hf_load.checkpoint_names), with or without the base prefix."""
+        if self._names is None:
+            self._names, self._converted = checkpoint_names(self.hf_model, reader.files)
         prefix = getattr(self.hf_model, "base_model_prefix", "") + "."
         for k in [key, *alternatives]:
             for cand in (k, k.removeprefix(prefix), prefix + k):
-                if cand in reader:
-                    return cand
+                if cand in self._names:
+                    return self._names[cand]
         return None
 
     def _file_key(self, reader: SafetensorsReader, canonical: str, tied_names: list[str]) -> str:
         """The checkpoint key holding parameter `canonical` (or one of the names it is tied to)."""
         key = self._find(reader, self.checkpoint_key(canonical), [self.checkpoint_key(n) for n in tied_names])
         if key is None:
+            if self._converted:
+                raise KeyError(f"model.hf_path {self.hf_path!r}: {self.checkpoint_key(canonical)!r} is made by transformers' "
+                               f"weight converters from several stored tensors ({self._converted[0]}, ...); shardlab reads "
+                               "tensors one by one and cannot load this layout")
             raise KeyError(f"model.hf_path {self.hf_path!r} has no weight for {self.checkpoint_key(canonical)!r}; "
                            "the directory does not match its config.json")
         return key
@@ -267,9 +247,9 @@ class HFCausalLM(nn.Module):
     @torch.no_grad()
     def shardlab_initialize_(self, modules=None, names: dict[int, str] | None = None) -> None:
         """Fill the parameters and buffers of `modules` (all when None) that have storage: from
-        model.hf_path, or by random init; recompute non-persistent buffers. Called by
-        shardlab.models.init.init_parameters_, i.e. by every engine's materialization."""
-        all_names = {id(p): n for n, p in self.named_parameters(remove_duplicate=False)}
+        model.hf_path, then transformers' own `_init_weights` for the rest (see [Note: every tensor
+        after the meta device] in models/hf_load.py). Called by shardlab.models.init.init_parameters_,
+        i.e. by every engine's materialization."""
         tied: dict[int, list[str]] = {}
         for n, p in self.named_parameters(remove_duplicate=False):
             tied.setdefault(id(p), []).append(n)
@@ -280,32 +260,61 @@ class HFCausalLM(nn.Module):
         # (GPT-2 attention scaling its c_proj) has the last word, as in a whole build
         order = [m for m in self.modules() if wanted is None or id(m) in wanted][::-1]
         reader = self._open_reader() if self.hf_path else None
-        hf = self.hf_model
-        for m in order:
-            params = [(ln, p) for ln, p in m.named_parameters(recurse=False) if p.device.type != "meta"]
-            if reader is None and params and not _is_lora_leaf(module_names[id(m)]):
-                with torch.random.fork_rng(devices=_rng_devices(params[0][1])):
-                    torch.manual_seed(_seed_for(self.init_seed, module_names[id(m)]))
-                    hf._init_weights(m)
-            for _local, p in params:
-                canonical = names.get(id(p)) or all_names[id(p)]
-                if ".lora_" in canonical:
-                    _init_lora_(p, canonical, self.init_seed)
-                elif reader is not None:
-                    key = self._file_key(reader, canonical, tied[id(p)])
-                    value = reader.get(key)
-                    self._check_shape(key, value.shape, p)
-                    p.copy_(value.to(dtype=p.dtype))
-            recompute_buffers_(m)
+        with marks() as marked:
+            for m in order:
+                self._load_module_(m, module_names[id(m)], reader, names, tied, marked)
+            derive_(order, init_owners(self), module_names, self.init_seed, marked)
+
+    @torch.no_grad()
+    def load_state_(self, state: dict[str, torch.Tensor]) -> None:
+        """A meta build given `state` (a checkpoint's: parameters and persistent buffers, assigned
+        as they are), and everything else derived as after any materialization: the non-persistent
+        buffers by transformers' own `_init_weights`, never from the files."""
+        self.load_state_dict(state, strict=True, assign=True)
+        for m in self.modules():
+            for name, b in list(m._buffers.items()):
+                if b is not None and b.device.type == "meta":
+                    m._buffers[name] = torch.empty(b.shape, dtype=b.dtype)
+        module_names = {id(m): n for n, m in self.named_modules(remove_duplicate=False)}
+        with marks() as marked:
+            for t in self.state_dict(keep_vars=True).values():  # what `state` gave: parameters, persistent buffers
+                mark_(t, marked)
+            derive_(list(self.modules())[::-1], init_owners(self), module_names, self.init_seed, marked)
+
+    def _load_module_(self, m: nn.Module, module_name: str, reader: SafetensorsReader | None,
+                      names: dict[int, str], tied: dict[int, list[str]], marked: list[torch.Tensor]) -> None:
+        """Pass 1 for one module: its parameters with storage from the files (LoRA adapters: peft's
+        init) and its persistent buffers the files hold, each marked as filled."""
+        for local, p in m.named_parameters(recurse=False):
+            if p.device.type == "meta":
+                continue
+            canonical = names.get(id(p)) or tied.get(id(p), [f"{module_name}.{local}"])[0]
+            if ".lora_" in canonical:
+                _init_lora_(p, canonical, self.init_seed)
+            elif reader is not None:
+                key = self._file_key(reader, canonical, tied.get(id(p), [canonical]))
+                value = reader.get(key)
+                self._check_shape(key, value.shape, p)
+                p.copy_(value.to(dtype=p.dtype))
+            else:
+                continue
+            mark_(p, marked)
+        if reader is None:
+            return
+        for bname, b in m._buffers.items():
+            if b is None or b.device.type == "meta" or bname in m._non_persistent_buffers_set:
+                continue
+            key = self._find(reader, self.checkpoint_key(f"{module_name}.{bname}"), [])
+            if key is not None:
+                value = reader.get(key)
+                self._check_shape(key, value.shape, b)
+                b.copy_(value.to(dtype=b.dtype))
+                mark_(b, marked)
 
     def _open_reader(self) -> SafetensorsReader:
         if self._reader is None:
             self._reader = SafetensorsReader(self.hf_path)
         return self._reader
-
-
-def _rng_devices(t: torch.Tensor) -> list:
-    return [t.device] if t.device.type == "cuda" else []
 
 
 def _is_lora_leaf(module_name: str) -> bool:
@@ -317,25 +326,11 @@ def _init_lora_(p: torch.Tensor, name: str, seed: int) -> None:
     if ".lora_B" in name:
         p.zero_()
         return
-    g = torch.Generator().manual_seed(_seed_for(seed, name))
+    g = torch.Generator().manual_seed(seed_for(seed, name))
     value = torch.empty(p.shape, dtype=torch.float64)
     bound = (1.0 / p.shape[1]) ** 0.5  # kaiming_uniform_(a=sqrt(5)) = U(-1/sqrt(fan_in), 1/sqrt(fan_in))
     value.uniform_(-bound, bound, generator=g)
     p.copy_(value.to(p.dtype))
-
-
-@torch.no_grad()
-def recompute_buffers_(m: nn.Module) -> None:
-    """Non-persistent buffers computed at construction: rotary inverse frequencies."""
-    if "RotaryEmbedding" in type(m).__name__ and hasattr(m, "inv_freq") and m.inv_freq.device.type != "meta":
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # deferred: see require_transformers
-
-        fns = {"default": getattr(m, "compute_default_rope_parameters", None), **ROPE_INIT_FUNCTIONS}
-        inv_freq, scaling = fns[m.rope_type](m.config)
-        m.inv_freq.copy_(inv_freq.to(m.inv_freq.device))
-        if hasattr(m, "original_inv_freq"):
-            m.original_inv_freq.copy_(inv_freq.to(m.inv_freq.device))
-        m.attention_scaling = scaling
 
 
 def _add_lora(model: nn.Module, lora: dict[str, Any]) -> nn.Module:
@@ -361,6 +356,7 @@ class HFKeys:
     hf_path: Optional[str] = None          # local HF directory: config.json + safetensors
     hf_config: Optional[str] = None        # a config JSON (or a directory with config.json): random init
     hf_dtype: str = "fp32"                 # parameter dtype: fp32 | bf16 | fp64
+    hf_attention: Optional[str] = None     # attention implementation: eager | sdpa | ...; null: transformers' default
     lora: LoRAKeys = field(default_factory=LoRAKeys)
 
 
@@ -420,6 +416,49 @@ def _check(section) -> None:
         problem = lora_target_problem(section, raw["model_type"])
         if problem:
             raise ConfigError(problem)
+    problem = _meta_build(section)[1]
+    if problem:
+        raise ConfigError(problem)
+
+
+def _section_key(section) -> tuple:
+    path = config_file(section)
+    return (section.hf_path, section.hf_config, section.hf_dtype, getattr(section, "hf_attention", None), path,
+            os.path.getmtime(path))
+
+
+def _meta_build(section) -> tuple[HFCausalLM | None, str | None]:
+    """The model on the meta device and what stops shardlab from filling it (hf_load.build_problem),
+    once per config (cached: validation runs on the launcher and in every worker)."""
+    return _meta_build_cached(_section_key(section))
+
+
+@functools.lru_cache(maxsize=16)
+def _meta_build_cached(key: tuple) -> tuple[HFCausalLM | None, str | None]:
+    hf_path, hf_config, hf_dtype, attention = key[:4]
+    section = SimpleNamespace(name="hf", hf_path=hf_path, hf_config=hf_config, hf_dtype=hf_dtype,
+                              hf_attention=attention, lora=LoRAKeys())
+
+    try:
+        with torch.device("meta"):
+            model = _build(section, 0, None)
+    except (ValueError, ImportError) as e:  # transformers refuses the implementation for this family
+        if attention is None:
+            raise
+        return None, f"model.hf_attention={attention}: {str(e).splitlines()[0]}"
+    return model, build_problem(model, hf_path)
+
+
+def _packing_problem(section) -> str | None:
+    """data.packing=true: None when the model keeps packed examples apart under its attention
+    implementation ([Note: packed sequences]), else why not."""
+    model = _meta_build(section)[0]
+    if model is None or model.packed_route() is not None:
+        return None
+    return (f"data.packing=true: {type(model.hf_model).__name__} under attention {model.attention!r} has no known way "
+            "to keep packed examples apart (transformers does not build its mask from the position ids, and this "
+            "implementation takes no 4-D mask shardlab writes, or a sliding window would be lost); set "
+            "data.packing=false, or model.hf_attention=eager or sdpa")
 
 
 def lora_layer_names(section) -> dict[str, list[str]]:
@@ -464,15 +503,17 @@ def lora_target_problem(section, model_type: str) -> str | None:
 
 
 def _build(section, seed: int, vocab_size: int | None) -> HFCausalLM:
+    """The one construction of an hf model (train, verify, eval, generate, export all come here or
+    through `_rebuild` of what `_record` kept)."""
     config = load_hf_config(section, vocab_size)
     return HFCausalLM(config, seed=seed, hf_path=section.hf_path, dtype=HF_DTYPES[section.hf_dtype],
-                      lora=asdict(section.lora))
+                      lora=asdict(section.lora), attention=getattr(section, "hf_attention", None))
 
 
 def _record(model: HFCausalLM) -> dict[str, Any]:
     dtype = {v: k for k, v in HF_DTYPES.items()}[next(model.parameters()).dtype]
     return {"hf_config": model.hf_config.to_dict(), "dtype": dtype, "lora": model.lora,
-            "hf_path": model.hf_path}
+            "hf_path": model.hf_path, "attention": model.attention}
 
 
 def _rebuild(kwargs: dict[str, Any], seed: int) -> HFCausalLM:
@@ -480,7 +521,8 @@ def _rebuild(kwargs: dict[str, Any], seed: int) -> HFCausalLM:
     transformers = require_transformers()
     raw = dict(kwargs["hf_config"])
     config = transformers.AutoConfig.for_model(**raw)
-    return HFCausalLM(config, seed=seed, dtype=HF_DTYPES[kwargs.get("dtype", "fp32")], lora=kwargs.get("lora"))
+    return HFCausalLM(config, seed=seed, dtype=HF_DTYPES[kwargs.get("dtype", "fp32")], lora=kwargs.get("lora"),
+                      attention=kwargs.get("attention"))
 
 
 def _max_seq_len(section) -> int | None:
@@ -523,6 +565,7 @@ SPEC = ModelSpec(
     name="hf", keys=HFKeys, data_kind="tokens",
     build=_build, record=_record, rebuild=_rebuild, check=_check,
     synthetic=lambda section: {"vocab_size": hf_vocab_size(section) or 256},
+    packing_problem=_packing_problem,
     max_seq_len=_max_seq_len,
     depth=lambda section: load_hf_config(section).num_hidden_layers,
     cut_depth=_cut_depth)

@@ -42,6 +42,8 @@ class ModelSpec:
     check: Callable[[Any], None] = lambda section: None
     # model section -> what the synthetic data source needs (vocab_size, in_features, num_classes)
     synthetic: Callable[[Any], dict[str, Any]] = lambda section: {}
+    # model section -> None, or why data.packing=true cannot keep this model's packed examples apart
+    packing_problem: Callable[[Any], str | None] = lambda section: None
     # the longest input it takes (token models), for the data.seq_len check; None = no limit
     max_seq_len: Callable[[Any], int | None] = lambda section: None
     # What `shardlab plan` asks (plan/model.py). Its probes run the model cut to a few blocks:
