@@ -85,9 +85,6 @@ class Family:
     config: dict[str, Any] = field(default_factory=dict)  # the family's keys over COMMON
     chat: str = "chatml"                                    # a key of CHATS
     attention: tuple[str, ...] = ("eager", "sdpa")          # the implementations the sweep runs
-    # transformers' eager attention for the family computes the softmax in float32 even in a float64
-    # model (`softmax(..., dtype=torch.float32)`): its packed-versus-alone floor is float32's
-    eager_fp32_softmax: bool = True
 
 
 NO_DROPOUT = dict(attention_dropout=0.0, hidden_dropout=0.0)
@@ -113,10 +110,10 @@ FAMILIES: dict[str, Family] = {
                          chat="plain"),
     "stablelm": Family("stablelm", dict(NO_DROPOUT, qk_layernorm=True, use_qkv_bias=True), chat="plain"),
     "gpt2": Family("gpt2", dict(n_embd=32, n_layer=2, n_head=4, n_inner=64, n_positions=64, resid_pdrop=0.0,
-                                embd_pdrop=0.0, attn_pdrop=0.0), chat="plain", eager_fp32_softmax=False),
+                                embd_pdrop=0.0, attn_pdrop=0.0), chat="plain"),
     "gpt_neox": Family("gpt_neox", dict(NO_DROPOUT, rotary_pct=0.5), chat="plain"),
     "falcon": Family("falcon", dict(NO_DROPOUT, new_decoder_architecture=True, num_kv_heads=2), chat="plain",
-                     eager_fp32_softmax=False),
+                     ),
 }
 # family -> why it is not in the sweep (one line each; docs/sft.md lists them too)
 SKIPPED: dict[str, str] = {}

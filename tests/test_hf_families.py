@@ -27,6 +27,7 @@ pytest.importorskip("transformers")
 
 import shardlab  # noqa: E402
 from shardlab.testing import run_workers  # noqa: E402
+from shardlab.verify.float64 import Float64Everywhere  # noqa: E402
 from tests.hf_families import FAMILIES, SKIPPED  # noqa: E402
 
 NAMES = [n for n in FAMILIES if n not in SKIPPED]
@@ -134,11 +135,9 @@ def test_build_equals_from_pretrained(dirs, fsdp_builds, name):
 
 
 # transformers' eager attention computes its softmax in float32 in most families, also in a float64
-# model: a score that differs in its last float64 bit (another matrix shape) can round to another
-# float32, so packed-versus-alone logits under eager differ by up to 1.0e-6 here (mistral; 1.8e-7
-# to 1.0e-6 over the families, 2026-11-27). EAGER_FP32_FLOOR sits 10x above that; the bug it
-# guards against (a boolean mask added to eager's scores as 0/1) moves logits by ~0.1 to 1.
-EAGER_FP32_FLOOR = 1e-5
+# model: packed-versus-alone logits under eager then differ by float32's rounding (1.8e-7 to 1.0e-6
+# over the families, 2026-11-27). The checks of exactness run under verify's Float64Everywhere
+# (verify/float64.py), which keeps those casts in float64, so every implementation is held to 1e-10.
 EXACT = 1e-10
 
 
@@ -149,17 +148,16 @@ def _logits(model, x) -> torch.Tensor:
 
 @pytest.mark.parametrize("name,impl", [(n, i) for n in NAMES for i in FAMILIES[n].attention])
 def test_packed_examples_are_isolated(dirs, name, impl):
-    """(2) Changing the other examples of a packed row moves none of an example's logits (<= 1e-10,
-    float64: the same shapes, so no rounding differs), and each example's logits equal those it
-    gets alone (<= 1e-10; under eager with a float32 softmax, <= EAGER_FP32_FLOOR)."""
+    """(2) Changing the other examples of a packed row moves none of an example's logits, and each
+    example's logits equal those it gets alone: <= 1e-10 in float64 end to end."""
     model = shardlab_model(dirs[name], attention=impl)  # model.hf_attention=impl
     inner = shardlab.engine_of(model).unwrapped()
     assert inner.attention == impl
     model.eval()
     exs = examples(name)
     x, _ = packed_row(exs)
+    mode = Float64Everywhere().__enter__()
     packed = _logits(model, x)
-    floor = EAGER_FP32_FLOOR if impl == "eager" and FAMILIES[name].eager_fp32_softmax else EXACT
     at = 0
     g = torch.Generator().manual_seed(7)
     for ids, _t in exs:
@@ -171,8 +169,9 @@ def test_packed_examples_are_isolated(dirs, name, impl):
         moved = (_logits(model, others)[at:at + n] - packed[at:at + n]).abs().max().item()
         assert moved <= EXACT, (name, impl, at, moved)
         alone = (packed[at:at + n] - _logits(model, ids[None])).abs().max().item()
-        assert alone <= floor, (name, impl, at, alone)
+        assert alone <= EXACT, (name, impl, at, alone)
         at += n
+    mode.__exit__(None, None, None)
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
@@ -194,7 +193,13 @@ def test_loss_is_transformers_loss(dirs, name, packed):
     ce64 = F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), y.reshape(-1), ignore_index=-100).item()
     assert out.logits.dtype == torch.float64
     assert loss == pytest.approx(ce64, rel=1e-12, abs=0), (name, loss, ce64)
+    # transformers' own .loss upcasts the logits with .float(): in a float64 model that rounds to
+    # float32 (1e-6 here); with that cast kept in float64 (Float64Everywhere) it is the same loss
     assert loss == pytest.approx(out.loss.item(), rel=1e-6, abs=0), (name, loss, out.loss.item())
+    with Float64Everywhere():
+        exact = ref(**kwargs, labels=labels, use_cache=False).loss.item()
+        mine = model(x, y).item()
+    assert mine == pytest.approx(exact, rel=1e-12, abs=0), (name, mine, exact)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -237,16 +242,112 @@ def test_fallback_masks_isolate_and_a_boolean_mask_under_eager_does_not(dirs, im
     model.eval()
     exs = examples("llama")
     x, _ = packed_row(exs)
-    packed = _logits(model, x)
     n0 = len(exs[0][0])
-    floor = EAGER_FP32_FLOOR if impl == "eager" else EXACT
-    assert (packed[:n0] - _logits(model, exs[0][0][None])).abs().max().item() <= floor
     later = x.clone()
     later[0, 0, n0:] = 5  # every later token changed
-    assert (_logits(model, later)[:n0] - packed[:n0]).abs().max().item() <= EXACT
+    with Float64Everywhere():
+        packed = _logits(model, x)
+        alone = _logits(model, exs[0][0][None])
+        changed = _logits(model, later)
+    assert (packed[:n0] - alone[:n0]).abs().max().item() <= EXACT
+    assert (changed[:n0] - packed[:n0]).abs().max().item() <= EXACT
     if impl == "eager":
         with torch.no_grad():
             mask = packed_mask(x[:, 1], BOOLEAN, torch.float64)
             a = inner.model(input_ids=x[:, 0], position_ids=x[:, 1], attention_mask=mask, use_cache=False).logits
             b = inner.model(input_ids=later[:, 0], position_ids=x[:, 1], attention_mask=mask, use_cache=False).logits
         assert (a[0, :n0] - b[0, :n0]).abs().max().item() > 1e-3
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What does json.dumps do?"}, {"role": "assistant", "content": "It returns a string."}],
+    [{"role": "user", "content": "Add two numbers"}, {"role": "assistant", "content": "Use the + operator."},
+     {"role": "user", "content": "and print it"}, {"role": "assistant", "content": "print(a + b)"}],
+]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_trained_ids_are_apply_chat_template_ids(dirs, name):
+    """(5) The ids an SFT run trains on for a chat record are `apply_chat_template(..., tokenize=True)`'s
+    for the family's own tokenizer (plain transformers, AutoTokenizer), BOS exactly where the
+    template renders it; what is trained is the assistant turns."""
+    from transformers import AutoTokenizer
+
+    from shardlab.data.sft import SFTTokenizer
+    from tests.hf_families import CHATS
+
+    tok, plain = SFTTokenizer(dirs[name]), AutoTokenizer.from_pretrained(dirs[name])
+    for messages in CONVERSATIONS:
+        ids, labels = tok.encode_example({"messages": messages})
+        assert ids == list(plain.apply_chat_template(messages, tokenize=True)["input_ids"]), name
+        assert (ids[0] == tok.bos_id) == CHATS[FAMILIES[name].chat].renders_bos, name
+        trained = plain.decode([t for t, lab in zip(ids, labels) if lab != -100], skip_special_tokens=True)
+        for m in messages:
+            assert (m["content"] in trained) == (m["role"] == "assistant"), (name, trained)
+
+
+# -- (4) verify at 3 ranks on every family: fsdp with LoRA, ddp full fine-tuning --------------------
+VERIFY_MODES = {"fsdp-lora": ("fsdp", 2), "ddp-full": ("ddp", 0)}
+
+
+def _verify_config(path: str, data: str, strategy: str, lora: int) -> dict:
+    from shardlab.models.hf import lora_layer_names
+
+    targets = sorted(n for n in lora_layer_names(section(path)) if n not in ("lm_head", "embed_out")
+                     and "embed" not in n) if lora else None
+    return {"model": {"name": "hf", "hf_path": path, "lora": {"rank": lora, "target_modules": targets}},
+            "data": {"source": "sft", "path": data, "seq_len": 48, "packing": True, "val_fraction": 0.0},
+            "train": {"global_batch_size": 12, "micro_batch_size": 2, "warmup_steps": 1, "optimizer": "sgd",
+                      "momentum": 0.9, "lr": 0.1},
+            "parallel": {"strategy": strategy}}
+
+
+def _verify_all(rank: int, world: int, cases: dict[str, dict], root: str) -> dict:
+    import argparse
+    import os
+
+    from shardlab.config import config_from_dict
+    from shardlab.runtime import Runtime
+    from shardlab.verify.command import make_plan
+    from shardlab.verify.compare import compare
+    from shardlab.verify.runs import verify_worker
+
+    rt = Runtime(rank, rank, world, torch.device("cpu"), "gloo")
+    out = {}
+    for key, raw in cases.items():  # one step: forward, backward, clip and step once each
+        args = argparse.Namespace(nproc=world, steps=1, against="single", dtype="float64", layers=None,
+                                  keep_dropout=False)
+        workdir = os.path.join(root, key)
+        os.makedirs(workdir, exist_ok=True)
+        report = verify_worker(rt, make_plan(config_from_dict(raw), args, workdir), compare)
+        if report is not None:
+            out[key] = (report.equal, report.first, report.cause, report.noise_floor,
+                        max(row.worst.error for row in report.rows), report.tolerance.dtype_name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def verified(dirs, tmp_path_factory):
+    import json
+    import os
+
+    root = tmp_path_factory.mktemp("verify-families")
+    os.environ["SHARDLAB_CACHE"] = str(root / "cache")
+    data = root / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Add {i} and {i % 5}"},
+                                                     {"role": "assistant", "content": f"It is {i + i % 5}."}]})
+                            + "\n" for i in range(48)))
+    cases = {f"{name}/{mode}": _verify_config(dirs[name], str(data), *VERIFY_MODES[mode])
+             for name in NAMES for mode in VERIFY_MODES}
+    return run_workers(3, _verify_all, cases, str(root), timeout_s=600)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", sorted(VERIFY_MODES))
+@pytest.mark.parametrize("name", NAMES)
+def test_verify_at_3_ranks_is_equal(verified, name, mode):
+    """(4) `shardlab verify --nproc 3` (in-process, the same plan and comparison) says EQUAL, in
+    float64, with the engine's largest error within 100x the measured noise floor."""
+    equal, first, cause, floor, worst, dtype = verified[f"{name}/{mode}"]
+    assert equal, (name, mode, first, cause)
+    assert dtype == "float64" and worst <= 100 * floor, (name, mode, worst, floor)

@@ -158,17 +158,39 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
 
 class ActivationRecorder:
     """Forward hooks on every module: while `on`, the first output of each module whose first
-    dimension is the micro batch's rows is fingerprinted (an activation-checkpointing recompute
-    is a second call, ignored). The first-call order is the forward order."""
+    dimension is the micro batch's rows is fingerprinted, during the model's own forward (an
+    activation-checkpointing recompute, in backward, is ignored). The first-call order is the forward
+    order. A module called more than once in one forward (Gemma 3's rotary embedding, once per layer
+    type, in the order of a Python set: another order in every process) has no single output to
+    compare: it is not recorded; the modules it feeds are."""
 
     def __init__(self, model: nn.Module, rows: int, reverse: bool):
         self.rows, self.reverse, self.on = rows, reverse, False
         self.prints: dict[str, torch.Tensor] = {}
         self.order: list[str] = []
-        self.handles = [m.register_forward_hook(partial(self._hook, path)) for path, m in model.named_modules()]
+        self.repeated: set[str] = set()
+        self._in_forward, self._seen = False, set()
+        self.handles = [model.register_forward_pre_hook(self._root_enter),
+                        model.register_forward_hook(self._root_exit, always_call=True)]
+        self.handles += [m.register_forward_hook(partial(self._hook, path)) for path, m in model.named_modules()]
+
+    def _root_enter(self, module: nn.Module, args: Any) -> None:
+        self._in_forward, self._seen = True, set()
+
+    def _root_exit(self, module: nn.Module, args: Any, out: Any) -> None:
+        self._in_forward = False
 
     def _hook(self, path: str, module: nn.Module, args: Any, out: Any) -> None:
-        if not self.on or path in self.prints:
+        if not self.on or not self._in_forward:
+            return
+        if path in self._seen:
+            self.repeated.add(path)
+            if path in self.prints:
+                del self.prints[path]
+                self.order.remove(path)
+            return
+        self._seen.add(path)
+        if path in self.prints or path in self.repeated:
             return
         t = _first_tensor(out)
         if t is None or not t.is_floating_point() or t.dim() == 0 or t.shape[0] != self.rows:
