@@ -27,11 +27,14 @@ duplicated documents never straddle train and val.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import glob
 import hashlib
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -41,7 +44,17 @@ from typing import Any
 
 import numpy as np
 
-from shardlab.data.inputs import Input, Piece, ReplacementCounter, expand_inputs, plan_pieces, read_piece
+from shardlab.data.inputs import (
+    KEEP_LOCATIONS,
+    BadRecords,
+    Input,
+    Piece,
+    ReplacementCounter,
+    document_head,
+    plan_pieces,
+    read_piece,
+    scan_inputs,
+)
 from shardlab.data.shards import (
     FORMAT,
     FORMAT_VERSION,
@@ -56,6 +69,7 @@ from shardlab.data.shards import (
 )
 from shardlab.data.text import Tokenizer, copy_tokenizer_files
 
+DEFAULT_VAL_FRACTION = 0.05  # data.val_fraction's default (config.DataConfig): the two agree
 KEY_BYTES = 4096          # the document prefix whose hash decides train or val
 ENCODE_BATCH_BYTES = 1 << 20
 # A tokenizer encodes text in segments of about this many characters, cut after a newline when
@@ -63,18 +77,20 @@ ENCODE_BATCH_BYTES = 1 << 20
 # faster than one 1 MiB string (measured here: 5.3 against 2.1 MiB/s on one core).
 SEGMENT_CHARS = 16 << 10
 SEGMENT_SLACK = 4 << 10
+MIN_UNITS = 16             # see unit_target
+MIN_UNIT_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
 class Job:
-    """What every worker needs (picklable): the inputs and the options that shape the output."""
+    """The options that shape the output, sent with every task (small: a task carries its own inputs)."""
 
-    inputs: tuple[Input, ...]
     field: str
     tokenizer: str | None
     dtype: str
     val_fraction: float
     tmp: str
+    on_bad_record: str = "skip"
 
 
 class ShardWriter:
@@ -148,27 +164,31 @@ class _Part:
     ends: bool  # the document ends here: its end-of-document token follows
 
 
-def _parts(job: Job, piece: Piece, counter: ReplacementCounter, corpus_start: bool) -> Iterator[_Part]:
-    inp = job.inputs[piece.input]
+def _parts(job: Job, inp: Input, piece: Piece, counter: ReplacementCounter, bad: BadRecords,
+           corpus_start: bool) -> Iterator[_Part]:
     if inp.format == "text":  # one document: its key is the file's first bytes, whichever piece this is
         if inp.bytes == 0:
             return  # an empty file is skipped, as an empty record is
-        with open(inp.path, "rb") as f:
-            key = f.read(KEY_BYTES)
-        val = held_out(key, job.val_fraction) and piece.input != 0
-        for text, raw in read_piece(inp, piece, job.field, counter):
-            yield _Part(text, raw, val, piece.last)
+        val = held_out(document_head(inp, KEY_BYTES), job.val_fraction) and piece.input != 0
+        parts = read_piece(inp, piece, job.field, counter, bad)
+        prev = next(parts, None)
+        for part in parts:  # the document ends after the input's last part
+            yield _Part(*prev, val, False)
+            prev = part
+        if prev is not None:
+            yield _Part(*prev, val, piece.last)
         return
-    for i, (text, raw) in enumerate(read_piece(inp, piece, job.field, counter)):
+    for i, (text, raw) in enumerate(read_piece(inp, piece, job.field, counter, bad)):
         if text:  # an empty record is skipped, not a lone end-of-document token
             first = corpus_start and i == 0
             yield _Part(text, raw, held_out(text.encode("utf-8")[:KEY_BYTES], job.val_fraction) and not first, True)
 
 
-def run_unit(job: Job, unit: int, pieces: list[Piece]) -> dict[str, Any]:
-    """Encode one unit's pieces into train shard `train-<unit>`; return its manifest entry, the
-    held-out validation tokens (with their document ends) and counts."""
-    tok, counter = _tokenizer(job.tokenizer), ReplacementCounter()
+def run_unit(job: Job, unit: int, pieces: list[Piece], inputs: dict[int, Input]) -> dict[str, Any]:
+    """Encode one unit's pieces (of `inputs`, the unit's own) into train shard `train-<unit>`;
+    return its manifest entry, the held-out validation tokens (with their document ends), the
+    SHA-256 of the inputs the unit holds whole, and counts."""
+    tok, counter, bad = _tokenizer(job.tokenizer), ReplacementCounter(), BadRecords(job.on_bad_record)
     dtype, eod = np.dtype(job.dtype), np.asarray([tok.eod_id], dtype=np.uint32)
     train = ShardWriter(job.tmp, f"train-{unit:05d}", dtype)
     val: list[np.ndarray] = []
@@ -193,7 +213,7 @@ def run_unit(job: Job, unit: int, pieces: list[Piece]) -> dict[str, Any]:
 
     size = 0
     for piece in pieces:
-        for part in _parts(job, piece, counter, unit == 0 and piece is pieces[0]):
+        for part in _parts(job, inputs[piece.input], piece, counter, bad, unit == 0 and piece is pieces[0]):
             if tok.directory is None:
                 cuts = [part.text]
             else:
@@ -206,27 +226,43 @@ def run_unit(job: Job, unit: int, pieces: list[Piece]) -> dict[str, Any]:
                 flush()
                 size = 0
     flush()
+    whole = {p.input for p in pieces if p.first} & {p.input for p in pieces if p.last}
     return {"unit": unit, "train": train.close(), "documents": documents, "replaced_bytes": counter.count,
-            "input_bytes": sum(p.bytes for p in pieces),
+            "input_bytes": sum(p.bytes for p in pieces), "bad_records": bad.count, "bad_first": bad.first,
+            "hashes": {i: input_sha256(inputs[i]) for i in sorted(whole)},
             "val": (np.concatenate(val) if val else np.zeros(0, dtype), val_ends)}
 
 
+def input_sha256(inp: Input) -> str:
+    """An input's SHA-256 (of the file as stored; a `datasets` directory: of its files, in sorted order)."""
+    if inp.format != "datasets":
+        return file_sha256(inp.path)
+    h = hashlib.sha256()
+    for root, _, files in sorted(os.walk(inp.path)):
+        for name in sorted(files):
+            h.update(name.encode() + b"\0" + bytes.fromhex(file_sha256(os.path.join(root, name))))
+    return h.hexdigest()
+
+
 def _task(job: Job, task: tuple[str, Any]) -> tuple[str, Any]:
+    """("hash", (index, Input)): an input cut across units; ("unit", (unit, pieces, its inputs))."""
     kind, arg = task
-    if kind == "hash":  # an input's SHA-256 (a `datasets` directory: of its files, in sorted order)
-        inp = job.inputs[arg]
-        if inp.format != "datasets":
-            return kind, (arg, file_sha256(inp.path))
-        h = hashlib.sha256()
-        for root, _, files in sorted(os.walk(inp.path)):
-            for name in sorted(files):
-                h.update(name.encode() + b"\0" + bytes.fromhex(file_sha256(os.path.join(root, name))))
-        return kind, (arg, h.hexdigest())
+    if kind == "hash":
+        return kind, (arg[0], input_sha256(arg[1]))
     return kind, run_unit(job, *arg)
 
 
 def _init_worker() -> None:
     os.environ.setdefault("RAYON_NUM_THREADS", "1")  # one core per worker (see the module docstring)
+
+
+def _init_pool_worker() -> None:
+    _init_worker()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops the pool
+    if sys.platform.startswith("linux"):  # die with the parent, even when it is SIGKILLed
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 # -- the whole corpus -----------------------------------------------------------------------------
@@ -249,115 +285,215 @@ def _output_per_input_byte(tok: Tokenizer, inputs: list[Input], dtype: np.dtype)
     sample = next((i for i in inputs if i.format in ("text", "jsonl") and i.bytes), None)
     if sample is None:
         return dtype.itemsize / 4.0  # about 4 bytes a token in English
-    with open(sample.path, "rb") as f:
-        text = f.read(256 << 10).decode("utf-8", errors="replace")
+    text = document_head(sample, 256 << 10).decode("utf-8", errors="replace")
     return dtype.itemsize * max(1, len(tok._tok.encode(text, add_special_tokens=False).ids)) / max(1, len(text))
 
 
 def _pool(workers: int):
     # fork: nothing here has used the tokenizer's Rust threads, so the children start clean and fast
     ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    return ctx.Pool(workers, initializer=_init_worker)
+    return ctx.Pool(workers, initializer=_init_pool_worker)
 
 
 def _results(job: Job, tasks: list[tuple[str, Any]], workers: int) -> Iterator[tuple[str, Any]]:
     if workers <= 1:  # here, in this process (the command sets RAYON_NUM_THREADS as a worker would)
         yield from (_task(job, t) for t in tasks)
         return
-    with _pool(workers) as pool:
-        yield from pool.imap(functools.partial(_task, job), tasks, chunksize=1)
+    with _pool(workers) as pool:  # in completion order: a failing unit stops the prepare at once
+        yield from pool.imap_unordered(functools.partial(_task, job), tasks, chunksize=1)
+
+
+def unit_target(pieces: list[Piece], shard_input_bytes: int) -> int:
+    """Input bytes per unit: a shard's worth, but at most 1/MIN_UNITS of the corpus (not below
+    MIN_UNIT_BYTES), so that a corpus of many small files still gives every worker work. It
+    depends on the inputs and --shard-mb only, never on --workers."""
+    total = sum(p.bytes for p in pieces)
+    return max(1, min(shard_input_bytes, max(MIN_UNIT_BYTES, total // MIN_UNITS)))
 
 
 def prepare(specs: list[str], out: str, *, tokenizer: str | None = None, field: str = "text", workers: int = 1,
             val_fraction: float = 0.0, shard_mb: float = 64.0, force_format: str | None = None,
-            progress: bool = True) -> str:
-    """Prepare `specs` into DATA_DIR `out` (see the module docstring); returns `out`."""
-    if os.path.exists(os.path.join(out, MANIFEST)):
-        raise DataError(f"--out {out!r} already holds a prepared corpus; delete it or choose another directory")
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise DataError(f"--out {out!r} exists and is not an empty directory; choose another")
+            progress: bool = True, on_bad_record: str = "skip", wait_if_busy: bool = False) -> str:
+    """Prepare `specs` into DATA_DIR `out` (see the module docstring); returns `out`.
+    wait_if_busy: wait for another prepare into `out` to end (else refuse at once)."""
     if not 0.0 <= val_fraction < 1.0 or shard_mb <= 0 or workers < 1:
         raise DataError("--val-fraction must be in [0, 1), --shard-mb > 0 and --workers >= 1")
-    inputs = expand_inputs(specs, force_format)
-    tok = Tokenizer(tokenizer)
-    dtype = token_dtype(tok.vocab_size)
-    pieces = plan_pieces(inputs, field)
-    target = max(1, int(shard_mb * 2**20 / _output_per_input_byte(tok, inputs, dtype)))
-    units = group_units(pieces, target)
+    if on_bad_record not in ("skip", "fail"):
+        raise DataError(f"--on-bad-record {on_bad_record!r}: choose skip or fail")
+    with out_lock(out, wait_if_busy):
+        if os.path.exists(os.path.join(out, MANIFEST)):
+            raise DataError(f"--out {out!r} already holds a prepared corpus; delete it or choose another directory")
+        if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+            raise DataError(f"--out {out!r} exists and is not an empty directory; choose another")
+        remove_leftovers(out)
+        inputs, skipped = scan_inputs(specs, force_format)
+        tok = Tokenizer(tokenizer)
+        dtype = token_dtype(tok.vocab_size)
+        pieces = plan_pieces(inputs, field)
+        units = group_units(pieces, unit_target(pieces, int(shard_mb * 2**20 / _output_per_input_byte(tok, inputs,
+                                                                                                      dtype))))
+        job = Job(field, tokenizer, dtype.str, val_fraction, _make_tmp(out), on_bad_record)
+        try:
+            manifest = _collect(job, tok, _tasks(inputs, units), workers, int(shard_mb * 2**20), progress)
+            manifest["counts"].update(skipped_files=len(skipped), skipped_files_first=skipped[:KEEP_LOCATIONS])
+            manifest.update(inputs=[{"path": i.path, "format": i.format, "compression": i.compression,
+                                     "bytes": i.bytes, "sha256": manifest["input_sha256"][k]}
+                                    for k, i in enumerate(inputs)],
+                            field=field, val_fraction=val_fraction, shard_mb=shard_mb, on_bad_record=on_bad_record)
+            del manifest["input_sha256"]
+            if tokenizer is not None:  # the corpus decodes without the original directory (a cluster mount)
+                copy_tokenizer_files(tokenizer, os.path.join(job.tmp, TOKENIZER_COPY))
+                manifest["tokenizer"]["copy"] = TOKENIZER_COPY
+            _write_manifest(job.tmp, manifest)
+            os.rename(job.tmp, out)  # atomic: DATA_DIR appears complete or not at all
+        except BaseException:
+            shutil.rmtree(job.tmp, ignore_errors=True)
+            raise
+    record_verified(read_manifest(out))  # the hashes were computed from what was written
+    return out
+
+
+def _tasks(inputs: list[Input], units: list[list[Piece]]) -> list[tuple[str, Any]]:
+    """Each task carries only its own inputs. An input cut across units is hashed by a task of its own."""
+    whole = {i for u in units for i in ({p.input for p in u if p.first} & {p.input for p in u if p.last})}
+    split = [("hash", (i, inp)) for i, inp in enumerate(inputs) if i not in whole]
+    return split + [("unit", (u, ps, {p.input: inputs[p.input] for p in ps})) for u, ps in enumerate(units)]
+
+
+def _make_tmp(out: str) -> str:
     parent = os.path.dirname(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(os.path.abspath(out))}.tmp-")
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would hide the corpus from other users of a shared mount
-    job = Job(tuple(inputs), field, tokenizer, dtype.str, val_fraction, tmp)
+    return tmp
+
+
+@contextlib.contextmanager
+def out_lock(out: str, wait: bool):
+    """Hold `.NAME.lock` beside --out for the whole prepare: a second prepare into the same
+    --out is refused at its start (or waits, with `wait`). The lock is the kernel's (flock), so
+    a killed prepare holds nothing."""
+    import fcntl
+
+    parent, name = os.path.split(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    path = os.path.join(parent, f".{name}.lock")
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            owner = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise DataError(f"--out {out!r}: another prepare (pid {owner}) is writing it; wait for it to end or "
+                            "choose another --out") from None
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # its previous holder removed the file meanwhile: lock the one now there
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
     try:
-        tasks = [("hash", i) for i in range(len(inputs))] + [("unit", (u, ps)) for u, ps in enumerate(units)]
-        manifest = _collect(job, tok, tasks, workers, int(shard_mb * 2**20), progress)
-        manifest.update(inputs=[{"path": i.path, "format": i.format, "bytes": i.bytes, "sha256": h}
-                                for i, h in zip(inputs, manifest.pop("input_sha256"))],
-                        field=field, val_fraction=val_fraction, shard_mb=shard_mb)
-        if tokenizer is not None:  # the corpus decodes without the original directory (a cluster mount)
-            copy_tokenizer_files(tokenizer, os.path.join(tmp, TOKENIZER_COPY))
-            manifest["tokenizer"]["copy"] = TOKENIZER_COPY
-        _write_manifest(tmp, manifest)
-        os.rename(tmp, out)  # atomic: DATA_DIR appears complete or not at all
-    except BaseException:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        os.close(fd)
+
+
+def remove_leftovers(out: str) -> None:
+    """Delete the temporary folders of prepares into `out` that were killed (called under out_lock,
+    so none of them is still being written), saying so."""
+    parent, name = os.path.split(os.path.abspath(out))
+    for tmp in sorted(glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.tmp-*"))):
+        print(f"prepare: removing {tmp}, the partial output of an interrupted prepare into {out}", file=sys.stderr)
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    record_verified(read_manifest(out))  # the hashes were computed from what was written
-    return out
+
+
+class _Collector:
+    """Takes the units' results in any order and applies them in unit order: the train shards'
+    order, the validation shards' content, and the first bad records named do not depend on
+    which worker finished first."""
+
+    def __init__(self, job: Job, shard_bytes: int):
+        self.job, self.shard_bytes, self.dtype = job, shard_bytes, np.dtype(job.dtype)
+        self.pending: dict[int, dict] = {}
+        self.next_unit = 0
+        self.train: list[dict] = []
+        self.val_shards: list[dict] = []
+        self.val = ShardWriter(job.tmp, "val-00000", self.dtype)
+        self.counts = {"documents": 0, "replaced_invalid_utf8_bytes": 0, "input_bytes": 0, "bad_records": 0,
+                       "bad_records_first": []}
+        self.hashes: dict[int, str] = {}
+        self.tokens = 0
+
+    def add(self, r: dict) -> None:
+        self.pending[r["unit"]] = r
+        while self.next_unit in self.pending:
+            self._apply(self.pending.pop(self.next_unit))
+            self.next_unit += 1
+
+    def _apply(self, r: dict) -> None:
+        if r["train"] is not None:
+            self.train.append(r["train"])
+            self.tokens += r["train"]["tokens"]
+        val_ids, val_ends = r["val"]
+        for end in val_ends:
+            self.val.ends.append(self.val.tokens + end)
+        self.val.write(val_ids)
+        self.tokens += len(val_ids)
+        if self.val.tokens * self.dtype.itemsize >= self.shard_bytes:
+            self.val_shards.append(self.val.close())
+            self.val = ShardWriter(self.job.tmp, f"val-{len(self.val_shards):05d}", self.dtype)
+        c = self.counts
+        c["documents"] += r["documents"]
+        c["replaced_invalid_utf8_bytes"] += r["replaced_bytes"]
+        c["input_bytes"] += r["input_bytes"]
+        c["bad_records"] += r["bad_records"]
+        c["bad_records_first"] = (c["bad_records_first"] + r["bad_first"])[:KEEP_LOCATIONS]
+        self.hashes.update(r["hashes"])
+
+    def close(self) -> None:
+        last = self.val.close()
+        self.val_shards += [last] if last is not None else []
 
 
 def _collect(job: Job, tok: Tokenizer, tasks: list, workers: int, shard_bytes: int, progress: bool) -> dict:
     """Run the tasks; write the validation shards here as units return; the manifest's body."""
     from tqdm import tqdm
 
-    dtype = np.dtype(job.dtype)
     total = sum(sum(p.bytes for p in arg[1]) for kind, arg in tasks if kind == "unit")
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="prepare", dynamic_ncols=True,
                disable=None if progress else True)
-    hashes: dict[int, str] = {}
-    train: list[dict] = []
-    val_shards: list[dict] = []
-    val = ShardWriter(job.tmp, "val-00000", dtype)
-    counts = {"documents": 0, "replaced_invalid_utf8_bytes": 0, "input_bytes": 0}
-    t0, tokens = time.perf_counter(), 0
+    c = _Collector(job, shard_bytes)
+    t0 = time.perf_counter()
     try:
         for kind, r in _results(job, tasks, workers):
             if kind == "hash":
-                hashes[r[0]] = r[1]
+                c.hashes[r[0]] = r[1]
                 continue
-            if r["train"] is not None:
-                train.append(r["train"])
-                tokens += r["train"]["tokens"]
-            val_ids, val_ends = r["val"]
-            for end in val_ends:
-                val.ends.append(val.tokens + end)
-            val.write(val_ids)
-            tokens += len(val_ids)
-            if val.tokens * dtype.itemsize >= shard_bytes:
-                val_shards.append(val.close())
-                val = ShardWriter(job.tmp, f"val-{len(val_shards):05d}", dtype)
-            counts["documents"] += r["documents"]
-            counts["replaced_invalid_utf8_bytes"] += r["replaced_bytes"]
-            counts["input_bytes"] += r["input_bytes"]
+            c.add(r)
             bar.update(r["input_bytes"])
-            bar.set_postfix_str(f"{tokens / max(1e-9, time.perf_counter() - t0):,.0f} tok/s")
+            bar.set_postfix_str(f"{c.tokens / max(1e-9, time.perf_counter() - t0):,.0f} tok/s")
     finally:
-        last = val.close()
+        c.close()
         bar.close()
-    val_shards += [last] if last is not None else []
     splits = {name: {"tokens": sum(s["tokens"] for s in shards), "documents": sum(s["documents"] for s in shards),
-                     "shards": shards} for name, shards in (("train", train), ("val", val_shards))}
+                     "shards": shards} for name, shards in (("train", c.train), ("val", c.val_shards))}
+    if splits["train"]["tokens"] == 0 and c.counts["bad_records"]:
+        raise DataError(f"every record was bad ({c.counts['bad_records']} skipped; the first: "
+                        f"{c.counts['bad_records_first'][0]})")
     if splits["train"]["tokens"] == 0:
-        raise DataError("the inputs hold no text (an empty corpus)" if counts["documents"] == 0 else
+        raise DataError("the inputs hold no text (an empty corpus)" if c.counts["documents"] == 0 else
                         "every document went to the validation split; lower --val-fraction or give more documents")
     import shardlab
 
     return {"format": FORMAT, "version": FORMAT_VERSION, "shardlab_version": shardlab.__version__,
-            "tokenizer": tok.identity(), "dtype": dtype.name, "byte_order": "little", "counts": counts,
-            "splits": splits, "input_sha256": [hashes[i] for i in range(len(job.inputs))]}
+            "tokenizer": tok.identity(), "dtype": np.dtype(job.dtype).name, "byte_order": "little",
+            "counts": c.counts, "splits": splits, "input_sha256": [c.hashes[i] for i in range(len(c.hashes))]}
 
 
 def _write_manifest(tmp: str, manifest: dict) -> None:
@@ -390,26 +526,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--field", default="text", metavar="NAME", help="JSONL/Parquet/datasets text field (default text)")
     p.add_argument("--workers", type=int, default=default_workers(), metavar="N",
                    help=f"worker processes, one core each (default: the usable cores, {default_workers()} here)")
-    p.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
-                   help="held-out documents for validation, as a fraction (default 0)")
+    p.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION, metavar="F",
+                   help="held-out documents for validation, as a fraction (default "
+                        f"{DEFAULT_VAL_FRACTION}, as data.val_fraction)")
     p.add_argument("--shard-mb", type=float, default=64.0, metavar="M", help="about M MiB per shard (default 64)")
+    p.add_argument("--on-bad-record", choices=("skip", "fail"), default="skip",
+                   help="a JSONL/JSON/Parquet record without a text --field: skip and count it (default) or stop")
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     _init_worker()  # --workers 1 encodes in this process: one core too
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # as Ctrl-C: the partial output is removed
     try:
         out = prepare(args.inputs, args.out, tokenizer=args.tokenizer, field=args.field, workers=args.workers,
-                      val_fraction=args.val_fraction, shard_mb=args.shard_mb)
+                      val_fraction=args.val_fraction, shard_mb=args.shard_mb, on_bad_record=args.on_bad_record)
     except (DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"prepare: interrupted; nothing was written to {args.out} (its partial output was removed)",
+              file=sys.stderr)
+        return 130
     m = read_manifest(out).raw
     secs = time.perf_counter() - t0
-    mib = m["counts"]["input_bytes"] / 2**20
+    c = m["counts"]
+    mib = c["input_bytes"] / 2**20
     print(f"prepared {mib:.1f} MiB in {secs:.1f} s ({mib / secs:.1f} MiB/s, {args.workers} worker(s)): "
           f"{m['splits']['train']['tokens']:,} train and {m['splits']['val']['tokens']:,} val tokens "
-          f"({m['dtype']}, vocab {m['tokenizer']['vocab_size']}), {m['counts']['documents']:,} documents, "
-          f"{m['counts']['replaced_invalid_utf8_bytes']} invalid UTF-8 bytes replaced -> {out}")
+          f"({m['dtype']}, vocab {m['tokenizer']['vocab_size']}), {c['documents']:,} documents, "
+          f"{c['replaced_invalid_utf8_bytes']} invalid UTF-8 bytes replaced -> {out}")
+    for what, n, first in (("bad records", c["bad_records"], c["bad_records_first"]),
+                           ("files that are not text", c["skipped_files"], c["skipped_files_first"])):
+        if n:
+            print(f"skipped {n:,} {what}, first: " + "; ".join(first))
     print(f"train on it: shardlab train CONFIG data.source=tokens data.path={out}")
     return 0

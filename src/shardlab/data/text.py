@@ -10,7 +10,6 @@ prepared stream 255 marks document ends only); for a tokenizer, its eos token
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -25,12 +24,11 @@ EOD_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[E
 
 
 def text_files(path: str) -> list[str]:
-    """data.path as files: a file, every file below a directory, or a (recursive) glob."""
-    if os.path.isdir(path):
-        return sorted(os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs)
-    if os.path.isfile(path):
-        return [path]
-    return sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+    """data.path as files: a file, every file below a directory (hidden and VCS entries
+    skipped, data/formats.py), or a (recursive) glob."""
+    from shardlab.data.formats import walk
+
+    return walk(path)[0]
 
 
 def _eos_from_config(directory: str) -> str | None:
