@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from shardlab.data.prepare import prepare
@@ -122,6 +123,14 @@ def test_many_small_files_are_spread_over_units_that_carry_their_own_inputs(tmp_
     two = prepare([str(tree)], str(tmp_path / "w2"), workers=2)
     assert stream(one) == stream(two)
     assert read_manifest(one).raw["inputs"] == read_manifest(two).raw["inputs"]
+
+
+def test_byte_corpora_take_one_byte_per_token(tmp_path):
+    m = read_manifest(prepare([as_jsonl(tmp_path, DOCS)], str(tmp_path / "out"), field="body"))
+    assert m.raw["dtype"] == "uint8"
+    shard = m.split("train")["shards"][0]
+    assert shard["bin"]["bytes"] == shard["tokens"]
+    assert np.fromfile(os.path.join(m.path, shard["bin"]["name"]), dtype=np.uint8)[-1] == 0xFF
 
 
 def test_bad_inputs_are_one_line_errors(tmp_path):

@@ -2,7 +2,8 @@
 `shardlab prepare` (data/prepare.py) and training, its checks, and the memory-mapped dataset.
 
 A prepared DATA_DIR holds, per split (train, val):
-    <split>-NNNNN.bin   the tokens, little-endian uint16 (vocab <= 65536) or uint32, no header
+    <split>-NNNNN.bin   the tokens: uint8 (bytes), little-endian uint16 (vocab <= 65536) or uint32, no
+                        header; the manifest's dtype says which (corpora of bytes before uint8 are uint16)
     <split>-NNNNN.idx   int64 little-endian: the end offset (exclusive, in tokens) of every
                         document that ends in that shard, its end-of-document token included
     manifest.json       written last: format and version, tokenizer identity and hash, vocab
@@ -51,7 +52,9 @@ class DataError(ValueError):
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    """The smallest of uint16 / uint32 that holds every token id (nanoGPT's uint16 for GPT-2)."""
+    """The smallest of uint8 / uint16 / uint32 that holds every token id (bytes: uint8; GPT-2: uint16, as nanoGPT)."""
+    if vocab_size <= 2**8:
+        return np.dtype("u1")
     return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
 
 
