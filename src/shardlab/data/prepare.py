@@ -259,6 +259,7 @@ def _init_worker() -> None:
 def _init_pool_worker() -> None:
     _init_worker()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops the pool
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the pool's terminate() (not the parent's handler: run)
     if sys.platform.startswith("linux"):  # die with the parent, even when it is SIGKILLed
         import ctypes
 

@@ -119,7 +119,51 @@ def read_manifest(path: str) -> Manifest:
     if raw.get("version") != FORMAT_VERSION:
         raise DataError(f"{mpath}: format version {raw.get('version')!r}, but this shardlab reads version "
                         f"{FORMAT_VERSION}; prepare the corpus again with this shardlab (`shardlab prepare`)")
+    problem = manifest_problem(raw)
+    if problem is not None:
+        raise DataError(f"{mpath}: {problem}; the manifest was edited or damaged: prepare the corpus again")
     return Manifest(path, raw, hashlib.sha256(blob).hexdigest())
+
+
+TOKEN_DTYPES = ("uint8", "uint16", "uint32")
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def manifest_problem(raw: dict[str, Any]) -> str | None:
+    """What is inconsistent in the fields a reader relies on (None: nothing). Each shard's
+    `.bin` bytes must be its tokens times the dtype's size and its `.idx` bytes 8 per document,
+    so that the size check against the files is a check of the token counts too (a count raised
+    by hand would otherwise map past a shard's end)."""
+    try:
+        dtype, vocab = raw["dtype"], raw["tokenizer"]["vocab_size"]
+        if dtype not in TOKEN_DTYPES:
+            return f"dtype {dtype!r} is not one of {list(TOKEN_DTYPES)}"
+        if not _is_count(vocab) or vocab > 2 ** (8 * np.dtype(dtype).itemsize):
+            return f"tokenizer.vocab_size {vocab!r} does not fit dtype {dtype}"
+        size = np.dtype(dtype).itemsize
+        for split in SPLITS:
+            shards = raw["splits"][split]["shards"]
+            for shard in shards:
+                tokens, docs, names = shard["tokens"], shard["documents"], (shard["bin"]["name"], shard["idx"]["name"])
+                if not (_is_count(tokens) and _is_count(docs)):
+                    return f"a {split} shard's tokens/documents ({tokens!r}, {docs!r}) are not counts"
+                if any(not isinstance(n, str) or os.path.basename(n) != n or n.startswith(".") for n in names):
+                    return f"shard file names {list(names)} are not plain names in the directory"
+                if shard["bin"]["bytes"] != tokens * size:
+                    return (f"{names[0]}: {tokens} tokens of {dtype} make {tokens * size} bytes, but the manifest "
+                            f"says {shard['bin']['bytes']}")
+                if shard["idx"]["bytes"] != docs * INDEX_DTYPE.itemsize:
+                    return f"{names[1]}: {docs} documents make {docs * 8} bytes, but the manifest says {shard['idx']['bytes']}"
+            for key in ("tokens", "documents"):
+                total = sum(shard[key] for shard in shards)
+                if raw["splits"][split][key] != total:
+                    return f"splits.{split}.{key} is {raw['splits'][split][key]!r} but its shards hold {total}"
+    except (KeyError, TypeError) as e:
+        return f"a field a reader needs is missing or malformed ({type(e).__name__}: {e})"
+    return None
 
 
 # -- verification ---------------------------------------------------------------------------------
