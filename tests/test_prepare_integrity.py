@@ -134,3 +134,18 @@ def test_a_held_lock_refuses_and_a_free_one_is_taken(tmp_path):
     prepare([str(tmp_path / "txt")], out)
     assert read_manifest(out).raw["counts"]["documents"] == len(DOCS)
     assert not os.path.exists(os.path.join(tmp_path, ".out.lock"))
+
+
+def test_advice_for_raw_folders_tokenizer_files_and_hub_names(tmp_path):
+    from shardlab.data.text import Tokenizer
+
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+
+    raw = as_text_files(tmp_path, DOCS[:2])
+    with pytest.raises(DataError, match=rf"prepare them: `shardlab prepare {raw} --out {raw}-tokens`"):
+        check(_cfg(raw))
+    with pytest.raises(ValueError, match=f"is a file; pass the directory that holds it: {tmp_path / 'tok'}$"):
+        Tokenizer(str(tmp_path / "tok" / "tokenizer.json"))
+    with pytest.raises(ValueError, match="nothing is fetched from a hub"):
+        Tokenizer("gpt2")

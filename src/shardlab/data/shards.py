@@ -67,6 +67,12 @@ def file_sha256(path: str | Path, chunk: int = 8 << 20) -> str:
 
 
 def _prepare_hint(path: str) -> str:
+    name = os.path.basename(os.path.normpath(path))
+    if ".tmp-" in name and name.startswith("."):
+        return "it is the partial output of an interrupted `shardlab prepare`: delete it and prepare again"
+    if os.path.isdir(path) and os.listdir(path):  # raw documents: prepare them into a new directory
+        out = os.path.normpath(path) + "-tokens"
+        return f"if it holds documents, prepare them: `shardlab prepare {path} --out {out}`, then data.path={out}"
     return f"run `shardlab prepare INPUT... --out {path}` to make one"
 
 

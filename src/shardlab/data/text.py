@@ -70,6 +70,13 @@ class Tokenizer:
                 raise RuntimeError("a tokenizer directory needs the `tokenizers` package: pip install tokenizers") \
                     from e
             path = os.path.join(directory, "tokenizer.json")
+            if os.path.isfile(directory):
+                raise ValueError(f"tokenizer {directory!r} is a file; pass the directory that holds it: "
+                                 f"{os.path.dirname(directory) or '.'}")
+            if not os.path.exists(directory):
+                raise ValueError(f"tokenizer {directory!r}: no such directory; a tokenizer is read from a local "
+                                 "directory (nothing is fetched from a hub): download it first, e.g. `hf download "
+                                 "NAME tokenizer.json tokenizer_config.json --local-dir DIR`, and pass DIR")
             if not os.path.isfile(path):
                 raise ValueError(f"tokenizer {directory!r}: no tokenizer.json there (a slow-only tokenizer: save it "
                                  "with transformers' AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR) first)")
