@@ -149,3 +149,21 @@ def test_advice_for_raw_folders_tokenizer_files_and_hub_names(tmp_path):
         Tokenizer(str(tmp_path / "tok" / "tokenizer.json"))
     with pytest.raises(ValueError, match="nothing is fetched from a hub"):
         Tokenizer("gpt2")
+
+
+def test_a_corpus_without_a_split_says_so_and_can_hold_out_train_windows(tmp_path, capsys):
+    from shardlab.data import build_datasets
+
+    path = prepare([as_text_files(tmp_path, DOCS)], str(tmp_path / "out"), val_fraction=0.0)
+    d = build_datasets(_cfg(path))
+    assert d.val is None
+    said = capsys.readouterr().out.strip().splitlines()
+    assert len(said) == 1 and "has no validation split" in said[0] and "data.val_from_train=true" in said[0]
+    held = build_datasets(_cfg(path, "data.val_from_train=true", "data.val_fraction=0.25"))
+    n = len(d.train)
+    assert len(held.val) == int(n * 0.25) and len(held.train) + len(held.val) == n
+    assert [t.tolist() for t in held.val[0]] == [t.tolist() for t in d.train[len(held.train)]]
+    from shardlab.config import DataConfig
+    from shardlab.data.prepare import DEFAULT_VAL_FRACTION
+
+    assert DEFAULT_VAL_FRACTION == DataConfig.val_fraction  # prepare's default is data.val_fraction's
