@@ -142,3 +142,17 @@ def test_bad_inputs_are_one_line_errors(tmp_path):
                             "--workers", "1"], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and expect in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_data_inspect_describes_and_decodes(tmp_path, capsys):
+    from shardlab.cli import main
+
+    path = _records(tmp_path, [json.dumps({"text": d}) for d in DOCS[:4]] + ['{"x": 1}'])
+    out = prepare([path], str(tmp_path / "out"), val_fraction=0.0)
+    assert main(["data", "inspect", out, "--docs", "2", "--chars", "10000"]) == 0
+    text = capsys.readouterr().out
+    assert "dtype uint8, tokenizer bytes (vocab 256" in text and "train: 4 documents" in text
+    assert "bad records skipped: 1" in text and f"{path}:5: no field 'text'" in text
+    assert f"--- train document 1 ({len(DOCS[1].encode()) + 1:,} tokens) ---\n{DOCS[1]}" in text
+    assert main(["data", "inspect", str(tmp_path)]) == 2
+    assert "no manifest.json" in capsys.readouterr().err
