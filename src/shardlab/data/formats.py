@@ -42,6 +42,7 @@ class Sniffed:
     format: str               # text | jsonl | json | parquet
     compression: str | None   # gz | bz2 | xz | zst | None
     not_text: str | None      # why the file is not text (None: it is)
+    bytes: int = 0            # its size on disk
 
 
 def walk(spec: str) -> tuple[list[str], bool]:
@@ -118,26 +119,26 @@ def _strip_compression(name: str, compression: str | None) -> str:
 def sniff(path: str, force_format: str | None = None) -> Sniffed:
     """See [Note: formats by content]; force_format: the format when the file is text (data.source=text)."""
     with open(path, "rb") as f:
-        magic = f.read(8)
-    compression = next((kind for m, kind in MAGIC if magic.startswith(m)), None)
-    sample = head(path, compression, SNIFF_BYTES) if compression else None
-    if compression is None and magic.startswith(b"PAR1"):
-        return Sniffed("parquet", None, None)
-    if sample is None:
-        with open(path, "rb") as f:
-            sample = f.read(SNIFF_BYTES)
+        sample = f.read(SNIFF_BYTES)
+        size = os.fstat(f.fileno()).st_size
+    compression = next((kind for m, kind in MAGIC if sample.startswith(m)), None)
+    if compression is None and sample.startswith(b"PAR1"):
+        return Sniffed("parquet", None, None, size)
+    if compression is not None:
+        sample = head(path, compression, SNIFF_BYTES)
     name = _strip_compression(path.lower(), compression)
+    fmt = "text"
     if name.endswith(".parquet"):
-        return Sniffed("parquet", compression, "named .parquet but has no Parquet magic (PAR1)")
+        return Sniffed("parquet", compression, "named .parquet but has no Parquet magic (PAR1)", size)
     if b"\0" in sample:
-        return Sniffed("text", compression, "holds NUL bytes (a binary file)")
+        return Sniffed(fmt, compression, "holds NUL bytes (a binary file)", size)
     share = _invalid_utf8_share(sample)
     if share > MAX_INVALID_SHARE:
-        return Sniffed("text", compression, f"{share:.0%} of its first {len(sample)} bytes are not UTF-8")
+        return Sniffed(fmt, compression, f"{share:.0%} of its first {len(sample)} bytes are not UTF-8", size)
     if force_format is not None:
-        return Sniffed(force_format, compression, None)
-    if name.endswith((".jsonl", ".ndjson")):
-        return Sniffed("jsonl", compression, None)
-    if name.endswith(".json"):
-        return Sniffed("json" if sample.lstrip()[:1] == b"[" else "jsonl", compression, None)
-    return Sniffed("text", compression, None)
+        fmt = force_format
+    elif name.endswith((".jsonl", ".ndjson")):
+        fmt = "jsonl"
+    elif name.endswith(".json"):
+        fmt = "json" if sample.lstrip()[:1] == b"[" else "jsonl"
+    return Sniffed(fmt, compression, None, size)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import codecs
 import functools
+import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -59,29 +60,37 @@ def _dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
 
 
-def scan_inputs(specs: list[str], force_format: str | None = None) -> tuple[list[Input], list[str]]:
+def scan_inputs(specs: list[str], force_format: str | None = None, pool=None) -> tuple[list[Input], list[str]]:
     """Files, directories and globs, in the order given, each directory's and glob's files
-    sorted, sniffed (data/formats.py): the inputs, and "path: reason" for each file skipped as
-    not text. A file named on its own that is not text is an error. force_format: read every
-    text file as that format (data.source=text)."""
-    out: list[Input] = []
-    skipped: list[str] = []
+    sorted, sniffed (data/formats.py; by `pool`'s workers when given): the inputs, and "path:
+    reason" for each file skipped as not text. A file named on its own that is not text is an
+    error. force_format: read every text file as that format (data.source=text)."""
+    found: list[tuple[str, bool] | Input] = []
     for spec in specs:
         spec = os.path.expanduser(spec)
         if _is_datasets_dir(spec):
-            out.append(Input(spec, "datasets", _dir_bytes(spec)))
+            found.append(Input(spec, "datasets", _dir_bytes(spec)))
             continue
         files, named = walk(spec)
         if not files:
             raise DataError(f"input {spec!r}: no such file, directory or glob match")
-        for f in files:
-            s = sniff(f, force_format)
-            if s.not_text is not None:
-                if named:
-                    raise DataError(f"input {f}: not a document ({s.not_text}); prepare reads {SUPPORTED}")
-                skipped.append(f"{f}: {s.not_text}")
-                continue
-            out.append(Input(f, s.format, os.path.getsize(f), s.compression))
+        found += [(f, named) for f in files]
+    paths = [f[0] for f in found if not isinstance(f, Input)]
+    check = functools.partial(sniff, force_format=force_format)
+    sniffed = iter(pool.map(check, paths, chunksize=256) if pool is not None else map(check, paths))
+    out: list[Input] = []
+    skipped: list[str] = []
+    for f in found:
+        if isinstance(f, Input):
+            out.append(f)
+            continue
+        (path, named), s = f, next(sniffed)
+        if s.not_text is not None:
+            if named:
+                raise DataError(f"input {path}: not a document ({s.not_text}); prepare reads {SUPPORTED}")
+            skipped.append(f"{path}: {s.not_text}")
+            continue
+        out.append(Input(path, s.format, s.bytes, s.compression))
     return out, skipped
 
 
@@ -187,9 +196,24 @@ codecs.register_error(ReplacementCounter.NAME, ReplacementCounter._handle)
 
 
 # -- reading documents ----------------------------------------------------------------------------
+# What read_piece saw of a file it read from its start, kept (per process, until asked for once)
+# so that a small file is opened once, not three times (read, document key, hash)
+_HEADS: dict[str, bytes] = {}
+_WHOLE_SHA256: dict[str, str] = {}
+HEAD_KEPT = 4096
+
+
 def document_head(inp: Input, n: int) -> bytes:
     """The first n bytes of a text input's document (decompressed)."""
+    kept = _HEADS.pop(inp.path, None)
+    if kept is not None and (len(kept) >= n or len(kept) == inp.bytes):
+        return kept[:n]
     return head(inp.path, inp.compression, n)
+
+
+def whole_file_sha256(path: str) -> str | None:
+    """The SHA-256 of a file read whole by read_piece in this process (None: not so read)."""
+    return _WHOLE_SHA256.pop(path, None)
 
 
 def read_piece(inp: Input, piece: Piece, field: str, counter: ReplacementCounter,
@@ -207,6 +231,11 @@ def read_piece(inp: Input, piece: Piece, field: str, counter: ReplacementCounter
             b = _cut(f, piece.stop, inp.bytes, inp.format == "jsonl")
             f.seek(a)
             raw = f.read(max(0, b - a))
+        if a == 0:
+            if inp.format == "text":  # prepare asks for a text document's head (its key) once
+                _HEADS[inp.path] = raw[:HEAD_KEPT]
+            if b == inp.bytes:
+                _WHOLE_SHA256[inp.path] = hashlib.sha256(raw).hexdigest()
         if inp.format == "text":
             if raw and raw.isascii():
                 yield None, raw

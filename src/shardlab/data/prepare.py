@@ -29,14 +29,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import glob
 import hashlib
 import multiprocessing as mp
 import os
 import shutil
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -54,7 +52,9 @@ from shardlab.data.inputs import (
     plan_pieces,
     read_piece,
     scan_inputs,
+    whole_file_sha256,
 )
+from shardlab.data.outdir import make_tmp, out_lock, remove_leftovers, write_manifest
 from shardlab.data.shards import (
     FORMAT,
     FORMAT_VERSION,
@@ -169,9 +169,9 @@ def _parts(job: Job, inp: Input, piece: Piece, counter: ReplacementCounter, bad:
     if inp.format == "text":  # one document: its key is the file's first bytes, whichever piece this is
         if inp.bytes == 0:
             return  # an empty file is skipped, as an empty record is
-        val = held_out(document_head(inp, KEY_BYTES), job.val_fraction) and piece.input != 0
         parts = read_piece(inp, piece, job.field, counter, bad)
-        prev = next(parts, None)
+        prev = next(parts, None)  # first: a small file's head is then known without opening it again
+        val = held_out(document_head(inp, KEY_BYTES), job.val_fraction) and piece.input != 0
         for part in parts:  # the document ends after the input's last part
             yield _Part(*prev, val, False)
             prev = part
@@ -236,7 +236,7 @@ def run_unit(job: Job, unit: int, pieces: list[Piece], inputs: dict[int, Input])
 def input_sha256(inp: Input) -> str:
     """An input's SHA-256 (of the file as stored; a `datasets` directory: of its files, in sorted order)."""
     if inp.format != "datasets":
-        return file_sha256(inp.path)
+        return whole_file_sha256(inp.path) or file_sha256(inp.path)
     h = hashlib.sha256()
     for root, _, files in sorted(os.walk(inp.path)):
         for name in sorted(files):
@@ -296,12 +296,18 @@ def _pool(workers: int):
     return ctx.Pool(workers, initializer=_init_pool_worker)
 
 
-def _results(job: Job, tasks: list[tuple[str, Any]], workers: int) -> Iterator[tuple[str, Any]]:
-    if workers <= 1:  # here, in this process (the command sets RAYON_NUM_THREADS as a worker would)
+def _results(job: Job, tasks: list[tuple[str, Any]], pool) -> Iterator[tuple[str, Any]]:
+    if pool is None:  # here, in this process (the command sets RAYON_NUM_THREADS as a worker would)
         yield from (_task(job, t) for t in tasks)
         return
-    with _pool(workers) as pool:  # in completion order: a failing unit stops the prepare at once
-        yield from pool.imap_unordered(functools.partial(_task, job), tasks, chunksize=1)
+    # in completion order: a failing unit stops the prepare at once
+    yield from pool.imap_unordered(functools.partial(_task, job), tasks, chunksize=1)
+
+
+def _pool_or_none(workers: int):
+    """The worker pool (None for one worker: the work runs here), opened before anything here
+    has used the tokenizer's threads, and used for the inputs' sniffing too."""
+    return _pool(workers) if workers > 1 else contextlib.nullcontext(None)
 
 
 def unit_target(pieces: list[Piece], shard_input_bytes: int) -> int:
@@ -327,29 +333,37 @@ def prepare(specs: list[str], out: str, *, tokenizer: str | None = None, field: 
         if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
             raise DataError(f"--out {out!r} exists and is not an empty directory; choose another")
         remove_leftovers(out)
-        inputs, skipped = scan_inputs(specs, force_format)
-        tok = Tokenizer(tokenizer)
-        dtype = token_dtype(tok.vocab_size)
-        pieces = plan_pieces(inputs, field)
-        units = group_units(pieces, unit_target(pieces, int(shard_mb * 2**20 / _output_per_input_byte(tok, inputs,
-                                                                                                      dtype))))
-        job = Job(field, tokenizer, dtype.str, val_fraction, _make_tmp(out), on_bad_record)
-        try:
-            manifest = _collect(job, tok, _tasks(inputs, units), workers, int(shard_mb * 2**20), progress)
-            manifest["counts"].update(skipped_files=len(skipped), skipped_files_first=skipped[:KEEP_LOCATIONS])
-            manifest.update(inputs=[{"path": i.path, "format": i.format, "compression": i.compression,
-                                     "bytes": i.bytes, "sha256": manifest["input_sha256"][k]}
-                                    for k, i in enumerate(inputs)],
-                            field=field, val_fraction=val_fraction, shard_mb=shard_mb, on_bad_record=on_bad_record)
-            del manifest["input_sha256"]
-            if tokenizer is not None:  # the corpus decodes without the original directory (a cluster mount)
-                copy_tokenizer_files(tokenizer, os.path.join(job.tmp, TOKENIZER_COPY))
-                manifest["tokenizer"]["copy"] = TOKENIZER_COPY
-            _write_manifest(job.tmp, manifest)
-            os.rename(job.tmp, out)  # atomic: DATA_DIR appears complete or not at all
-        except BaseException:
-            shutil.rmtree(job.tmp, ignore_errors=True)
-            raise
+        with _pool_or_none(workers) as pool:
+            return _prepare_locked(specs, out, pool, tokenizer, field, val_fraction, shard_mb, force_format,
+                                   progress, on_bad_record)
+
+
+def _prepare_locked(specs: list[str], out: str, pool, tokenizer: str | None, field: str, val_fraction: float,
+                    shard_mb: float, force_format: str | None, progress: bool, on_bad_record: str) -> str:
+    """prepare, under the lock on `out`, with the worker pool (None: one worker)."""
+    inputs, skipped = scan_inputs(specs, force_format, pool)
+    tok = Tokenizer(tokenizer)
+    dtype = token_dtype(tok.vocab_size)
+    pieces = plan_pieces(inputs, field)
+    units = group_units(pieces, unit_target(pieces, int(shard_mb * 2**20 / _output_per_input_byte(tok, inputs,
+                                                                                                  dtype))))
+    job = Job(field, tokenizer, dtype.str, val_fraction, make_tmp(out), on_bad_record)
+    try:
+        manifest = _collect(job, tok, _tasks(inputs, units), pool, int(shard_mb * 2**20), progress)
+        manifest["counts"].update(skipped_files=len(skipped), skipped_files_first=skipped[:KEEP_LOCATIONS])
+        manifest.update(inputs=[{"path": i.path, "format": i.format, "compression": i.compression,
+                                 "bytes": i.bytes, "sha256": manifest["input_sha256"][k]}
+                                for k, i in enumerate(inputs)],
+                        field=field, val_fraction=val_fraction, shard_mb=shard_mb, on_bad_record=on_bad_record)
+        del manifest["input_sha256"]
+        if tokenizer is not None:  # the corpus decodes without the original directory (a cluster mount)
+            copy_tokenizer_files(tokenizer, os.path.join(job.tmp, TOKENIZER_COPY))
+            manifest["tokenizer"]["copy"] = TOKENIZER_COPY
+        write_manifest(job.tmp, manifest)
+        os.rename(job.tmp, out)  # atomic: DATA_DIR appears complete or not at all
+    except BaseException:
+        shutil.rmtree(job.tmp, ignore_errors=True)
+        raise
     record_verified(read_manifest(out))  # the hashes were computed from what was written
     return out
 
@@ -359,59 +373,6 @@ def _tasks(inputs: list[Input], units: list[list[Piece]]) -> list[tuple[str, Any
     whole = {i for u in units for i in ({p.input for p in u if p.first} & {p.input for p in u if p.last})}
     split = [("hash", (i, inp)) for i, inp in enumerate(inputs) if i not in whole]
     return split + [("unit", (u, ps, {p.input: inputs[p.input] for p in ps})) for u, ps in enumerate(units)]
-
-
-def _make_tmp(out: str) -> str:
-    parent = os.path.dirname(os.path.abspath(out))
-    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(os.path.abspath(out))}.tmp-")
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would hide the corpus from other users of a shared mount
-    return tmp
-
-
-@contextlib.contextmanager
-def out_lock(out: str, wait: bool):
-    """Hold `.NAME.lock` beside --out for the whole prepare: a second prepare into the same
-    --out is refused at its start (or waits, with `wait`). The lock is the kernel's (flock), so
-    a killed prepare holds nothing."""
-    import fcntl
-
-    parent, name = os.path.split(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    path = os.path.join(parent, f".{name}.lock")
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            owner = os.read(fd, 32).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise DataError(f"--out {out!r}: another prepare (pid {owner}) is writing it; wait for it to end or "
-                            "choose another --out") from None
-        try:
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                break
-        except FileNotFoundError:
-            pass
-        os.close(fd)  # its previous holder removed the file meanwhile: lock the one now there
-    os.ftruncate(fd, 0)
-    os.write(fd, str(os.getpid()).encode())
-    try:
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        os.close(fd)
-
-
-def remove_leftovers(out: str) -> None:
-    """Delete the temporary folders of prepares into `out` that were killed (called under out_lock,
-    so none of them is still being written), saying so."""
-    parent, name = os.path.split(os.path.abspath(out))
-    for tmp in sorted(glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.tmp-*"))):
-        print(f"prepare: removing {tmp}, the partial output of an interrupted prepare into {out}", file=sys.stderr)
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class _Collector:
@@ -462,7 +423,7 @@ class _Collector:
         self.val_shards += [last] if last is not None else []
 
 
-def _collect(job: Job, tok: Tokenizer, tasks: list, workers: int, shard_bytes: int, progress: bool) -> dict:
+def _collect(job: Job, tok: Tokenizer, tasks: list, pool, shard_bytes: int, progress: bool) -> dict:
     """Run the tasks; write the validation shards here as units return; the manifest's body."""
     from tqdm import tqdm
 
@@ -472,7 +433,7 @@ def _collect(job: Job, tok: Tokenizer, tasks: list, workers: int, shard_bytes: i
     c = _Collector(job, shard_bytes)
     t0 = time.perf_counter()
     try:
-        for kind, r in _results(job, tasks, workers):
+        for kind, r in _results(job, tasks, pool):
             if kind == "hash":
                 c.hashes[r[0]] = r[1]
                 continue
@@ -495,22 +456,6 @@ def _collect(job: Job, tok: Tokenizer, tasks: list, workers: int, shard_bytes: i
     return {"format": FORMAT, "version": FORMAT_VERSION, "shardlab_version": shardlab.__version__,
             "tokenizer": tok.identity(), "dtype": np.dtype(job.dtype).name, "byte_order": "little",
             "counts": c.counts, "splits": splits, "input_sha256": [c.hashes[i] for i in range(len(c.hashes))]}
-
-
-def _write_manifest(tmp: str, manifest: dict) -> None:
-    import json
-
-    path = os.path.join(tmp, MANIFEST)
-    with open(path, "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # -- the command ----------------------------------------------------------------------------------
