@@ -156,3 +156,26 @@ def test_data_inspect_describes_and_decodes(tmp_path, capsys):
     assert f"--- train document 1 ({len(DOCS[1].encode()) + 1:,} tokens) ---\n{DOCS[1]}" in text
     assert main(["data", "inspect", str(tmp_path)]) == 2
     assert "no manifest.json" in capsys.readouterr().err
+
+
+def test_exact_dedup_keeps_the_first_copy_whatever_the_workers(tmp_path):
+    docs = [DOCS[i % 5] + f"#{i % 7}\n" for i in range(70)]  # 35 distinct documents, each twice
+    path = _records(tmp_path, [json.dumps({"text": d}) for d in docs])
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    for i in range(3):  # two identical text files and one of its own
+        (tree / f"t{i}.txt").write_text(DOCS[6] if i < 2 else DOCS[7])
+    kw = dict(shard_mb=0.002, val_fraction=0.2, dedup="exact")
+    one = read_manifest(prepare([path, str(tree)], str(tmp_path / "w1"), workers=1, **kw))
+    two = read_manifest(prepare([path, str(tree)], str(tmp_path / "w2"), workers=2, **kw))
+    assert one.raw["counts"]["duplicates"] == 36 and one.raw["counts"]["documents"] == 37
+    assert len(one.split("train")["shards"]) > 2  # duplicates across units, not only within one
+    assert stream(one.path) == stream(two.path) and stream(one.path, "val") == stream(two.path, "val")
+    seen = []
+    for split in ("train", "val"):
+        tokens, ends = stream(one.path, split)
+        seen += [bytes(tokens[a:b - 1]).decode() for a, b in zip([0, *ends[:-1]], ends)]
+    expected = list(dict.fromkeys(docs)) + [DOCS[6], DOCS[7]]
+    assert sorted(seen) == sorted(expected)
+    train_docs, _ = stream(read_manifest(prepare([path], str(tmp_path / "all"), shard_mb=0.002)).path)
+    assert bytes(train_docs).count(b"\xff") == 70  # without --dedup every copy stays

@@ -91,6 +91,7 @@ class Job:
     val_fraction: float
     tmp: str
     on_bad_record: str = "skip"
+    dedup: str = "none"  # none | exact
 
 
 class ShardWriter:
@@ -211,9 +212,18 @@ def run_unit(job: Job, unit: int, pieces: list[Piece], inputs: dict[int, Input])
             documents += part.ends
         batch.clear()
 
-    size = 0
+    size, digests, doc_hash = 0, [], None
     for piece in pieces:
+        starts_here = piece.first or inputs[piece.input].format != "text"  # else a document begun in another unit
         for part in _parts(job, inputs[piece.input], piece, counter, bad, unit == 0 and piece is pieces[0]):
+            if job.dedup == "exact":  # see [Note: exact deduplication]
+                if doc_hash is None:
+                    doc_hash = hashlib.blake2b(digest_size=16) if starts_here else False
+                if doc_hash:
+                    doc_hash.update(part.raw or part.text.encode("utf-8"))
+                if part.ends:
+                    digests.append((part.val, doc_hash.digest() if doc_hash else None))
+                    doc_hash = None
             if tok.directory is None:
                 cuts = [part.text]
             else:
@@ -229,7 +239,7 @@ def run_unit(job: Job, unit: int, pieces: list[Piece], inputs: dict[int, Input])
     whole = {p.input for p in pieces if p.first} & {p.input for p in pieces if p.last}
     return {"unit": unit, "train": train.close(), "documents": documents, "replaced_bytes": counter.count,
             "input_bytes": sum(p.bytes for p in pieces), "bad_records": bad.count, "bad_first": bad.first,
-            "hashes": {i: input_sha256(inputs[i]) for i in sorted(whole)},
+            "hashes": {i: input_sha256(inputs[i]) for i in sorted(whole)}, "digests": digests,
             "val": (np.concatenate(val) if val else np.zeros(0, dtype), val_ends)}
 
 
@@ -320,13 +330,16 @@ def unit_target(pieces: list[Piece], shard_input_bytes: int) -> int:
 
 def prepare(specs: list[str], out: str, *, tokenizer: str | None = None, field: str = "text", workers: int = 1,
             val_fraction: float = 0.0, shard_mb: float = 64.0, force_format: str | None = None,
-            progress: bool = True, on_bad_record: str = "skip", wait_if_busy: bool = False) -> str:
+            progress: bool = True, on_bad_record: str = "skip", dedup: str = "none",
+            wait_if_busy: bool = False) -> str:
     """Prepare `specs` into DATA_DIR `out` (see the module docstring); returns `out`.
     wait_if_busy: wait for another prepare into `out` to end (else refuse at once)."""
     if not 0.0 <= val_fraction < 1.0 or shard_mb <= 0 or workers < 1:
         raise DataError("--val-fraction must be in [0, 1), --shard-mb > 0 and --workers >= 1")
     if on_bad_record not in ("skip", "fail"):
         raise DataError(f"--on-bad-record {on_bad_record!r}: choose skip or fail")
+    if dedup not in ("none", "exact"):
+        raise DataError(f"--dedup {dedup!r}: choose none or exact")
     with out_lock(out, wait_if_busy):
         if os.path.exists(os.path.join(out, MANIFEST)):
             raise DataError(f"--out {out!r} already holds a prepared corpus; delete it or choose another directory")
@@ -335,11 +348,11 @@ def prepare(specs: list[str], out: str, *, tokenizer: str | None = None, field: 
         remove_leftovers(out)
         with _pool_or_none(workers) as pool:
             return _prepare_locked(specs, out, pool, tokenizer, field, val_fraction, shard_mb, force_format,
-                                   progress, on_bad_record)
+                                   progress, on_bad_record, dedup)
 
 
 def _prepare_locked(specs: list[str], out: str, pool, tokenizer: str | None, field: str, val_fraction: float,
-                    shard_mb: float, force_format: str | None, progress: bool, on_bad_record: str) -> str:
+                    shard_mb: float, force_format: str | None, progress: bool, on_bad_record: str, dedup: str) -> str:
     """prepare, under the lock on `out`, with the worker pool (None: one worker)."""
     inputs, skipped = scan_inputs(specs, force_format, pool)
     tok = Tokenizer(tokenizer)
@@ -347,14 +360,15 @@ def _prepare_locked(specs: list[str], out: str, pool, tokenizer: str | None, fie
     pieces = plan_pieces(inputs, field)
     units = group_units(pieces, unit_target(pieces, int(shard_mb * 2**20 / _output_per_input_byte(tok, inputs,
                                                                                                   dtype))))
-    job = Job(field, tokenizer, dtype.str, val_fraction, make_tmp(out), on_bad_record)
+    job = Job(field, tokenizer, dtype.str, val_fraction, make_tmp(out), on_bad_record, dedup)
     try:
         manifest = _collect(job, tok, _tasks(inputs, units), pool, int(shard_mb * 2**20), progress)
         manifest["counts"].update(skipped_files=len(skipped), skipped_files_first=skipped[:KEEP_LOCATIONS])
         manifest.update(inputs=[{"path": i.path, "format": i.format, "compression": i.compression,
                                  "bytes": i.bytes, "sha256": manifest["input_sha256"][k]}
                                 for k, i in enumerate(inputs)],
-                        field=field, val_fraction=val_fraction, shard_mb=shard_mb, on_bad_record=on_bad_record)
+                        field=field, val_fraction=val_fraction, shard_mb=shard_mb, on_bad_record=on_bad_record,
+                        dedup=dedup)
         del manifest["input_sha256"]
         if tokenizer is not None:  # the corpus decodes without the original directory (a cluster mount)
             copy_tokenizer_files(tokenizer, os.path.join(job.tmp, TOKENIZER_COPY))
@@ -391,6 +405,9 @@ class _Collector:
                        "bad_records_first": []}
         self.hashes: dict[int, str] = {}
         self.tokens = 0
+        self.seen: set[bytes] = set()  # document hashes, --dedup exact
+        if job.dedup == "exact":
+            self.counts["duplicates"] = 0
 
     def add(self, r: dict) -> None:
         self.pending[r["unit"]] = r
@@ -399,6 +416,8 @@ class _Collector:
             self.next_unit += 1
 
     def _apply(self, r: dict) -> None:
+        if self.job.dedup == "exact":
+            self._drop_duplicates(r)
         if r["train"] is not None:
             self.train.append(r["train"])
             self.tokens += r["train"]["tokens"]
@@ -417,6 +436,46 @@ class _Collector:
         c["bad_records"] += r["bad_records"]
         c["bad_records_first"] = (c["bad_records_first"] + r["bad_first"])[:KEEP_LOCATIONS]
         self.hashes.update(r["hashes"])
+
+    def _drop_duplicates(self, r: dict) -> None:
+        """[Note: exact deduplication] A unit reports a 128-bit BLAKE2b of every document that
+        ends in it, in order (None for a text file begun in an earlier unit: its head is already
+        written, so it is kept). Applied in unit order, a document whose hash was seen before is
+        dropped: the first copy in corpus order stays, whatever --workers. The unit's train shard
+        is rewritten without the dropped documents, its held-out ones are left out here."""
+        drop = {False: set(), True: set()}
+        k = {False: 0, True: 0}
+        for is_val, digest in r["digests"]:
+            if digest is not None and digest in self.seen:
+                drop[is_val].add(k[is_val])
+            elif digest is not None:
+                self.seen.add(digest)
+            k[is_val] += 1
+        dropped = len(drop[False]) + len(drop[True])
+        if not dropped:
+            return
+        self.counts["duplicates"] += dropped
+        r["documents"] -= dropped
+        if drop[False] and r["train"] is not None:
+            name = r["train"]["bin"]["name"][:-4]
+            ids = np.fromfile(os.path.join(self.job.tmp, f"{name}.bin"), dtype=self.dtype)
+            ends = np.fromfile(os.path.join(self.job.tmp, f"{name}.idx"), dtype=INDEX_DTYPE)
+            os.remove(os.path.join(self.job.tmp, f"{name}.idx"))
+            w = ShardWriter(self.job.tmp, name, self.dtype)
+            for d, (a, b) in enumerate(zip([0, *ends[:-1]], ends)):
+                if d not in drop[False]:
+                    w.write(ids[a:b])
+                    w.end_document()
+            w.write(ids[int(ends[-1]) if len(ends) else 0:])  # a text file that goes on in the next unit
+            r["train"] = w.close()
+        if drop[True]:
+            ids, ends = r["val"]
+            kept, kept_ends = [], []
+            for d, (a, b) in enumerate(zip([0, *ends[:-1]], ends)):
+                if d not in drop[True]:
+                    kept.append(ids[a:b])
+                    kept_ends.append(sum(len(x) for x in kept))
+            r["val"] = (np.concatenate(kept) if kept else ids[:0], kept_ends)
 
     def close(self) -> None:
         last = self.val.close()
@@ -478,6 +537,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-mb", type=float, default=64.0, metavar="M", help="about M MiB per shard (default 64)")
     p.add_argument("--on-bad-record", choices=("skip", "fail"), default="skip",
                    help="a JSONL/JSON/Parquet record without a text --field: skip and count it (default) or stop")
+    p.add_argument("--dedup", choices=("none", "exact"), default="none",
+                   help="exact: drop documents identical to an earlier one (whole-document hashes), counted")
 
 
 def _raise_interrupt(signum, frame) -> None:
@@ -490,7 +551,8 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)  # as Ctrl-C: the partial output is removed
     try:
         out = prepare(args.inputs, args.out, tokenizer=args.tokenizer, field=args.field, workers=args.workers,
-                      val_fraction=args.val_fraction, shard_mb=args.shard_mb, on_bad_record=args.on_bad_record)
+                      val_fraction=args.val_fraction, shard_mb=args.shard_mb, on_bad_record=args.on_bad_record,
+                      dedup=args.dedup)
     except (DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -506,6 +568,8 @@ def run(args: argparse.Namespace) -> int:
           f"{m['splits']['train']['tokens']:,} train and {m['splits']['val']['tokens']:,} val tokens "
           f"({m['dtype']}, vocab {m['tokenizer']['vocab_size']}), {c['documents']:,} documents, "
           f"{c['replaced_invalid_utf8_bytes']} invalid UTF-8 bytes replaced -> {out}")
+    if "duplicates" in c:
+        print(f"dropped {c['duplicates']:,} duplicate documents (--dedup exact)")
     for what, n, first in (("bad records", c["bad_records"], c["bad_records_first"]),
                            ("files that are not text", c["skipped_files"], c["skipped_files_first"])):
         if n:
