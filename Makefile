@@ -28,7 +28,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) $(TORCH_SPEC)
-	$(PIP) -e ".[hf]"
+	$(PIP) -e ".[hf,data]"
 	@touch $(STAMP)
 
 setup-dev: $(DEV_STAMP)

@@ -1,6 +1,7 @@
 """The `shardlab` command.
 
   shardlab prepare INPUT... --out DATA_DIR [--tokenizer DIR] [--workers N]  documents to token shards
+  shardlab data inspect DATA_DIR [--docs N]  what a prepared corpus holds, its first documents decoded
   shardlab train [CONFIG.yaml|NAME] [key=value ...] [--nproc N] [--max-restarts R] [--print-config]
   shardlab configs [NAME]                                    the shipped example configs (NAME: print one)
   shardlab bench [CONFIG.yaml] [key=value ...] [--nproc 1,2,4]  measure every engine side by side
@@ -138,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
                         description=prepare.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     prepare.add_arguments(pr)
     pr.set_defaults(func=prepare.run)
+    from shardlab.data import describe
+
+    da = sub.add_parser("data", help="look into a prepared corpus: `shardlab data inspect DATA_DIR`",
+                        description=describe.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    describe.add_arguments(da)
+    da.set_defaults(func=describe.run)
 
     from shardlab import bench
 

@@ -54,7 +54,9 @@ class DataConfig:
                                            # else a BPE trained at run time)
     packing: bool = False                  # sft: several examples per row (attention and loss never cross)
     seq_len: int = 128                     # text, sft: tokens per sample
-    val_fraction: float = 0.05
+    val_fraction: float = 0.05             # prepare's --val-fraction default too (tokens: fixed at prepare)
+    val_from_train: bool = False           # tokens: a corpus without a val split holds out the last
+                                           # val_fraction of its train windows for validation
     synthetic_samples: int = 4096
     shuffle: bool = True
     num_workers: Optional[int] = None      # DataLoader worker processes per rank (null: 2 on CUDA, 0 on CPU)

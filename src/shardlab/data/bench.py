@@ -92,7 +92,7 @@ def bench_prepare(tmp: str, prepare_mb: float, bpe_mb: float, repeats: int) -> d
     out = os.path.join(tmp, "prepared")
     rows = {}
     # shard size: 16 units or more on every corpus, so two workers have work to share
-    cases = {"bytes": (corpus, None, {}, prepare_mb * 2 / 16), "bpe": (bpe_corpus, bpe, {}, bpe_mb / 16),
+    cases = {"bytes": (corpus, None, {}, prepare_mb / 16), "bpe": (bpe_corpus, bpe, {}, bpe_mb / 16),
              "bpe-2threads": (bpe_corpus, bpe, {"RAYON_NUM_THREADS": "2"}, bpe_mb / 16)}
     for name, (src, tok, env, shard_mb) in cases.items():
         for workers in ((1,) if name == "bpe-2threads" else (1, 2)):

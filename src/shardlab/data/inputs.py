@@ -1,50 +1,55 @@
-"""What `shardlab prepare` reads: inputs (text, JSONL, Parquet, a `datasets` directory), cut
-into pieces that a worker reads on its own, each yielding documents as text.
+"""What `shardlab prepare` reads: inputs (text, JSONL, JSON arrays, Parquet, a `datasets`
+directory; compressed or not: data/formats.py decides by content), cut into pieces that a
+worker reads on its own, each yielding documents as text.
 
-[Note: pieces] A piece is a small part of one input: about PIECE_BYTES of a text or JSONL
-file, one Parquet row group, or a range of rows of a `datasets` directory. Pieces are planned
-from sizes and metadata alone, so planning reads no text, and they depend only on the inputs:
-the same corpus gives the same pieces, hence the same tokens, for any --workers and
+[Note: pieces] A piece is a small part of one input: about PIECE_BYTES of an uncompressed text
+or JSONL file, one Parquet row group, a range of rows of a `datasets` directory, or a whole
+compressed file or JSON array (a stream that cannot be entered in the middle). Pieces are
+planned from sizes and metadata alone, so planning reads no text, and they depend only on the
+inputs: the same corpus gives the same pieces, hence the same tokens, for any --workers and
 --shard-mb. A file's nominal piece boundary b moves to just after the first newline at or
 after b (a JSONL record is never cut); in a text file without a newline within CUT_WINDOW of
 b it moves back to the start of the UTF-8 character at b. Both pieces that share a boundary
 compute the same cut, so they cover the file exactly once.
 
 A text file is one document (a tokenizer sees it in pieces cut after newlines, so no token
-spans a cut); a JSONL line, a Parquet row or a `datasets` row is one document (its --field).
+spans a cut); a JSONL line, a JSON array element, a Parquet row or a `datasets` row is one
+document (its --field). A record that cannot be read (not JSON, no --field, a field that is not
+text) is a bad record: BadRecords skips and counts it, or stops the prepare (--on-bad-record),
+and names it by file and line (JSON arrays: element; Parquet: row group and row).
 """
 
 from __future__ import annotations
 
 import codecs
+import functools
+import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from shardlab.data.formats import SUPPORTED, head, open_stream, sniff, walk
 from shardlab.data.shards import DataError
-from shardlab.data.text import text_files
 
 PIECE_BYTES = 1 << 20
 CUT_WINDOW = 64 << 10
 DATASETS_MARKERS = ("state.json", "dataset_info.json")  # what datasets.save_to_disk writes
+KEEP_LOCATIONS = 5  # bad records and skipped files named in the summary and the manifest
 
 
 @dataclass(frozen=True)
 class Input:
     path: str
-    format: str   # text | jsonl | parquet | datasets
-    bytes: int
+    format: str   # text | jsonl | json | parquet | datasets
+    bytes: int    # on disk (compressed, when it is)
+    compression: str | None = None  # see data/formats.py
 
-
-def _format_of(path: str) -> str:
-    name = path.lower()
-    if name.endswith((".jsonl", ".ndjson")):
-        return "jsonl"
-    if name.endswith(".parquet"):
-        return "parquet"
-    return "text"
+    @property
+    def streamed(self) -> bool:
+        """Read from start to end in one piece (see [Note: pieces])."""
+        return self.compression is not None or self.format == "json"
 
 
 def _is_datasets_dir(path: str) -> bool:
@@ -55,20 +60,58 @@ def _dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
 
 
-def expand_inputs(specs: list[str], force_format: str | None = None) -> list[Input]:
-    """Files, directories (every file below) and globs, in the order given, each directory's
-    and glob's files sorted. force_format: read every file as that format (data.source=text)."""
-    out: list[Input] = []
+def scan_inputs(specs: list[str], force_format: str | None = None, pool=None) -> tuple[list[Input], list[str]]:
+    """Files, directories and globs, in the order given, each directory's and glob's files
+    sorted, sniffed (data/formats.py; by `pool`'s workers when given): the inputs, and "path:
+    reason" for each file skipped as not text. A file named on its own that is not text is an
+    error. force_format: read every text file as that format (data.source=text)."""
+    found: list[tuple[str, bool] | Input] = []
     for spec in specs:
         spec = os.path.expanduser(spec)
         if _is_datasets_dir(spec):
-            out.append(Input(spec, "datasets", _dir_bytes(spec)))
+            found.append(Input(spec, "datasets", _dir_bytes(spec)))
             continue
-        files = text_files(spec)
+        files, named = walk(spec)
         if not files:
             raise DataError(f"input {spec!r}: no such file, directory or glob match")
-        out += [Input(f, force_format or _format_of(f), os.path.getsize(f)) for f in files]
-    return out
+        found += [(f, named) for f in files]
+    paths = [f[0] for f in found if not isinstance(f, Input)]
+    check = functools.partial(sniff, force_format=force_format)
+    sniffed = iter(pool.map(check, paths, chunksize=256) if pool is not None else map(check, paths))
+    out: list[Input] = []
+    skipped: list[str] = []
+    for f in found:
+        if isinstance(f, Input):
+            out.append(f)
+            continue
+        (path, named), s = f, next(sniffed)
+        if s.not_text is not None:
+            if named:
+                raise DataError(f"input {path}: not a document ({s.not_text}); prepare reads {SUPPORTED}")
+            skipped.append(f"{path}: {s.not_text}")
+            continue
+        out.append(Input(path, s.format, s.bytes, s.compression))
+    return out, skipped
+
+
+def expand_inputs(specs: list[str], force_format: str | None = None) -> list[Input]:
+    """scan_inputs' inputs (the files it skips are not inputs)."""
+    return scan_inputs(specs, force_format)[0]
+
+
+class BadRecords:
+    """Records that cannot be read: counted, the first KEEP_LOCATIONS named ("skip"), or an error ("fail")."""
+
+    def __init__(self, mode: str = "skip"):
+        self.mode, self.count, self.first = mode, 0, []
+
+    def report(self, where: Callable[[], str], why: str) -> None:
+        if self.mode == "fail":
+            raise DataError(f"{where()}: {why}; fix or remove the record, or pass --on-bad-record skip to skip "
+                            "and count such records")
+        self.count += 1
+        if len(self.first) < KEEP_LOCATIONS:
+            self.first.append(f"{where()}: {why}")
 
 
 # -- pieces ---------------------------------------------------------------------------------------
@@ -85,7 +128,9 @@ class Piece:
 def plan_pieces(inputs: list[Input], field: str) -> list[Piece]:
     pieces: list[Piece] = []
     for i, inp in enumerate(inputs):
-        if inp.format in ("text", "jsonl"):
+        if inp.streamed:
+            pieces.append(Piece(i, 0, inp.bytes, inp.bytes, True, True))
+        elif inp.format in ("text", "jsonl"):
             n = max(1, -(-inp.bytes // PIECE_BYTES))
             pieces += [Piece(i, k * PIECE_BYTES, min(inp.bytes, (k + 1) * PIECE_BYTES),
                              min(inp.bytes, (k + 1) * PIECE_BYTES) - k * PIECE_BYTES, k == 0, k == n - 1)
@@ -151,16 +196,46 @@ codecs.register_error(ReplacementCounter.NAME, ReplacementCounter._handle)
 
 
 # -- reading documents ----------------------------------------------------------------------------
-def read_piece(inp: Input, piece: Piece, field: str, counter: ReplacementCounter) -> Iterator[tuple[str, bytes]]:
-    """The piece's documents (or, for text, its one document part) as (text, raw UTF-8 bytes
-    when the text decoded without replacement, else b""). text is None for ASCII bytes, which
-    need no decoding to be valid UTF-8 (a byte-level prepare then never builds the string)."""
-    if inp.format in ("text", "jsonl"):
+# What read_piece saw of a file it read from its start, kept (per process, until asked for once)
+# so that a small file is opened once, not three times (read, document key, hash)
+_HEADS: dict[str, bytes] = {}
+_WHOLE_SHA256: dict[str, str] = {}
+HEAD_KEPT = 4096
+
+
+def document_head(inp: Input, n: int) -> bytes:
+    """The first n bytes of a text input's document (decompressed)."""
+    kept = _HEADS.pop(inp.path, None)
+    if kept is not None and (len(kept) >= n or len(kept) == inp.bytes):
+        return kept[:n]
+    return head(inp.path, inp.compression, n)
+
+
+def whole_file_sha256(path: str) -> str | None:
+    """The SHA-256 of a file read whole by read_piece in this process (None: not so read)."""
+    return _WHOLE_SHA256.pop(path, None)
+
+
+def read_piece(inp: Input, piece: Piece, field: str, counter: ReplacementCounter,
+               bad: BadRecords | None = None) -> Iterator[tuple[str | None, bytes]]:
+    """The piece's documents (or, for text, the parts of its one document, in order) as (text,
+    raw UTF-8 bytes when the text decoded without replacement, else b""). text is None for
+    ASCII bytes, which need no decoding to be valid UTF-8 (a byte-level prepare then never
+    builds the string). Bad records go to `bad` (default: fail)."""
+    bad = bad or BadRecords("fail")
+    if inp.streamed:
+        yield from _streamed(inp, field, counter, bad)
+    elif inp.format in ("text", "jsonl"):
         with open(inp.path, "rb") as f:
             a = _cut(f, piece.start, inp.bytes, inp.format == "jsonl")
             b = _cut(f, piece.stop, inp.bytes, inp.format == "jsonl")
             f.seek(a)
             raw = f.read(max(0, b - a))
+        if a == 0:
+            if inp.format == "text":  # prepare asks for a text document's head (its key) once
+                _HEADS[inp.path] = raw[:HEAD_KEPT]
+            if b == inp.bytes:
+                _WHOLE_SHA256[inp.path] = hashlib.sha256(raw).hexdigest()
         if inp.format == "text":
             if raw and raw.isascii():
                 yield None, raw
@@ -169,47 +244,133 @@ def read_piece(inp: Input, piece: Piece, field: str, counter: ReplacementCounter
             text = counter.decode(raw)
             yield text, raw if counter.count == before else b""
             return
-        yield from _jsonl_documents(inp.path, a, raw, field, counter)
+        yield from _jsonl_documents(inp.path, a, raw, field, counter, bad)
     elif inp.format == "parquet":
         pf = _parquet_file(inp.path, field)
+        row = 0
         for batch in pf.iter_batches(batch_size=1024, row_groups=[piece.start], columns=[field]):
-            for text in batch.column(0).to_pylist():
-                yield _as_text(text, inp.path, field), b""
+            for value in batch.column(0).to_pylist():
+                row += 1
+                text = _text_of(value, lambda r=row: f"{inp.path}: row group {piece.start}, row {r}", field, bad)
+                yield text, b""
     else:
         ds = _load_datasets_dir(inp.path, field)
-        for text in ds[piece.start:piece.stop][field]:
-            yield _as_text(text, inp.path, field), b""
+        for k, value in enumerate(ds[piece.start:piece.stop][field]):
+            yield _text_of(value, lambda r=piece.start + k: f"{inp.path}: row {r}", field, bad), b""
 
 
-def _as_text(value: Any, path: str, field: str) -> str:
+def _streamed(inp: Input, field: str, counter: ReplacementCounter, bad: BadRecords):
+    """A compressed file or a JSON array, read from its start (see read_piece)."""
+    try:
+        with open_stream(inp.path, inp.compression) as f:
+            if inp.format == "text":
+                yield from _text_stream(f, counter)
+            elif inp.format == "jsonl":
+                for n, line in enumerate(f, 1):
+                    text = _record(line, lambda n=n: f"{inp.path}:{n}", field, counter, bad)
+                    if text is not None:
+                        yield text, b""
+            else:
+                yield from _json_array(inp.path, f, field, counter, bad)
+    except (OSError, EOFError, ValueError) as e:
+        if isinstance(e, DataError):
+            raise
+        raise DataError(f"{inp.path}: cannot read it as {inp.compression or 'uncompressed'} {inp.format} ({e}); "
+                        "the file is damaged or truncated") from None
+
+
+def _text_stream(f, counter: ReplacementCounter):
+    decoder = codecs.getincrementaldecoder("utf-8")(ReplacementCounter.NAME)
+    while True:
+        raw = f.read(PIECE_BYTES)
+        if raw and raw.isascii() and decoder.getstate()[0] == b"":
+            yield None, raw
+            continue
+        ReplacementCounter._current = counter
+        text = decoder.decode(raw, final=not raw)
+        if text:
+            yield text, b""
+        if not raw:
+            return
+
+
+def _json_array(path: str, f, field: str, counter: ReplacementCounter, bad: BadRecords):
+    try:
+        records = json.loads(counter.decode(f.read()))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); a .json input is a JSON array of records "
+                        "or JSONL") from None
+    if not isinstance(records, list):
+        raise DataError(f"{path}: a JSON {type(records).__name__}, not an array of records; give JSONL or an array")
+    for k, record in enumerate(records):
+        where = functools.partial("{}: element {}".format, path, k)
+        if not isinstance(record, dict) or field not in record:
+            bad.report(where, _no_field(record, field))
+            continue
+        text = _text_of(record[field], where, field, bad)
+        if text is not None:
+            yield text, b""
+
+
+def _no_field(record: Any, field: str) -> str:
+    keys = sorted(record)[:8] if isinstance(record, dict) else type(record).__name__
+    return f"no field {field!r} in the record (it has {keys}); pass --field NAME"
+
+
+def _text_of(value: Any, where: Callable[[], str], field: str, bad: BadRecords) -> str | None:
+    """A record's text; "" for null (an empty record: skipped); None for a bad record (reported)."""
     if value is None:
         return ""
     if not isinstance(value, str):
-        raise DataError(f"{path}: field {field!r} holds {type(value).__name__}, not text; pass --field NAME of a "
-                        "text column")
+        bad.report(where, f"field {field!r} holds {type(value).__name__}, not text; pass --field NAME of a text field")
+        return None
     return value
 
 
-def _jsonl_documents(path: str, offset: int, raw: bytes, field: str, counter: ReplacementCounter):
+def _record(line: bytes, where: Callable[[], str], field: str, counter: ReplacementCounter,
+            bad: BadRecords) -> str | None:
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(counter.decode(line))
+    except json.JSONDecodeError as e:
+        bad.report(where, f"not a JSON line ({e.msg}); JSONL needs one JSON object per line")
+        return None
+    if not isinstance(record, dict) or field not in record:
+        bad.report(where, _no_field(record, field))
+        return None
+    return _text_of(record[field], where, field, bad)
+
+
+def _jsonl_documents(path: str, offset: int, raw: bytes, field: str, counter: ReplacementCounter,
+                     bad: BadRecords):
     at = offset
     for line in raw.split(b"\n"):
         where, at = at, at + len(line) + 1
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(counter.decode(line))
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}: byte {where}: not a JSON line ({e.msg}); JSONL needs one JSON object per "
-                            "line") from None
-        if not isinstance(record, dict) or field not in record:
-            keys = sorted(record)[:8] if isinstance(record, dict) else type(record).__name__
-            raise DataError(f"{path}: byte {where}: no field {field!r} in the record (it has {keys}); pass "
-                            "--field NAME")
-        yield _as_text(record[field], path, field), b""
+        text = _record(line, lambda w=where: f"{path}:{line_number(path, w)}", field, counter, bad)
+        if text is not None:
+            yield text, b""
+
+
+_LINES_SEEN: dict[str, tuple[int, int]] = {}  # per process: path -> (offset, newlines before it)
+
+
+def line_number(path: str, offset: int) -> int:
+    """The 1-based number of the line that starts at byte `offset` (counted only for a message:
+    from the last offset asked about in this file, as a unit's records come in order)."""
+    at, lines = _LINES_SEEN.get(path, (0, 0))
+    if offset < at:
+        at, lines = 0, 0
+    with open(path, "rb") as f:
+        f.seek(at)
+        while at < offset and (block := f.read(min(8 << 20, offset - at))):
+            lines += block.count(b"\n")
+            at += len(block)
+    _LINES_SEEN[path] = (at, lines)
+    return lines + 1
 
 
 _OPENED: dict[str, Any] = {}  # per process: a worker opens each Parquet file / datasets dir once
-
 
 def _parquet_file(path: str, field: str):
     if path not in _OPENED:

@@ -27,13 +27,14 @@ duplicated documents never straddle train and val.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,7 +42,19 @@ from typing import Any
 
 import numpy as np
 
-from shardlab.data.inputs import Input, Piece, ReplacementCounter, expand_inputs, plan_pieces, read_piece
+from shardlab.data.inputs import (
+    KEEP_LOCATIONS,
+    BadRecords,
+    Input,
+    Piece,
+    ReplacementCounter,
+    document_head,
+    plan_pieces,
+    read_piece,
+    scan_inputs,
+    whole_file_sha256,
+)
+from shardlab.data.outdir import make_tmp, out_lock, remove_leftovers, write_manifest
 from shardlab.data.shards import (
     FORMAT,
     FORMAT_VERSION,
@@ -56,6 +69,7 @@ from shardlab.data.shards import (
 )
 from shardlab.data.text import Tokenizer, copy_tokenizer_files
 
+DEFAULT_VAL_FRACTION = 0.05  # data.val_fraction's default (config.DataConfig): the two agree
 KEY_BYTES = 4096          # the document prefix whose hash decides train or val
 ENCODE_BATCH_BYTES = 1 << 20
 # A tokenizer encodes text in segments of about this many characters, cut after a newline when
@@ -63,18 +77,21 @@ ENCODE_BATCH_BYTES = 1 << 20
 # faster than one 1 MiB string (measured here: 5.3 against 2.1 MiB/s on one core).
 SEGMENT_CHARS = 16 << 10
 SEGMENT_SLACK = 4 << 10
+MIN_UNITS = 16             # see unit_target
+MIN_UNIT_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
 class Job:
-    """What every worker needs (picklable): the inputs and the options that shape the output."""
+    """The options that shape the output, sent with every task (small: a task carries its own inputs)."""
 
-    inputs: tuple[Input, ...]
     field: str
     tokenizer: str | None
     dtype: str
     val_fraction: float
     tmp: str
+    on_bad_record: str = "skip"
+    dedup: str = "none"  # none | exact
 
 
 class ShardWriter:
@@ -148,27 +165,31 @@ class _Part:
     ends: bool  # the document ends here: its end-of-document token follows
 
 
-def _parts(job: Job, piece: Piece, counter: ReplacementCounter, corpus_start: bool) -> Iterator[_Part]:
-    inp = job.inputs[piece.input]
+def _parts(job: Job, inp: Input, piece: Piece, counter: ReplacementCounter, bad: BadRecords,
+           corpus_start: bool) -> Iterator[_Part]:
     if inp.format == "text":  # one document: its key is the file's first bytes, whichever piece this is
         if inp.bytes == 0:
             return  # an empty file is skipped, as an empty record is
-        with open(inp.path, "rb") as f:
-            key = f.read(KEY_BYTES)
-        val = held_out(key, job.val_fraction) and piece.input != 0
-        for text, raw in read_piece(inp, piece, job.field, counter):
-            yield _Part(text, raw, val, piece.last)
+        parts = read_piece(inp, piece, job.field, counter, bad)
+        prev = next(parts, None)  # first: a small file's head is then known without opening it again
+        val = held_out(document_head(inp, KEY_BYTES), job.val_fraction) and piece.input != 0
+        for part in parts:  # the document ends after the input's last part
+            yield _Part(*prev, val, False)
+            prev = part
+        if prev is not None:
+            yield _Part(*prev, val, piece.last)
         return
-    for i, (text, raw) in enumerate(read_piece(inp, piece, job.field, counter)):
+    for i, (text, raw) in enumerate(read_piece(inp, piece, job.field, counter, bad)):
         if text:  # an empty record is skipped, not a lone end-of-document token
             first = corpus_start and i == 0
             yield _Part(text, raw, held_out(text.encode("utf-8")[:KEY_BYTES], job.val_fraction) and not first, True)
 
 
-def run_unit(job: Job, unit: int, pieces: list[Piece]) -> dict[str, Any]:
-    """Encode one unit's pieces into train shard `train-<unit>`; return its manifest entry, the
-    held-out validation tokens (with their document ends) and counts."""
-    tok, counter = _tokenizer(job.tokenizer), ReplacementCounter()
+def run_unit(job: Job, unit: int, pieces: list[Piece], inputs: dict[int, Input]) -> dict[str, Any]:
+    """Encode one unit's pieces (of `inputs`, the unit's own) into train shard `train-<unit>`;
+    return its manifest entry, the held-out validation tokens (with their document ends), the
+    SHA-256 of the inputs the unit holds whole, and counts."""
+    tok, counter, bad = _tokenizer(job.tokenizer), ReplacementCounter(), BadRecords(job.on_bad_record)
     dtype, eod = np.dtype(job.dtype), np.asarray([tok.eod_id], dtype=np.uint32)
     train = ShardWriter(job.tmp, f"train-{unit:05d}", dtype)
     val: list[np.ndarray] = []
@@ -191,9 +212,18 @@ def run_unit(job: Job, unit: int, pieces: list[Piece]) -> dict[str, Any]:
             documents += part.ends
         batch.clear()
 
-    size = 0
+    size, digests, doc_hash = 0, [], None
     for piece in pieces:
-        for part in _parts(job, piece, counter, unit == 0 and piece is pieces[0]):
+        starts_here = piece.first or inputs[piece.input].format != "text"  # else a document begun in another unit
+        for part in _parts(job, inputs[piece.input], piece, counter, bad, unit == 0 and piece is pieces[0]):
+            if job.dedup == "exact":  # see [Note: exact deduplication]
+                if doc_hash is None:
+                    doc_hash = hashlib.blake2b(digest_size=16) if starts_here else False
+                if doc_hash:
+                    doc_hash.update(part.raw or part.text.encode("utf-8"))
+                if part.ends:
+                    digests.append((part.val, doc_hash.digest() if doc_hash else None))
+                    doc_hash = None
             if tok.directory is None:
                 cuts = [part.text]
             else:
@@ -206,27 +236,44 @@ def run_unit(job: Job, unit: int, pieces: list[Piece]) -> dict[str, Any]:
                 flush()
                 size = 0
     flush()
+    whole = {p.input for p in pieces if p.first} & {p.input for p in pieces if p.last}
     return {"unit": unit, "train": train.close(), "documents": documents, "replaced_bytes": counter.count,
-            "input_bytes": sum(p.bytes for p in pieces),
+            "input_bytes": sum(p.bytes for p in pieces), "bad_records": bad.count, "bad_first": bad.first,
+            "hashes": {i: input_sha256(inputs[i]) for i in sorted(whole)}, "digests": digests,
             "val": (np.concatenate(val) if val else np.zeros(0, dtype), val_ends)}
 
 
+def input_sha256(inp: Input) -> str:
+    """An input's SHA-256 (of the file as stored; a `datasets` directory: of its files, in sorted order)."""
+    if inp.format != "datasets":
+        return whole_file_sha256(inp.path) or file_sha256(inp.path)
+    h = hashlib.sha256()
+    for root, _, files in sorted(os.walk(inp.path)):
+        for name in sorted(files):
+            h.update(name.encode() + b"\0" + bytes.fromhex(file_sha256(os.path.join(root, name))))
+    return h.hexdigest()
+
+
 def _task(job: Job, task: tuple[str, Any]) -> tuple[str, Any]:
+    """("hash", (index, Input)): an input cut across units; ("unit", (unit, pieces, its inputs))."""
     kind, arg = task
-    if kind == "hash":  # an input's SHA-256 (a `datasets` directory: of its files, in sorted order)
-        inp = job.inputs[arg]
-        if inp.format != "datasets":
-            return kind, (arg, file_sha256(inp.path))
-        h = hashlib.sha256()
-        for root, _, files in sorted(os.walk(inp.path)):
-            for name in sorted(files):
-                h.update(name.encode() + b"\0" + bytes.fromhex(file_sha256(os.path.join(root, name))))
-        return kind, (arg, h.hexdigest())
+    if kind == "hash":
+        return kind, (arg[0], input_sha256(arg[1]))
     return kind, run_unit(job, *arg)
 
 
 def _init_worker() -> None:
     os.environ.setdefault("RAYON_NUM_THREADS", "1")  # one core per worker (see the module docstring)
+
+
+def _init_pool_worker() -> None:
+    _init_worker()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops the pool
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the pool's terminate() (not the parent's handler: run)
+    if sys.platform.startswith("linux"):  # die with the parent, even when it is SIGKILLed
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 # -- the whole corpus -----------------------------------------------------------------------------
@@ -249,131 +296,225 @@ def _output_per_input_byte(tok: Tokenizer, inputs: list[Input], dtype: np.dtype)
     sample = next((i for i in inputs if i.format in ("text", "jsonl") and i.bytes), None)
     if sample is None:
         return dtype.itemsize / 4.0  # about 4 bytes a token in English
-    with open(sample.path, "rb") as f:
-        text = f.read(256 << 10).decode("utf-8", errors="replace")
+    text = document_head(sample, 256 << 10).decode("utf-8", errors="replace")
     return dtype.itemsize * max(1, len(tok._tok.encode(text, add_special_tokens=False).ids)) / max(1, len(text))
 
 
 def _pool(workers: int):
     # fork: nothing here has used the tokenizer's Rust threads, so the children start clean and fast
     ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    return ctx.Pool(workers, initializer=_init_worker)
+    return ctx.Pool(workers, initializer=_init_pool_worker)
 
 
-def _results(job: Job, tasks: list[tuple[str, Any]], workers: int) -> Iterator[tuple[str, Any]]:
-    if workers <= 1:  # here, in this process (the command sets RAYON_NUM_THREADS as a worker would)
+def _results(job: Job, tasks: list[tuple[str, Any]], pool) -> Iterator[tuple[str, Any]]:
+    if pool is None:  # here, in this process (the command sets RAYON_NUM_THREADS as a worker would)
         yield from (_task(job, t) for t in tasks)
         return
-    with _pool(workers) as pool:
-        yield from pool.imap(functools.partial(_task, job), tasks, chunksize=1)
+    # in completion order: a failing unit stops the prepare at once
+    yield from pool.imap_unordered(functools.partial(_task, job), tasks, chunksize=1)
+
+
+def _pool_or_none(workers: int):
+    """The worker pool (None for one worker: the work runs here), opened before anything here
+    has used the tokenizer's threads, and used for the inputs' sniffing too."""
+    return _pool(workers) if workers > 1 else contextlib.nullcontext(None)
+
+
+def unit_target(pieces: list[Piece], shard_input_bytes: int) -> int:
+    """Input bytes per unit: a shard's worth, but at most 1/MIN_UNITS of the corpus (not below
+    MIN_UNIT_BYTES), so that a corpus of many small files still gives every worker work. It
+    depends on the inputs and --shard-mb only, never on --workers."""
+    total = sum(p.bytes for p in pieces)
+    return max(1, min(shard_input_bytes, max(MIN_UNIT_BYTES, total // MIN_UNITS)))
 
 
 def prepare(specs: list[str], out: str, *, tokenizer: str | None = None, field: str = "text", workers: int = 1,
             val_fraction: float = 0.0, shard_mb: float = 64.0, force_format: str | None = None,
-            progress: bool = True) -> str:
-    """Prepare `specs` into DATA_DIR `out` (see the module docstring); returns `out`."""
-    if os.path.exists(os.path.join(out, MANIFEST)):
-        raise DataError(f"--out {out!r} already holds a prepared corpus; delete it or choose another directory")
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise DataError(f"--out {out!r} exists and is not an empty directory; choose another")
+            progress: bool = True, on_bad_record: str = "skip", dedup: str = "none",
+            wait_if_busy: bool = False) -> str:
+    """Prepare `specs` into DATA_DIR `out` (see the module docstring); returns `out`.
+    wait_if_busy: wait for another prepare into `out` to end (else refuse at once)."""
     if not 0.0 <= val_fraction < 1.0 or shard_mb <= 0 or workers < 1:
         raise DataError("--val-fraction must be in [0, 1), --shard-mb > 0 and --workers >= 1")
-    inputs = expand_inputs(specs, force_format)
+    if on_bad_record not in ("skip", "fail"):
+        raise DataError(f"--on-bad-record {on_bad_record!r}: choose skip or fail")
+    if dedup not in ("none", "exact"):
+        raise DataError(f"--dedup {dedup!r}: choose none or exact")
+    with out_lock(out, wait_if_busy):
+        if os.path.exists(os.path.join(out, MANIFEST)):
+            raise DataError(f"--out {out!r} already holds a prepared corpus; delete it or choose another directory")
+        if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+            raise DataError(f"--out {out!r} exists and is not an empty directory; choose another")
+        remove_leftovers(out)
+        with _pool_or_none(workers) as pool:
+            return _prepare_locked(specs, out, pool, tokenizer, field, val_fraction, shard_mb, force_format,
+                                   progress, on_bad_record, dedup)
+
+
+def _prepare_locked(specs: list[str], out: str, pool, tokenizer: str | None, field: str, val_fraction: float,
+                    shard_mb: float, force_format: str | None, progress: bool, on_bad_record: str, dedup: str) -> str:
+    """prepare, under the lock on `out`, with the worker pool (None: one worker)."""
+    inputs, skipped = scan_inputs(specs, force_format, pool)
     tok = Tokenizer(tokenizer)
     dtype = token_dtype(tok.vocab_size)
     pieces = plan_pieces(inputs, field)
-    target = max(1, int(shard_mb * 2**20 / _output_per_input_byte(tok, inputs, dtype)))
-    units = group_units(pieces, target)
-    parent = os.path.dirname(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(os.path.abspath(out))}.tmp-")
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would hide the corpus from other users of a shared mount
-    job = Job(tuple(inputs), field, tokenizer, dtype.str, val_fraction, tmp)
+    units = group_units(pieces, unit_target(pieces, int(shard_mb * 2**20 / _output_per_input_byte(tok, inputs,
+                                                                                                  dtype))))
+    job = Job(field, tokenizer, dtype.str, val_fraction, make_tmp(out), on_bad_record, dedup)
     try:
-        tasks = [("hash", i) for i in range(len(inputs))] + [("unit", (u, ps)) for u, ps in enumerate(units)]
-        manifest = _collect(job, tok, tasks, workers, int(shard_mb * 2**20), progress)
-        manifest.update(inputs=[{"path": i.path, "format": i.format, "bytes": i.bytes, "sha256": h}
-                                for i, h in zip(inputs, manifest.pop("input_sha256"))],
-                        field=field, val_fraction=val_fraction, shard_mb=shard_mb)
+        manifest = _collect(job, tok, _tasks(inputs, units), pool, int(shard_mb * 2**20), progress)
+        manifest["counts"].update(skipped_files=len(skipped), skipped_files_first=skipped[:KEEP_LOCATIONS])
+        manifest.update(inputs=[{"path": i.path, "format": i.format, "compression": i.compression,
+                                 "bytes": i.bytes, "sha256": manifest["input_sha256"][k]}
+                                for k, i in enumerate(inputs)],
+                        field=field, val_fraction=val_fraction, shard_mb=shard_mb, on_bad_record=on_bad_record,
+                        dedup=dedup)
+        del manifest["input_sha256"]
         if tokenizer is not None:  # the corpus decodes without the original directory (a cluster mount)
-            copy_tokenizer_files(tokenizer, os.path.join(tmp, TOKENIZER_COPY))
+            copy_tokenizer_files(tokenizer, os.path.join(job.tmp, TOKENIZER_COPY))
             manifest["tokenizer"]["copy"] = TOKENIZER_COPY
-        _write_manifest(tmp, manifest)
-        os.rename(tmp, out)  # atomic: DATA_DIR appears complete or not at all
+        write_manifest(job.tmp, manifest)
+        os.rename(job.tmp, out)  # atomic: DATA_DIR appears complete or not at all
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(job.tmp, ignore_errors=True)
         raise
     record_verified(read_manifest(out))  # the hashes were computed from what was written
     return out
 
 
-def _collect(job: Job, tok: Tokenizer, tasks: list, workers: int, shard_bytes: int, progress: bool) -> dict:
+def _tasks(inputs: list[Input], units: list[list[Piece]]) -> list[tuple[str, Any]]:
+    """Each task carries only its own inputs. An input cut across units is hashed by a task of its own."""
+    whole = {i for u in units for i in ({p.input for p in u if p.first} & {p.input for p in u if p.last})}
+    split = [("hash", (i, inp)) for i, inp in enumerate(inputs) if i not in whole]
+    return split + [("unit", (u, ps, {p.input: inputs[p.input] for p in ps})) for u, ps in enumerate(units)]
+
+
+class _Collector:
+    """Takes the units' results in any order and applies them in unit order: the train shards'
+    order, the validation shards' content, and the first bad records named do not depend on
+    which worker finished first."""
+
+    def __init__(self, job: Job, shard_bytes: int):
+        self.job, self.shard_bytes, self.dtype = job, shard_bytes, np.dtype(job.dtype)
+        self.pending: dict[int, dict] = {}
+        self.next_unit = 0
+        self.train: list[dict] = []
+        self.val_shards: list[dict] = []
+        self.val = ShardWriter(job.tmp, "val-00000", self.dtype)
+        self.counts = {"documents": 0, "replaced_invalid_utf8_bytes": 0, "input_bytes": 0, "bad_records": 0,
+                       "bad_records_first": []}
+        self.hashes: dict[int, str] = {}
+        self.tokens = 0
+        self.seen: set[bytes] = set()  # document hashes, --dedup exact
+        if job.dedup == "exact":
+            self.counts["duplicates"] = 0
+
+    def add(self, r: dict) -> None:
+        self.pending[r["unit"]] = r
+        while self.next_unit in self.pending:
+            self._apply(self.pending.pop(self.next_unit))
+            self.next_unit += 1
+
+    def _apply(self, r: dict) -> None:
+        if self.job.dedup == "exact":
+            self._drop_duplicates(r)
+        if r["train"] is not None:
+            self.train.append(r["train"])
+            self.tokens += r["train"]["tokens"]
+        val_ids, val_ends = r["val"]
+        for end in val_ends:
+            self.val.ends.append(self.val.tokens + end)
+        self.val.write(val_ids)
+        self.tokens += len(val_ids)
+        if self.val.tokens * self.dtype.itemsize >= self.shard_bytes:
+            self.val_shards.append(self.val.close())
+            self.val = ShardWriter(self.job.tmp, f"val-{len(self.val_shards):05d}", self.dtype)
+        c = self.counts
+        c["documents"] += r["documents"]
+        c["replaced_invalid_utf8_bytes"] += r["replaced_bytes"]
+        c["input_bytes"] += r["input_bytes"]
+        c["bad_records"] += r["bad_records"]
+        c["bad_records_first"] = (c["bad_records_first"] + r["bad_first"])[:KEEP_LOCATIONS]
+        self.hashes.update(r["hashes"])
+
+    def _drop_duplicates(self, r: dict) -> None:
+        """[Note: exact deduplication] A unit reports a 128-bit BLAKE2b of every document that
+        ends in it, in order (None for a text file begun in an earlier unit: its head is already
+        written, so it is kept). Applied in unit order, a document whose hash was seen before is
+        dropped: the first copy in corpus order stays, whatever --workers. The unit's train shard
+        is rewritten without the dropped documents, its held-out ones are left out here."""
+        drop = {False: set(), True: set()}
+        k = {False: 0, True: 0}
+        for is_val, digest in r["digests"]:
+            if digest is not None and digest in self.seen:
+                drop[is_val].add(k[is_val])
+            elif digest is not None:
+                self.seen.add(digest)
+            k[is_val] += 1
+        dropped = len(drop[False]) + len(drop[True])
+        if not dropped:
+            return
+        self.counts["duplicates"] += dropped
+        r["documents"] -= dropped
+        if drop[False] and r["train"] is not None:
+            name = r["train"]["bin"]["name"][:-4]
+            ids = np.fromfile(os.path.join(self.job.tmp, f"{name}.bin"), dtype=self.dtype)
+            ends = np.fromfile(os.path.join(self.job.tmp, f"{name}.idx"), dtype=INDEX_DTYPE)
+            os.remove(os.path.join(self.job.tmp, f"{name}.idx"))
+            w = ShardWriter(self.job.tmp, name, self.dtype)
+            for d, (a, b) in enumerate(zip([0, *ends[:-1]], ends)):
+                if d not in drop[False]:
+                    w.write(ids[a:b])
+                    w.end_document()
+            w.write(ids[int(ends[-1]) if len(ends) else 0:])  # a text file that goes on in the next unit
+            r["train"] = w.close()
+        if drop[True]:
+            ids, ends = r["val"]
+            kept, kept_ends = [], []
+            for d, (a, b) in enumerate(zip([0, *ends[:-1]], ends)):
+                if d not in drop[True]:
+                    kept.append(ids[a:b])
+                    kept_ends.append(sum(len(x) for x in kept))
+            r["val"] = (np.concatenate(kept) if kept else ids[:0], kept_ends)
+
+    def close(self) -> None:
+        last = self.val.close()
+        self.val_shards += [last] if last is not None else []
+
+
+def _collect(job: Job, tok: Tokenizer, tasks: list, pool, shard_bytes: int, progress: bool) -> dict:
     """Run the tasks; write the validation shards here as units return; the manifest's body."""
     from tqdm import tqdm
 
-    dtype = np.dtype(job.dtype)
     total = sum(sum(p.bytes for p in arg[1]) for kind, arg in tasks if kind == "unit")
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="prepare", dynamic_ncols=True,
                disable=None if progress else True)
-    hashes: dict[int, str] = {}
-    train: list[dict] = []
-    val_shards: list[dict] = []
-    val = ShardWriter(job.tmp, "val-00000", dtype)
-    counts = {"documents": 0, "replaced_invalid_utf8_bytes": 0, "input_bytes": 0}
-    t0, tokens = time.perf_counter(), 0
+    c = _Collector(job, shard_bytes)
+    t0 = time.perf_counter()
     try:
-        for kind, r in _results(job, tasks, workers):
+        for kind, r in _results(job, tasks, pool):
             if kind == "hash":
-                hashes[r[0]] = r[1]
+                c.hashes[r[0]] = r[1]
                 continue
-            if r["train"] is not None:
-                train.append(r["train"])
-                tokens += r["train"]["tokens"]
-            val_ids, val_ends = r["val"]
-            for end in val_ends:
-                val.ends.append(val.tokens + end)
-            val.write(val_ids)
-            tokens += len(val_ids)
-            if val.tokens * dtype.itemsize >= shard_bytes:
-                val_shards.append(val.close())
-                val = ShardWriter(job.tmp, f"val-{len(val_shards):05d}", dtype)
-            counts["documents"] += r["documents"]
-            counts["replaced_invalid_utf8_bytes"] += r["replaced_bytes"]
-            counts["input_bytes"] += r["input_bytes"]
+            c.add(r)
             bar.update(r["input_bytes"])
-            bar.set_postfix_str(f"{tokens / max(1e-9, time.perf_counter() - t0):,.0f} tok/s")
+            bar.set_postfix_str(f"{c.tokens / max(1e-9, time.perf_counter() - t0):,.0f} tok/s")
     finally:
-        last = val.close()
+        c.close()
         bar.close()
-    val_shards += [last] if last is not None else []
     splits = {name: {"tokens": sum(s["tokens"] for s in shards), "documents": sum(s["documents"] for s in shards),
-                     "shards": shards} for name, shards in (("train", train), ("val", val_shards))}
+                     "shards": shards} for name, shards in (("train", c.train), ("val", c.val_shards))}
+    if splits["train"]["tokens"] == 0 and c.counts["bad_records"]:
+        raise DataError(f"every record was bad ({c.counts['bad_records']} skipped; the first: "
+                        f"{c.counts['bad_records_first'][0]})")
     if splits["train"]["tokens"] == 0:
-        raise DataError("the inputs hold no text (an empty corpus)" if counts["documents"] == 0 else
+        raise DataError("the inputs hold no text (an empty corpus)" if c.counts["documents"] == 0 else
                         "every document went to the validation split; lower --val-fraction or give more documents")
     import shardlab
 
     return {"format": FORMAT, "version": FORMAT_VERSION, "shardlab_version": shardlab.__version__,
-            "tokenizer": tok.identity(), "dtype": dtype.name, "byte_order": "little", "counts": counts,
-            "splits": splits, "input_sha256": [hashes[i] for i in range(len(job.inputs))]}
-
-
-def _write_manifest(tmp: str, manifest: dict) -> None:
-    import json
-
-    path = os.path.join(tmp, MANIFEST)
-    with open(path, "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            "tokenizer": tok.identity(), "dtype": np.dtype(job.dtype).name, "byte_order": "little",
+            "counts": c.counts, "splits": splits, "input_sha256": [c.hashes[i] for i in range(len(c.hashes))]}
 
 
 # -- the command ----------------------------------------------------------------------------------
@@ -390,26 +531,48 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--field", default="text", metavar="NAME", help="JSONL/Parquet/datasets text field (default text)")
     p.add_argument("--workers", type=int, default=default_workers(), metavar="N",
                    help=f"worker processes, one core each (default: the usable cores, {default_workers()} here)")
-    p.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
-                   help="held-out documents for validation, as a fraction (default 0)")
+    p.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION, metavar="F",
+                   help="held-out documents for validation, as a fraction (default "
+                        f"{DEFAULT_VAL_FRACTION}, as data.val_fraction)")
     p.add_argument("--shard-mb", type=float, default=64.0, metavar="M", help="about M MiB per shard (default 64)")
+    p.add_argument("--on-bad-record", choices=("skip", "fail"), default="skip",
+                   help="a JSONL/JSON/Parquet record without a text --field: skip and count it (default) or stop")
+    p.add_argument("--dedup", choices=("none", "exact"), default="none",
+                   help="exact: drop documents identical to an earlier one (whole-document hashes), counted")
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     _init_worker()  # --workers 1 encodes in this process: one core too
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # as Ctrl-C: the partial output is removed
     try:
         out = prepare(args.inputs, args.out, tokenizer=args.tokenizer, field=args.field, workers=args.workers,
-                      val_fraction=args.val_fraction, shard_mb=args.shard_mb)
+                      val_fraction=args.val_fraction, shard_mb=args.shard_mb, on_bad_record=args.on_bad_record,
+                      dedup=args.dedup)
     except (DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"prepare: interrupted; nothing was written to {args.out} (its partial output was removed)",
+              file=sys.stderr)
+        return 130
     m = read_manifest(out).raw
     secs = time.perf_counter() - t0
-    mib = m["counts"]["input_bytes"] / 2**20
+    c = m["counts"]
+    mib = c["input_bytes"] / 2**20
     print(f"prepared {mib:.1f} MiB in {secs:.1f} s ({mib / secs:.1f} MiB/s, {args.workers} worker(s)): "
           f"{m['splits']['train']['tokens']:,} train and {m['splits']['val']['tokens']:,} val tokens "
-          f"({m['dtype']}, vocab {m['tokenizer']['vocab_size']}), {m['counts']['documents']:,} documents, "
-          f"{m['counts']['replaced_invalid_utf8_bytes']} invalid UTF-8 bytes replaced -> {out}")
+          f"({m['dtype']}, vocab {m['tokenizer']['vocab_size']}), {c['documents']:,} documents, "
+          f"{c['replaced_invalid_utf8_bytes']} invalid UTF-8 bytes replaced -> {out}")
+    if "duplicates" in c:
+        print(f"dropped {c['duplicates']:,} duplicate documents (--dedup exact)")
+    for what, n, first in (("bad records", c["bad_records"], c["bad_records_first"]),
+                           ("files that are not text", c["skipped_files"], c["skipped_files_first"])):
+        if n:
+            print(f"skipped {n:,} {what}, first: " + "; ".join(first))
     print(f"train on it: shardlab train CONFIG data.source=tokens data.path={out}")
     return 0

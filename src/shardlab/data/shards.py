@@ -2,7 +2,8 @@
 `shardlab prepare` (data/prepare.py) and training, its checks, and the memory-mapped dataset.
 
 A prepared DATA_DIR holds, per split (train, val):
-    <split>-NNNNN.bin   the tokens, little-endian uint16 (vocab <= 65536) or uint32, no header
+    <split>-NNNNN.bin   the tokens: uint8 (bytes), little-endian uint16 (vocab <= 65536) or uint32, no
+                        header; the manifest's dtype says which (corpora of bytes before uint8 are uint16)
     <split>-NNNNN.idx   int64 little-endian: the end offset (exclusive, in tokens) of every
                         document that ends in that shard, its end-of-document token included
     manifest.json       written last: format and version, tokenizer identity and hash, vocab
@@ -51,7 +52,9 @@ class DataError(ValueError):
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    """The smallest of uint16 / uint32 that holds every token id (nanoGPT's uint16 for GPT-2)."""
+    """The smallest of uint8 / uint16 / uint32 that holds every token id (bytes: uint8; GPT-2: uint16, as nanoGPT)."""
+    if vocab_size <= 2**8:
+        return np.dtype("u1")
     return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
 
 
@@ -64,6 +67,12 @@ def file_sha256(path: str | Path, chunk: int = 8 << 20) -> str:
 
 
 def _prepare_hint(path: str) -> str:
+    name = os.path.basename(os.path.normpath(path))
+    if ".tmp-" in name and name.startswith("."):
+        return "it is the partial output of an interrupted `shardlab prepare`: delete it and prepare again"
+    if os.path.isdir(path) and os.listdir(path):  # raw documents: prepare them into a new directory
+        out = os.path.normpath(path) + "-tokens"
+        return f"if it holds documents, prepare them: `shardlab prepare {path} --out {out}`, then data.path={out}"
     return f"run `shardlab prepare INPUT... --out {path}` to make one"
 
 
@@ -116,7 +125,51 @@ def read_manifest(path: str) -> Manifest:
     if raw.get("version") != FORMAT_VERSION:
         raise DataError(f"{mpath}: format version {raw.get('version')!r}, but this shardlab reads version "
                         f"{FORMAT_VERSION}; prepare the corpus again with this shardlab (`shardlab prepare`)")
+    problem = manifest_problem(raw)
+    if problem is not None:
+        raise DataError(f"{mpath}: {problem}; the manifest was edited or damaged: prepare the corpus again")
     return Manifest(path, raw, hashlib.sha256(blob).hexdigest())
+
+
+TOKEN_DTYPES = ("uint8", "uint16", "uint32")
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def manifest_problem(raw: dict[str, Any]) -> str | None:
+    """What is inconsistent in the fields a reader relies on (None: nothing). Each shard's
+    `.bin` bytes must be its tokens times the dtype's size and its `.idx` bytes 8 per document,
+    so that the size check against the files is a check of the token counts too (a count raised
+    by hand would otherwise map past a shard's end)."""
+    try:
+        dtype, vocab = raw["dtype"], raw["tokenizer"]["vocab_size"]
+        if dtype not in TOKEN_DTYPES:
+            return f"dtype {dtype!r} is not one of {list(TOKEN_DTYPES)}"
+        if not _is_count(vocab) or vocab > 2 ** (8 * np.dtype(dtype).itemsize):
+            return f"tokenizer.vocab_size {vocab!r} does not fit dtype {dtype}"
+        size = np.dtype(dtype).itemsize
+        for split in SPLITS:
+            shards = raw["splits"][split]["shards"]
+            for shard in shards:
+                tokens, docs, names = shard["tokens"], shard["documents"], (shard["bin"]["name"], shard["idx"]["name"])
+                if not (_is_count(tokens) and _is_count(docs)):
+                    return f"a {split} shard's tokens/documents ({tokens!r}, {docs!r}) are not counts"
+                if any(not isinstance(n, str) or os.path.basename(n) != n or n.startswith(".") for n in names):
+                    return f"shard file names {list(names)} are not plain names in the directory"
+                if shard["bin"]["bytes"] != tokens * size:
+                    return (f"{names[0]}: {tokens} tokens of {dtype} make {tokens * size} bytes, but the manifest "
+                            f"says {shard['bin']['bytes']}")
+                if shard["idx"]["bytes"] != docs * INDEX_DTYPE.itemsize:
+                    return f"{names[1]}: {docs} documents make {docs * 8} bytes, but the manifest says {shard['idx']['bytes']}"
+            for key in ("tokens", "documents"):
+                total = sum(shard[key] for shard in shards)
+                if raw["splits"][split][key] != total:
+                    return f"splits.{split}.{key} is {raw['splits'][split][key]!r} but its shards hold {total}"
+    except (KeyError, TypeError) as e:
+        return f"a field a reader needs is missing or malformed ({type(e).__name__}: {e})"
+    return None
 
 
 # -- verification ---------------------------------------------------------------------------------

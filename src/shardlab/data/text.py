@@ -10,7 +10,6 @@ prepared stream 255 marks document ends only); for a tokenizer, its eos token
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -25,12 +24,11 @@ EOD_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[E
 
 
 def text_files(path: str) -> list[str]:
-    """data.path as files: a file, every file below a directory, or a (recursive) glob."""
-    if os.path.isdir(path):
-        return sorted(os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs)
-    if os.path.isfile(path):
-        return [path]
-    return sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+    """data.path as files: a file, every file below a directory (hidden and VCS entries
+    skipped, data/formats.py), or a (recursive) glob."""
+    from shardlab.data.formats import walk
+
+    return walk(path)[0]
 
 
 def _eos_from_config(directory: str) -> str | None:
@@ -72,6 +70,13 @@ class Tokenizer:
                 raise RuntimeError("a tokenizer directory needs the `tokenizers` package: pip install tokenizers") \
                     from e
             path = os.path.join(directory, "tokenizer.json")
+            if os.path.isfile(directory):
+                raise ValueError(f"tokenizer {directory!r} is a file; pass the directory that holds it: "
+                                 f"{os.path.dirname(directory) or '.'}")
+            if not os.path.exists(directory):
+                raise ValueError(f"tokenizer {directory!r}: no such directory; a tokenizer is read from a local "
+                                 "directory (nothing is fetched from a hub): download it first, e.g. `hf download "
+                                 "NAME tokenizer.json tokenizer_config.json --local-dir DIR`, and pass DIR")
             if not os.path.isfile(path):
                 raise ValueError(f"tokenizer {directory!r}: no tokenizer.json there (a slow-only tokenizer: save it "
                                  "with transformers' AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR) first)")

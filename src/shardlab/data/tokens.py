@@ -43,20 +43,40 @@ class ShardWindows(torch.utils.data.Dataset):
     """Non-overlapping windows over a split's stream: sample i is (tokens[iT : iT+T],
     tokens[iT+1 : iT+T+1]); a window may cross document and shard boundaries (nanoGPT's)."""
 
-    def __init__(self, stream: TokenShards, seq_len: int):
+    def __init__(self, stream: TokenShards, seq_len: int, first: int = 0, stop: int | None = None):
         self.stream, self.seq_len = stream, seq_len
+        every = max(0, (self.stream.num_tokens - 1) // self.seq_len)
+        self.first, self.stop = first, every if stop is None else stop  # the windows [first, stop) of the stream
 
     def __len__(self) -> int:
-        return max(0, (self.stream.num_tokens - 1) // self.seq_len)
+        return max(0, self.stop - self.first)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        chunk = torch.from_numpy(self.stream.read(int(i) * self.seq_len, self.seq_len + 1))
+        chunk = torch.from_numpy(self.stream.read((self.first + int(i)) * self.seq_len, self.seq_len + 1))
         return chunk[:-1], chunk[1:]
 
     def will_need(self, indices: list[int]) -> None:
         """Start reading these samples' pages from storage now (StepBatches: the next step's)."""
         for i in indices:
-            self.stream.will_need(int(i) * self.seq_len, self.seq_len + 1)
+            self.stream.will_need((self.first + int(i)) * self.seq_len, self.seq_len + 1)
+
+
+def _split_windows(cfg, m: Manifest) -> tuple[ShardWindows, ShardWindows | None, str]:
+    """Train and validation windows, and what validation is (said once by rank 0). A corpus
+    prepared without a split has none, unless data.val_from_train holds out the last
+    data.val_fraction of its train windows."""
+    d, T = cfg.data, cfg.data.seq_len
+    train = ShardWindows(TokenShards(m, "train"), T)
+    val = ShardWindows(TokenShards(m, "val"), T)
+    if len(val) > 0:
+        return train, val, f"the corpus's val split ({len(val)} windows, --val-fraction {m.raw.get('val_fraction')})"
+    held = int(len(train) * d.val_fraction)
+    if d.val_from_train and held > 0:
+        return (ShardWindows(train.stream, T, 0, len(train) - held), ShardWindows(train.stream, T, len(train) - held),
+                f"the last {held} train windows (data.val_from_train, data.val_fraction={d.val_fraction})")
+    return train, None, (f"none: {m.path} has no validation split (prepared with --val-fraction "
+                         f"{m.raw.get('val_fraction')}), so no validation loss; prepare it with --val-fraction F, or "
+                         "set data.val_from_train=true to hold out the last data.val_fraction of its train windows")
 
 
 def _inputs_of(cfg) -> tuple[list[str], str | None, dict[str, Any]]:
@@ -140,14 +160,15 @@ def _checked_on_every_rank(cfg) -> tuple[Manifest, str]:
 def build(cfg) -> Datasets:
     m, verified = _checked_on_every_rank(cfg)
     T = cfg.data.seq_len
-    train = ShardWindows(TokenShards(m, "train"), T)
-    val = ShardWindows(TokenShards(m, "val"), T)
+    train, val, validation = _split_windows(cfg, m)
+    if int(os.environ.get("RANK", "0")) == 0 and (val is None or cfg.data.val_from_train):
+        print(f"data: validation: {validation}", flush=True)
     raw = m.raw
     info = {**_inputs_of(cfg)[2], "data_dir": m.path, "manifest_sha256": m.sha256, "shards_verified_by": verified,
             "tokenizer": raw["tokenizer"], "dtype": raw["dtype"], "train_tokens": raw["splits"]["train"]["tokens"],
             "val_tokens": raw["splits"]["val"]["tokens"], "documents": raw["counts"]["documents"],
-            "replaced_invalid_utf8_bytes": raw["counts"]["replaced_invalid_utf8_bytes"]}
-    return Datasets(train, val if len(val) > 0 else None, vocab_size=m.vocab_size, tokens_per_sample=T, info=info,
+            "replaced_invalid_utf8_bytes": raw["counts"]["replaced_invalid_utf8_bytes"], "validation": validation}
+    return Datasets(train, val, vocab_size=m.vocab_size, tokens_per_sample=T, info=info,
                     manifest_sha256=m.sha256, tokenizer_files=m.tokenizer_dir)
 
 

@@ -1,0 +1,131 @@
+"""`shardlab prepare` on corpus shapes (docs/data.md): `python -m shardlab.data.bench_shapes
+[--only NAME,...] [--json results.json]`.
+
+Each case prepares one generated corpus at --workers 1 and then 2, in this process one after
+the other, and reports both times and their ratio from the same run (the machine's load moves
+absolute figures; a ratio taken seconds apart moves less). Everything is generated into a
+temporary directory (random words; nothing downloaded or shipped) and removed afterwards:
+  many-small   20,000 text files of 4 KiB, bytes
+  tree-1g      1 GiB in 1,600 text files, bytes
+  tree-bpe     48 MiB in 1,600 text files, a byte-level BPE of vocab 4096 trained here
+  one-file     one 512 MiB text file, bytes
+  jsonl        256 MiB of JSONL, bytes; then the same file compressed with zstd (one stream: one worker)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+
+from shardlab.data.bench import WORDS, train_bpe, write_corpus
+
+
+def _block(size: int, seed: int) -> bytes:
+    rng = random.Random(seed)
+    out, n = [], 0
+    while n < size:
+        line = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 20))) + "\n"
+        out.append(line)
+        n += len(line)
+    return "".join(out).encode()[:size]
+
+
+def write_tree(root: str, files: int, file_bytes: int) -> None:
+    """`files` text files of `file_bytes` in 100 folders, each a different slice of one block."""
+    block = _block(max(8 << 20, 2 * file_bytes), 7)
+    for i in range(files):
+        d = os.path.join(root, f"d{i % 100:03d}")
+        os.makedirs(d, exist_ok=True)
+        at = (i * 7919) % (len(block) - file_bytes)
+        with open(os.path.join(d, f"f{i:05d}.txt"), "wb") as f:
+            f.write(f"file {i}\n".encode() + block[at:at + file_bytes - 16])
+
+
+def write_jsonl(path: str, size: int) -> None:
+    rng = random.Random(3)
+    block = _block(8 << 20, 5).decode()
+    with open(path, "w") as f:
+        n = 0
+        while n < size:
+            a = rng.randrange(len(block) - 4096)
+            line = json.dumps({"id": n, "text": block[a:a + rng.randint(200, 4000)]}) + "\n"
+            f.write(line)
+            n += len(line)
+
+
+def zstd_compress(src: str, dst: str) -> None:
+    import zstandard
+
+    with open(src, "rb") as fi, open(dst, "wb") as fo:
+        zstandard.ZstdCompressor(level=3).copy_stream(fi, fo)
+
+
+def timed_prepare(inputs: list[str], out: str, workers: int, tokenizer: str | None = None) -> float:
+    from shardlab.data.prepare import prepare
+
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    prepare(inputs, out, tokenizer=tokenizer, workers=workers, val_fraction=0.0, progress=False)
+    secs = time.perf_counter() - t0
+    shutil.rmtree(out, ignore_errors=True)
+    return secs
+
+
+def _case(name: str, inputs: list[str], out: str, mib: float, tokenizer: str | None = None) -> dict:
+    one = timed_prepare(inputs, out, 1, tokenizer)
+    two = timed_prepare(inputs, out, 2, tokenizer)
+    row = {"input_mib": mib, "secs_1": one, "secs_2": two, "speedup_2_over_1": one / two,
+           "mib_s_1": mib / one, "mib_s_2": mib / two, "load": os.getloadavg()[0]}
+    print(f"{name}: {mib:.0f} MiB, 1 worker {one:.2f} s ({mib / one:.1f} MiB/s), 2 workers {two:.2f} s "
+          f"({mib / two:.1f} MiB/s): 2 workers / 1 = {one / two:.2f}x (load {row['load']:.2f})", flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default="many-small,tree-1g,tree-bpe,one-file,jsonl")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    only, rows = args.only.split(","), {}
+    with tempfile.TemporaryDirectory(prefix="shardlab-shapes-") as tmp:
+        out = os.path.join(tmp, "out")
+        if "many-small" in only:
+            write_tree(os.path.join(tmp, "many"), 20000, 4096)
+            rows["many-small"] = _case("many-small", [os.path.join(tmp, "many")], out, 20000 * 4096 / 2**20)
+            shutil.rmtree(os.path.join(tmp, "many"))
+        if "tree-1g" in only:
+            write_tree(os.path.join(tmp, "tree"), 1600, (1 << 30) // 1600)
+            rows["tree-1g"] = _case("tree-1g", [os.path.join(tmp, "tree")], out, 1024)
+            shutil.rmtree(os.path.join(tmp, "tree"))
+        if "tree-bpe" in only:
+            write_corpus(os.path.join(tmp, "sample.txt"), 8 << 20, seed=2)
+            bpe = train_bpe(os.path.join(tmp, "sample.txt"), os.path.join(tmp, "bpe"))
+            write_tree(os.path.join(tmp, "bpetree"), 1600, (48 << 20) // 1600)
+            rows["tree-bpe"] = _case("tree-bpe", [os.path.join(tmp, "bpetree")], out, 48, bpe)
+        if "one-file" in only:
+            write_corpus(os.path.join(tmp, "one.txt"), 512 << 20, seed=1)
+            rows["one-file"] = _case("one-file", [os.path.join(tmp, "one.txt")], out, 512)
+            os.remove(os.path.join(tmp, "one.txt"))
+        if "jsonl" in only:
+            src = os.path.join(tmp, "docs.jsonl")
+            write_jsonl(src, 256 << 20)
+            zstd_compress(src, src + ".zst")
+            mib = os.path.getsize(src) / 2**20
+            rows["jsonl"] = _case("jsonl", [src], out, mib)
+            rows["jsonl.zst"] = _case("jsonl.zst", [src + ".zst"], out, mib)
+            for w in ("1", "2"):
+                rows[f"zst/plain speed, {w} worker(s)"] = rows["jsonl"][f"secs_{w}"] / rows["jsonl.zst"][f"secs_{w}"]
+                print(f"jsonl.zst / jsonl speed at {w} worker(s): {rows[f'zst/plain speed, {w} worker(s)']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
