@@ -13,7 +13,7 @@ must produce: response tokens up to and including that end-of-text token; prompt
 `data.seq_len` tokens: an example longer than that is truncated, and one whose response is cut
 away entirely is dropped; rank 0 prints what happened (`report_lines`), with a warning above 5 %.
 With `data.packing=true` several examples share a row: inputs are [2, T] (token ids, position
-ids restarting at 0 per example; models/hf.py turns them into a block-diagonal mask) and the
+ids restarting at 0 per example; models/hf.py keeps the examples apart: docs/sft.md) and the
 padding at the end of a row has target -100 and counts in no token total.
 
 The tokenizer: `data.tokenizer_path` (a local directory with tokenizer.json), else the model's
