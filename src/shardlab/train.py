@@ -210,7 +210,8 @@ def build_run(cfg: Config, rt: Runtime, *, data: Any = None,
     state = TrainState()
     out_dir = run_dir(cfg)
     manager = resumed_from = None
-    if cfg.checkpoint.every_steps > 0 or cfg.checkpoint.resume != "none" or cfg.preemption.enabled:
+    c = cfg.checkpoint
+    if c.every_steps > 0 or c.final or c.resume != "none" or cfg.preemption.enabled:
         # sharded save and exact resume: docs/checkpointing.md
         from shardlab.checkpoint import CheckpointManager
 
