@@ -86,6 +86,7 @@ class Worker:
                      "kinds": list(KINDS), "phases": list(PHASES), "states": list(STATES),
                      "groups": [], "units": []}
         RECORDER.open(flight_path(debug, rank), rank=rank, world=world, attempt=attempt, capacity=capacity)
+        _record_raw_collectives(True)
         RECORDER.describe_group = _describe_group
         RECORDER.on_new_group = self.write_meta
         self.write_meta()
@@ -212,6 +213,7 @@ class Worker:
             h.remove()
         self.hooks.clear()
         RECORDER.set_unit(-1)
+        _record_raw_collectives(False)
         RECORDER.close(state)
         RECORDER.describe_group = RECORDER.on_new_group = None
         if self.fatal is not None:
@@ -297,6 +299,15 @@ def is_peer_failure(e: BaseException) -> bool:
 
 
 # ---------------------------------------------------------------------------------------- helpers
+def _record_raw_collectives(on: bool) -> None:
+    """torch.distributed's collectives called outside shardlab's go into the record while the
+    doctor is on (engines/raw_collectives.py; imported here, not at the top: `shardlab doctor`
+    reads records without torch)."""
+    from shardlab.engines import raw_collectives
+
+    raw_collectives.install() if on else raw_collectives.uninstall()
+
+
 def _describe_group(group: Any) -> tuple[str, list[int]]:
     import torch.distributed as dist
 
