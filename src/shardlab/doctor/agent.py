@@ -22,7 +22,7 @@ from typing import Any
 
 from shardlab.doctor import analysis, report
 from shardlab.doctor.report import verdict
-from shardlab.doctor.worker import EXITS_FILE, RUN_DIR_NOTE_ENV, debug_dir
+from shardlab.doctor.worker import EXITS_FILE, RUN_DIR_NOTE_ENV, debug_dir, reads_as_peer_failure
 
 __all__ = ["RUN_DIR_NOTE_ENV", "forget_exits", "record_exits", "print_failure_report", "noted_run_dir", "verdict",
            "worker_logs", "failure_lines"]
@@ -109,16 +109,20 @@ def _exit_text(code: int) -> str:
 
 
 def _torch_exception(failures: dict[int, Any], logs: str | None) -> str | None:
-    """Without the doctor's exit records: the first failure's exception from torch's error file
-    (error.json), else the last line its worker wrote to stderr."""
+    """Without the doctor's exit records: a failed worker's exception from torch's error file
+    (error.json), else the last line it wrote to stderr; one that is not a lost peer first
+    (the one that raised, not those that lost it), then the earliest."""
+    found = []
     for rank, f in sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0])):
-        message = str(getattr(f, "message", "") or "")
-        if f.exitcode > 0 and message and not message.startswith("To enable traceback"):
-            return f"rank {rank}: {message.splitlines()[0][:300]}"
-        last = _last_line(os.path.join(logs, str(f.local_rank), "stderr.log")) if logs else None
-        if last:
-            return f"rank {rank}: {last[:300]}"
-    return None
+        message = getattr(f, "message", "") or ""
+        if isinstance(message, dict):  # error.json as ErrorHandler.record_exception writes it
+            message = message.get("message", "")
+        message = str(message).strip()
+        if not message or message.startswith(("To enable traceback", "Signal ")):
+            message = (_last_line(os.path.join(logs, str(f.local_rank), "stderr.log")) if logs else None) or ""
+        if message:
+            found.append((reads_as_peer_failure(message), f"rank {rank}: {message.splitlines()[0][:300]}"))
+    return min(found, key=lambda x: x[0])[1] if found else None
 
 
 def _last_line(path: str) -> str | None:
