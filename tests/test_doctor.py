@@ -194,6 +194,50 @@ def test_crashes_and_the_launchers_own_kills(tmp_path):
     assert analysis.diagnose(str(run)).kind == "finished"
 
 
+def test_what_the_launcher_prints_after_a_failure(tmp_path):
+    """doctor/agent.py's failure_lines: the verdict first, the exception that matters (the culprit's
+    own, with where it was raised), where the rest is; resume advice only when a worker was lost."""
+    from types import SimpleNamespace
+
+    from shardlab.doctor.agent import failure_lines
+
+    def failure(code: int, message: str = "", t: int = 100) -> SimpleNamespace:
+        return SimpleNamespace(exitcode=code, timestamp=t, local_rank=0, message=message)
+
+    # rank 1 raised (an exception of the code): no advice, a restart would raise it again
+    run, (r0, r1) = _ranks(tmp_path / "raised")
+    r0.step(3, "backward").coll("reduce_scatter", done=False)
+    r1.step(3, "loop")
+    r1.close(exit={"exception": "ValueError", "message": "ValueError: boom", "peer_failure": False,
+                   "traceback": 'File "/x/src/shardlab/train.py", line 9, in train_step\n'})
+    r0.close(exit=_timed_out())
+    lines = failure_lines(str(run), analysis.diagnose(str(run)), {1: failure(1)}, "/logs")
+    assert lines[0].startswith("error: rank 1 crashed") and lines[1] == "error: rank 1: ValueError: boom, at " \
+        "shardlab/train.py:9 in train_step", lines
+    assert "/logs/<rank>/stderr.log" in lines[2] and f"shardlab doctor {run}" in lines[2] and len(lines) == 3
+    # rank 1 frozen: rank 0's timeout is the exception shown, and the advice comes (a worker was lost)
+    run, (r0, r1) = _ranks(tmp_path / "frozen")
+    r0.step(3, "forward").coll("all_gather").coll("all_gather", done=False)
+    r1.step(3, "forward").coll("all_gather")
+    r1.close(tick_age=10)
+    r0.close(exit=_timed_out())
+    lines = failure_lines(str(run), analysis.diagnose(str(run)), {0: failure(1), 1: failure(-9, t=131)}, None)
+    assert lines[0].startswith("error: rank 1 is stuck (frozen") and lines[1].startswith("error: rank 0: RuntimeError")
+    assert "a worker was lost" in lines[-1] and len(lines) == 4
+    # without the doctor: torch's error files; the exception that is not a lost peer is the one shown
+    lines = failure_lines(str(run), None, {0: failure(1, "RuntimeError: Connection closed by peer"),
+                                           1: failure(1, "ValueError: planted", t=101)}, None)
+    assert lines[:2] == ["error: the run failed: rank 0 exit code 1, rank 1 exit code 1", "error: rank 1: ValueError: "
+                         "planted"] and "a worker was lost" not in lines[-1]
+    # a checkpoint refused by every rank: its own words, once
+    run, (r0, r1) = _ranks(tmp_path / "refused")
+    for r in (r0, r1):
+        r.close(exit={"exception": "CheckpointError", "message": "shardlab.errors.CheckpointError: checkpoint x is "
+                      "corrupt", "peer_failure": False, "traceback": ""})
+    assert failure_lines(str(run), analysis.diagnose(str(run)), {0: failure(1), 1: failure(1)}, None)[0] == \
+        "error: checkpoint x is corrupt"
+
+
 # -------------------------------------------------------------------- every engine, in one spawn
 ENGINE_KINDS = {"ddp": {"all_reduce"}, "zero3": {"broadcast", "reduce"}, "fsdp": {"all_gather", "reduce_scatter"},
                 "torch-ddp": {"all_reduce"}, "torch-fsdp": {"all_gather", "reduce_scatter"}}
