@@ -3,7 +3,8 @@
 The test runs the real launcher with PYTHONPATH holding a generated sitecustomize.py that
 imports this module in every process (launcher and workers) when SHARDLAB_TEST_FAULT is set:
   desync:R:K      model.name=gpt-desync: a GPT whose K-th training forward on rank R issues one
-                  extra all-reduce (through shardlab's collectives, as a model's own layer would)
+                  extra all-reduce, calling torch.distributed.all_reduce itself as a user's layer
+                  would (recorded by the doctor's wrapper: engines/raw_collectives.py)
   raise:R:S       rank R raises ValueError at the start of step S
   data-stall:R:S  on rank R the training dataset sleeps (DATA_STALL_S) from step S's first sample
 Steps count from 1, as the heartbeat does.
@@ -32,7 +33,8 @@ class _NoKeys:
 
 
 def register_desync_model(rank: int, forward_number: int) -> None:
-    from shardlab.engines import collectives
+    import torch.distributed as dist
+
     from shardlab.models import MODELS, gpt
 
     class DesyncGPT(gpt.GPT):
@@ -43,7 +45,7 @@ def register_desync_model(rank: int, forward_number: int) -> None:
                 DesyncGPT.forwards += 1
                 if DesyncGPT.forwards == forward_number:
                     # the other ranks issue no such collective; PLANTED_BYTES tells it from the loop's own
-                    collectives.all_reduce(torch.ones(PLANTED_BYTES // 4))
+                    dist.all_reduce(torch.ones(PLANTED_BYTES // 4))
             return super().forward(idx, targets)
 
     MODELS["gpt-desync"] = dataclasses.replace(

@@ -6,10 +6,12 @@
 - one 2-rank spawn: every engine records its collectives, the same sequence on both ranks,
   labelled with units and phases, and a finished run reads as finished;
 - the real launcher, end to end (module fixture `launches`): one rank SIGSTOPped under fsdp
-  and under torch-fsdp (with `shardlab doctor --live` during the hang and `shardlab doctor`
-  after it), and, while those wait out their timeout, a rank that raises (zero3), a data stall
-  (torch-ddp) and a planted desync (fsdp), one after the other. Faults are planted by
-  tests/doctor_faults.py through a generated sitecustomize.py.
+  (2 ranks) and under torch-fsdp (3 ranks) (with `shardlab doctor --live` during the hang and
+  `shardlab doctor` after it), and, while those wait out their timeout, a rank that raises
+  (zero3), a data stall (torch-ddp) and a planted desync through a raw torch.distributed
+  all-reduce (fsdp), one after the other. Faults are planted by tests/doctor_faults.py through a
+  generated sitecustomize.py. Each ends in a few lines on the terminal, the verdict first; the
+  workers' tracebacks are in files.
 """
 
 from __future__ import annotations
@@ -192,6 +194,50 @@ def test_crashes_and_the_launchers_own_kills(tmp_path):
     assert analysis.diagnose(str(run)).kind == "finished"
 
 
+def test_what_the_launcher_prints_after_a_failure(tmp_path):
+    """doctor/agent.py's failure_lines: the verdict first, the exception that matters (the culprit's
+    own, with where it was raised), where the rest is; resume advice only when a worker was lost."""
+    from types import SimpleNamespace
+
+    from shardlab.doctor.agent import failure_lines
+
+    def failure(code: int, message: str = "", t: int = 100) -> SimpleNamespace:
+        return SimpleNamespace(exitcode=code, timestamp=t, local_rank=0, message=message)
+
+    # rank 1 raised (an exception of the code): no advice, a restart would raise it again
+    run, (r0, r1) = _ranks(tmp_path / "raised")
+    r0.step(3, "backward").coll("reduce_scatter", done=False)
+    r1.step(3, "loop")
+    r1.close(exit={"exception": "ValueError", "message": "ValueError: boom", "peer_failure": False,
+                   "traceback": 'File "/x/src/shardlab/train.py", line 9, in train_step\n'})
+    r0.close(exit=_timed_out())
+    lines = failure_lines(str(run), analysis.diagnose(str(run)), {1: failure(1)}, "/logs")
+    assert lines[0].startswith("error: rank 1 crashed") and lines[1] == "error: rank 1: ValueError: boom, at " \
+        "shardlab/train.py:9 in train_step", lines
+    assert "/logs/<rank>/stderr.log" in lines[2] and f"shardlab doctor {run}" in lines[2] and len(lines) == 3
+    # rank 1 frozen: rank 0's timeout is the exception shown, and the advice comes (a worker was lost)
+    run, (r0, r1) = _ranks(tmp_path / "frozen")
+    r0.step(3, "forward").coll("all_gather").coll("all_gather", done=False)
+    r1.step(3, "forward").coll("all_gather")
+    r1.close(tick_age=10)
+    r0.close(exit=_timed_out())
+    lines = failure_lines(str(run), analysis.diagnose(str(run)), {0: failure(1), 1: failure(-9, t=131)}, None)
+    assert lines[0].startswith("error: rank 1 is stuck (frozen") and lines[1].startswith("error: rank 0: RuntimeError")
+    assert "a worker was lost" in lines[-1] and len(lines) == 4
+    # without the doctor: torch's error files; the exception that is not a lost peer is the one shown
+    lines = failure_lines(str(run), None, {0: failure(1, "RuntimeError: Connection closed by peer"),
+                                           1: failure(1, "ValueError: planted", t=101)}, None)
+    assert lines[:2] == ["error: the run failed: rank 0 exit code 1, rank 1 exit code 1", "error: rank 1: ValueError: "
+                         "planted"] and "a worker was lost" not in lines[-1]
+    # a checkpoint refused by every rank: its own words, once
+    run, (r0, r1) = _ranks(tmp_path / "refused")
+    for r in (r0, r1):
+        r.close(exit={"exception": "CheckpointError", "message": "shardlab.errors.CheckpointError: checkpoint x is "
+                      "corrupt", "peer_failure": False, "traceback": ""})
+    assert failure_lines(str(run), analysis.diagnose(str(run)), {0: failure(1), 1: failure(1)}, None)[0] == \
+        "error: checkpoint x is corrupt"
+
+
 # -------------------------------------------------------------------- every engine, in one spawn
 ENGINE_KINDS = {"ddp": {"all_reduce"}, "zero3": {"broadcast", "reduce"}, "fsdp": {"all_gather", "reduce_scatter"},
                 "torch-ddp": {"all_reduce"}, "torch-fsdp": {"all_gather", "reduce_scatter"}}
@@ -204,11 +250,34 @@ def _train_every_engine(rank: int, world: int, out: str) -> dict:
     seen = {}
     for strategy in ENGINE_KINDS:
         cfg = make_cfg(strategy, out, strategy, "checkpoint.every_steps=0", "train.eval_batches=1", steps=2, every=0)
-        T.train(cfg, runtime(rank, world, strategy))
+        result = T.train(cfg, runtime(rank, world, strategy))
         f = read_flight(flight_path(os.path.join(out, strategy, "debug"), rank))
         seen[strategy] = {"state": f.state, "steps": sorted({e.step for e in f.entries}),
-                          "trained": [(e.seq, e.kind, e.nbytes, e.phase, e.unit) for e in f.entries if e.step > 0]}
+                          "trained": [(e.seq, e.kind, e.nbytes, e.phase, e.unit) for e in f.entries if e.step > 0],
+                          "counted": {k: v["calls"] for k, v in result["comm_bytes"][rank].items()}}
+    seen["raw"] = _raw_calls(rank, world, os.path.join(out, "raw"))
     return seen
+
+
+def _raw_calls(rank: int, world: int, out: str) -> dict:
+    """torch.distributed called directly while the doctor is on: each call entered once (ours,
+    through collectives, not twice), async ones completed at wait(); the originals back after."""
+    import torch
+    import torch.distributed as dist
+
+    from shardlab.doctor import worker
+    from shardlab.engines import collectives
+
+    original = dist.all_reduce
+    worker.start(out, rank, world)
+    dist.all_reduce(torch.ones(3))
+    collectives.all_reduce(torch.ones(2))
+    gathered = torch.empty(2 * world)
+    dist.all_gather_into_tensor(gathered, torch.ones(2), async_op=True).wait()
+    dist.barrier()
+    worker.finish()
+    f = read_flight(flight_path(os.path.join(out, "debug"), rank))
+    return {"entries": [(e.kind, e.nbytes, e.done) for e in f.entries], "restored": dist.all_reduce is original}
 
 
 @pytest.mark.slow
@@ -226,11 +295,20 @@ def test_every_engine_records_its_collectives(tmp_path):
         assert {k for _, k, _, phase, _ in trained if phase in ("forward", "backward")} == kinds, strategy
         assert {phase for _, _, _, phase, _ in trained} >= {"backward"}
         assert any(unit >= 0 for *_, unit in trained), f"{strategy}: no collective labelled with a unit"
+        # each engine collective entered once: shardlab's own are not recorded again by the raw wrapper
+        # (engines/raw_collectives.py) though torch's DDP and FSDP2 issue them through torch.distributed
+        for kind in kinds:
+            entered = sum(1 for _, k, _, phase, _ in trained if k == kind and phase in ("forward", "backward"))
+            assert entered == a["counted"][kind], (strategy, kind, entered, a["counted"])
         if strategy in ("zero3", "fsdp", "torch-fsdp"):  # the gradient norm of shards: one fp32 all-reduce,
             # recorded, so a rank that waits in it is seen waiting (CI once stopped rank 1 just before it)
             assert ("all_reduce", 4, "optimizer") in {(k, n, phase) for _, k, n, phase, _ in trained}, strategy
         d = analysis.diagnose(str(tmp_path / strategy))
         assert d.kind == "finished", report.format_report(d)
+    for r in ranks:
+        assert r["raw"]["entries"] == [("all_reduce", 12, True), ("all_reduce", 8, True), ("all_gather", 16, True),
+                                       ("barrier", 0, True)]
+        assert r["raw"]["restored"]
 
 
 # ------------------------------------------------------------------- the real launcher, end to end
@@ -242,16 +320,19 @@ class Launch:
     """`shardlab train --nproc 2` of gpt-nano in the background, with a planted fault."""
 
     def __init__(self, root: Path, name: str, strategy: str, timeout_s: float, fault: str | None = None,
-                 model: str = "gpt"):
+                 model: str = "gpt", nproc: int = 2):
         self.run_dir = root / name
         self.log = root / f"{name}.log"
-        cmd = [sys.executable, "-m", "shardlab", "train", "--nproc", "2", f"parallel.strategy={strategy}",
+        self.nproc = nproc
+        cmd = [sys.executable, "-m", "shardlab", "train", "--nproc", str(nproc), f"parallel.strategy={strategy}",
                f"model.name={model}", "model.preset=gpt-nano", "data.source=synthetic", "data.seq_len=32",
-               "data.synthetic_samples=256", "train.steps=200", "train.global_batch_size=8",
+               "data.synthetic_samples=256", "train.steps=200", f"train.global_batch_size={4 * nproc}",
                "train.micro_batch_size=2", "train.eval_batches=1", f"output.dir={root}", f"output.run_name={name}",
                "output.progress=false", "output.tensorboard=false", "preemption.enabled=false",
                f"parallel.timeout_s={timeout_s}"]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{root / 'site'}{os.pathsep}{ROOT}"}
+        # this checkout's shardlab (src/) whatever is installed; the repository root for tests.doctor_faults
+        path = os.pathsep.join(map(str, (root / "site", ROOT / "src", ROOT)))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
         if fault:
             env["SHARDLAB_TEST_FAULT"] = fault
         self.t0 = time.monotonic()
@@ -308,7 +389,7 @@ def launches(tmp_path_factory):
     (root / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
     t0 = time.monotonic()
     runs = {"stop-fsdp": Launch(root, "stop-fsdp", "fsdp", STOP_TIMEOUT_S),
-            "stop-torch-fsdp": Launch(root, "stop-torch-fsdp", "torch-fsdp", STOP_TIMEOUT_S)}
+            "stop-torch-fsdp": Launch(root, "stop-torch-fsdp", "torch-fsdp", STOP_TIMEOUT_S, nproc=3)}
     stops, live = {}, None
     try:
         stops = {name: _stop(launch) for name, launch in runs.items()}
@@ -342,8 +423,20 @@ def launches(tmp_path_factory):
     return {"runs": runs, "stops": stops, "live": live}
 
 
-def _last_line(launch: Launch) -> str:
-    return launch.text().rstrip().splitlines()[-1]
+TERMINAL_LINES = 15   # what a failed launch may print, at most
+LOST_ADVICE = "a worker was lost: the same command resumes from the last complete checkpoint"
+
+
+def _verdict(launch: Launch) -> str:
+    """The failure's first line, which must be the doctor's verdict; and the terminal's whole
+    output checked: a few lines, no worker traceback (those are in files, one per rank)."""
+    lines = launch.text().rstrip().splitlines()
+    assert len(lines) <= TERMINAL_LINES, launch.text()
+    assert not any(line.startswith("[rank") or "Traceback" in line for line in lines), launch.text()
+    logs = list((launch.run_dir / "debug" / "workers").glob("*/attempt_0/*/stderr.log"))
+    assert len(logs) == launch.nproc and any("Traceback" in p.read_text() for p in logs)
+    assert f"{logs[0].parent.parent}/<rank>/stderr.log" in launch.text()
+    return next(line for line in lines if line.startswith("error: "))
 
 
 def _blames_a_waiting_rank(text: str) -> bool:
@@ -358,14 +451,17 @@ def test_sigstopped_rank_is_named_stuck_with_its_step_and_phase(launches, name):
     exit_after_stop = launch.seconds - (stop["at"] - launch.t0)
     assert exit_after_stop < STOP_TIMEOUT_S + 60, exit_after_stop
     expected = "rank 1 is stuck (frozen: its process stopped running"
-    last = _last_line(launch)
-    assert last.startswith(f"error: {expected}") and f"at step {stop['step']}, phase {stop['phase']}" in last, last
-    assert "rank 0 waited for it in " in last
+    verdict = _verdict(launch)
+    assert verdict.startswith(f"error: {expected}") and f"at step {stop['step']}, phase {stop['phase']}" in verdict
+    assert all(f"rank {r} waited for it in " in verdict for r in range(launch.nproc) if r != 1), verdict
     assert not _blames_a_waiting_rank(launch.text()), launch.text()[-3000:]
+    # the exception that ended the run (a waiting rank's timeout), and the resume advice: a worker was lost
+    assert re.search(r"^error: rank 0( \(the first to fail\))?: RuntimeError: .*Timed out", launch.text(), re.M)
+    assert LOST_ADVICE in launch.text()
     # afterwards, from the run directory alone: the same
     after = _doctor(str(launch.run_dir))
     assert after.returncode == 1
-    assert after.stdout.rstrip().splitlines()[-1] == last.removeprefix("error: ")
+    assert after.stdout.rstrip().splitlines()[-1] == verdict.removeprefix("error: ")
 
 
 @pytest.mark.slow
@@ -386,19 +482,22 @@ def test_live_view_shows_the_hang_before_the_timeout(launches):
 def test_rank_that_raises_is_reported_crashed_with_its_exception(launches):
     launch = launches["runs"]["raise"]
     assert launch.proc.returncode == 1
-    last = _last_line(launch)
-    assert last.startswith("error: rank 1 crashed (exit code 1) at step 3") and \
-        "ValueError: planted failure on rank 1 at step 3" in last, last
+    verdict = _verdict(launch)
+    assert verdict.startswith("error: rank 1 crashed (exit code 1) at step 3") and \
+        "ValueError: planted failure on rank 1 at step 3" in verdict, verdict
+    assert "error: rank 1: ValueError: planted failure on rank 1 at step 3, at " in launch.text()  # where it raised
     assert not _blames_a_waiting_rank(launch.text())
+    assert LOST_ADVICE not in launch.text()   # an exception of the code: a restart would raise it again
 
 
 @pytest.mark.slow
 def test_data_stall_is_reported_as_a_data_stall(launches):
     launch = launches["runs"]["data-stall"]
     assert launch.proc.returncode == 1
-    last = _last_line(launch)
-    assert last.startswith("error: rank 1 is stuck (data stall: in phase data for") and "at step 3" in last, last
-    assert "doctor_faults.py" in launch.text() and "__getitem__" in launch.text()   # its stack, dumped on request
+    verdict = _verdict(launch)
+    assert verdict.startswith("error: rank 1 is stuck (data stall: in phase data for") and "at step 3" in verdict
+    report_text = _doctor(str(launch.run_dir)).stdout   # the whole report: rank 1's stack, dumped on request
+    assert "doctor_faults.py" in report_text and "__getitem__" in report_text, report_text
     assert not _blames_a_waiting_rank(launch.text())
 
 
@@ -410,7 +509,9 @@ def test_planted_desync_is_reported_with_the_first_differing_collective(launches
     assert len(planted) == 1
     seq = planted[0].seq
     other = next(e for e in launch.flight(0).entries if e.seq == seq)
-    last = _last_line(launch)
-    assert last.startswith(f"error: desync at collective #{seq} of group 0 [0, 1] (the first that differs)"), last
-    assert f"rank 0 issued {other.kind} #{seq}" in last and f"rank 1 issued all_reduce #{seq}" in last
+    verdict = _verdict(launch)
+    assert verdict.startswith(f"error: desync at collective #{seq} of group 0 [0, 1] (the first that differs)")
+    # the raw torch.distributed.all_reduce rank 1's model issued is named, beside what rank 0 was in
+    assert f"rank 0 issued {other.kind} #{seq}" in verdict and f"rank 1 issued all_reduce #{seq}" in verdict
     assert other.kind == "all_gather"
+    assert LOST_ADVICE not in launch.text()   # no worker was lost: a restart would desync again

@@ -209,3 +209,24 @@ def test_default_run_name_ignores_how_a_run_is_watched():
         assert default_run_name(load_config("configs/gpt-tiny.yaml", [*base, same])) == name, same
     for other in ("train.lr=0.5", "seed=1", "data.seq_len=64", "parallel.strategy=ddp"):
         assert default_run_name(load_config("configs/gpt-tiny.yaml", [*base, other])) != name, other
+
+
+def test_a_finished_run_keeps_its_last_step_for_export(tmp_path, capsys):
+    """checkpoint.final (default true): with no periodic checkpoints a finished run still saves its
+    last step, so `shardlab export` works afterwards; checkpoint.final=false keeps nothing."""
+    from shardlab.checkpoint import read_manifest
+    from shardlab.cli import main
+
+    common = ["train", "configs/gpt-tiny.yaml", "parallel.strategy=single", "model.preset=gpt-nano",
+              "data.seq_len=32", "train.steps=2", f"output.dir={tmp_path}", "output.progress=false",
+              "output.tensorboard=false", "train.memory_tracking=none"]
+    assert main([*common, "output.run_name=default"]) == 0
+    (step,) = (tmp_path / "default" / "checkpoints").iterdir()
+    assert read_manifest(str(step))["step"] == 2
+    assert main(["export", str(tmp_path / "default"), "--out", str(tmp_path / "model.safetensors")]) == 0
+    assert (tmp_path / "model.safetensors").stat().st_size > 0
+    assert main([*common, "output.run_name=kept-nothing", "checkpoint.final=false"]) == 0
+    assert not (tmp_path / "kept-nothing" / "checkpoints").exists()
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "kept-nothing"), "--out", str(tmp_path / "none.safetensors")]) == 1
+    assert "no complete checkpoint under" in capsys.readouterr().err

@@ -2,7 +2,7 @@
 
   shardlab prepare INPUT... --out DATA_DIR [--tokenizer DIR] [--workers N]  documents to token shards
   shardlab data inspect DATA_DIR [--docs N]  what a prepared corpus holds, its first documents decoded
-  shardlab train [CONFIG.yaml|NAME] [key=value ...] [--nproc N] [--max-restarts R] [--print-config]
+  shardlab train [CONFIG.yaml|NAME] [key=value ...] [--nproc N] [--max-restarts R] [--verbose] [--print-config]
   shardlab configs [NAME]                                    the shipped example configs (NAME: print one)
   shardlab bench [CONFIG.yaml] [key=value ...] [--nproc 1,2,4]  measure every engine side by side
   shardlab plan CONFIG.yaml [key=value ...] --gpu T4 --nproc N [--nodes K]  predict peak memory and step time
@@ -78,7 +78,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         from shardlab.launcher import launch_local
 
-        return launch_local(cfg, args.nproc, args.max_restarts)
+        return launch_local(cfg, args.nproc, args.max_restarts, verbose=args.verbose)
     return worker_main(cfg)
 
 
@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="start N local worker processes through torchrun's elastic agent")
     tr.add_argument("--max-restarts", type=int, default=0, metavar="R",
                     help="with --nproc: restart the worker group up to R times when a worker fails")
+    tr.add_argument("--verbose", action="store_true",
+                    help="with --nproc: show the workers' stderr (tracebacks, warnings) as they write it, and the "
+                         "hang doctor's whole report after a failure; otherwise both are in <run dir>/debug/")
     tr.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     tr.set_defaults(func=_train)
 

@@ -110,6 +110,7 @@ class ParallelConfig:
 @dataclass
 class CheckpointConfig:
     every_steps: int = 0                   # 0 = off
+    final: bool = True                     # save the last step's state when training ends (export, eval)
     keep_last: int = 2
     dir: Optional[str] = None              # null = <run dir>/checkpoints
     resume: str = "auto"                   # auto | none | a checkpoint path

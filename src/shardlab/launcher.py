@@ -10,11 +10,18 @@ Preemption (docs/preemption.md): SIGTERM or SIGUSR1 to this process is forwarded
 agent to the workers, which save at the next step boundary; the agent waits up to the
 preemption grace period for them, and this process then exits 75 (PREEMPTED_EXIT_CODE).
 
+The workers' stderr goes to files under <run dir>/debug/workers/ (torch's LogsSpecs: their
+tracebacks, one per rank, would otherwise bury the diagnosis), and also to the terminal with
+`--verbose`; their stdout (rank 0's progress and summary) comes here. After a run that ended
+well, what they wrote to stderr (warnings) is shown once, lines repeated by ranks said once.
+
 A failure: the agent stops the other workers (SIGTERM, then SIGKILL after 30 s: torch's agent
 waits that long on a failure whatever its shutdown timeout, e.g. for a SIGSTOPped worker) and
-this process prints the hang doctor's diagnosis from <run dir>/debug/ (docs/debugging.md):
-which rank is stuck or crashed and where the others waited. torchrun's "first failure" is the
-first rank to give up, which is usually one that waited, so it is not what we report.
+this process prints, in a few lines, the hang doctor's verdict from <run dir>/debug/
+(docs/debugging.md: which rank is stuck or crashed and where the others waited), the one
+exception that matters, and where the rest is (doctor/agent.py, `failure_lines`). torchrun's
+"first failure" is the first rank to give up, which is usually one that waited, so it is not
+what we report.
 """
 
 from __future__ import annotations
@@ -33,16 +40,22 @@ from shardlab.runtime import free_port
 _AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 
 
-class _NoFirstFailureLine(logging.Filter):
+class _AgentNoise(logging.Filter):
     """Drops the agent's "failed (exitcode: 1) local_rank: 0 ...": it names the first worker
     to exit, usually one that waited for the stuck one until its collective timed out. The
-    doctor's report, printed instead, says which rank was stuck."""
+    doctor's verdict, printed instead, says which rank was stuck. Without --verbose also its
+    notes on stopping the survivors (SIGTERM, then SIGKILL): the verdict marks those ranks."""
+
+    def __init__(self, verbose: bool):
+        super().__init__()
+        self.dropped = ("failed (exitcode",) + (() if verbose else ("Sending process", "Unable to shutdown"))
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("failed (exitcode")
+        return not str(record.msg).startswith(self.dropped)
 
 
-def launch_local(cfg: Config, nproc: int, max_restarts: int = 0, extra_env: dict[str, str] | None = None) -> int:
+def launch_local(cfg: Config, nproc: int, max_restarts: int = 0, extra_env: dict[str, str] | None = None,
+                 verbose: bool = False) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -69,12 +82,12 @@ def launch_local(cfg: Config, nproc: int, max_restarts: int = 0, extra_env: dict
         # the agent forwards these to the workers; on one it waits shutdown_timeout, then SIGKILL
         signals_to_handle=preemption.AGENT_SIGNALS if grace else "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
         shutdown_timeout=grace.grace_s if grace else 30,
+        logs_specs=doctor.worker_logs(out, verbose),
     )
     # until the agent installs its handlers (when the workers start), SIGUSR1 must not kill us
     previous = signal.signal(signal.SIGUSR1, preemption.raise_in_agent) if grace else None
-    quiet = _NoFirstFailureLine() if cfg.doctor.enabled else None
-    if quiet is not None:
-        logging.getLogger(_AGENT_LOGGER).addFilter(quiet)
+    quiet = _AgentNoise(verbose or not cfg.doctor.enabled)
+    logging.getLogger(_AGENT_LOGGER).addFilter(quiet)
     try:
         elastic_launch(launch, entrypoint=sys.executable)("-m", "shardlab", "train", config_path)
     except SignalException as e:
@@ -94,31 +107,45 @@ def launch_local(cfg: Config, nproc: int, max_restarts: int = 0, extra_env: dict
                   f"{preemption.PREEMPTED_EXIT_CODE}. The same command resumes from it. Run directory: {out}",
                   file=sys.stderr)
             return preemption.PREEMPTED_EXIT_CODE
-        _report_failure(out, run_id, e, max_restarts, cfg.doctor.enabled)
+        _report_failure(out, run_id, e, max_restarts, cfg.doctor.enabled, verbose)
         return 1
     finally:
-        if quiet is not None:
-            logging.getLogger(_AGENT_LOGGER).removeFilter(quiet)
+        logging.getLogger(_AGENT_LOGGER).removeFilter(quiet)
         if previous is not None:
             signal.signal(signal.SIGUSR1, previous)
         if os.path.exists(marker):
             os.remove(marker)
+    if not verbose:
+        _show_worker_warnings(doctor.attempt_log_dir(out, run_id), nproc)
     return 0
 
 
-def _report_failure(out: str, run_id: str, e: Exception, max_restarts: int, doctor_enabled: bool) -> None:
-    """The doctor's diagnosis, then what to do, then its verdict (the stuck or crashed rank) last."""
+def _report_failure(out: str, run_id: str, e: Exception, max_restarts: int, doctor_enabled: bool,
+                    verbose: bool) -> None:
+    """A few lines, the verdict first (doctor/agent.py, `failure_lines`); with --verbose the
+    doctor's whole report (a block per rank) before them."""
     d = None
     if doctor_enabled:
         doctor.record_exits(out, run_id, e.failures)
-        d = doctor.print_failure_report(out)
-    exits = "" if d is not None else " (" + ", ".join(
-        f"rank {r}: " + (f"killed by signal {-f.exitcode}" if f.exitcode < 0 else f"exit code {f.exitcode}")
-        for r, f in sorted(e.failures.items())) + ")"
-    print(f"error: the run failed{exits}" + (f" after {max_restarts} restart(s)" if max_restarts else "")
-          + f". Run directory: {out}" + (f"; this report again: shardlab doctor {out}" if d is not None else "")
-          + ". If a worker was lost (killed, out of memory, a failed node), the same command resumes from the "
-          "last complete checkpoint (checkpoint.resume=auto); with checkpoint.every_steps and --max-restarts such "
-          "failures are survived unattended.", file=sys.stderr)
-    if d is not None:
-        print(f"error: {doctor.verdict(d)}", file=sys.stderr, flush=True)
+        d = doctor.print_failure_report(out) if verbose else doctor.analysis.diagnose(out)
+    lines = doctor.failure_lines(out, d, e.failures, doctor.attempt_log_dir(out, run_id), max_restarts)
+    sys.stderr.write("".join(f"{line}\n" for line in lines))  # one write: nothing interleaves with it
+    sys.stderr.flush()
+
+
+def _show_worker_warnings(logs: str | None, nproc: int, limit: int = 20) -> None:
+    """After a run that ended well: what the workers wrote to stderr (warnings), each line once
+    however many ranks wrote it, at most `limit` lines."""
+    seen: dict[str, None] = {}
+    for rank in range(nproc):
+        try:
+            with open(os.path.join(logs or "", str(rank), "stderr.log"), errors="replace") as f:
+                seen.update(dict.fromkeys(line.rstrip() for line in f if line.strip()))
+        except OSError:
+            continue
+    lines = list(seen)
+    for line in lines[:limit]:
+        print(line, file=sys.stderr)
+    if len(lines) > limit:
+        print(f"shardlab: {len(lines) - limit} more line(s) the workers wrote to stderr: {logs}/<rank>/stderr.log",
+              file=sys.stderr)

@@ -9,9 +9,13 @@ It is `python -m torch.distributed.run` with three differences:
     a value already in the environment is kept, so a batch script can check it too);
   - it exits 75 (PREEMPTED_EXIT_CODE) when its workers saved a preemption checkpoint, where
     torchrun would exit 1 with a SignalException traceback;
-  - when its workers fail, it prints the hang doctor's diagnosis of the run directory (its
-    local rank 0 notes where that is: doctor/agent.py), which names the stuck or crashed rank,
-    after torchrun's own message, which names the first rank to give up.
+  - when its workers fail, it prints the hang doctor's verdict on the run directory (its local
+    rank 0 notes where that is: doctor/agent.py), which names the stuck or crashed rank, then
+    the one exception that matters and where the whole report is, in place of torchrun's own
+    message, which names the first rank to give up (printed when the doctor has no record).
+The workers' output is torchrun's to place: on the terminal (the job's log) unless torchrun's
+own --redirects/--tee/--log-dir say otherwise; a cluster job's log is where its tracebacks
+survive the node.
 The grace period is torchrun's own `--shutdown-timeout` (rendered from preemption.grace_s).
 """
 
@@ -49,9 +53,10 @@ def main(argv: list[str] | None = None) -> int:
             return code
         if code == 1 and not isinstance(e, Exception):
             raise
-        message = e.format_msg() if hasattr(e, "format_msg") else f"{type(e).__name__}: {e}"
-        print(f"shardlab.torchrun: {message}\n(exit code {code})", file=sys.stderr, flush=True)
-        _doctor_report(run_dir_note, e, str(getattr(args, "rdzv_id", "") or ""))
+        if not _doctor_report(run_dir_note, e, str(getattr(args, "rdzv_id", "") or "")):
+            message = e.format_msg() if hasattr(e, "format_msg") else f"{type(e).__name__}: {e}"
+            print(f"shardlab.torchrun: {message}", file=sys.stderr, flush=True)
+        print(f"shardlab.torchrun: exit code {code}", file=sys.stderr, flush=True)
         return code
     finally:
         if own_marker and os.path.exists(marker):
@@ -61,20 +66,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _doctor_report(note: str, e: BaseException, launch: str) -> None:
-    """After a worker failure: the doctor's report of the run (this agent's view of the exits
-    is recorded first), its verdict last."""
+def _doctor_report(note: str, e: BaseException, launch: str) -> bool:
+    """After a worker failure: the doctor's verdict first, the exception that matters, where the
+    whole report is (this agent's view of the exits is recorded first). False when the doctor
+    has nothing to say (no run directory noted, no record): torchrun's message is printed then."""
     run_dir = doctor.noted_run_dir(note)
     failures = getattr(e, "failures", None)
     if run_dir is None or not failures:
-        return
+        return False
     try:
         doctor.record_exits(run_dir, launch or None, failures)
-        d = doctor.print_failure_report(run_dir)
-        print(f"shardlab.torchrun: {doctor.verdict(d)} (again: shardlab doctor {run_dir})", file=sys.stderr,
-              flush=True)
+        d = doctor.analysis.diagnose(run_dir)
+        if d.kind == "no record":
+            return False
+        lines = doctor.failure_lines(run_dir, d, failures, None)
+        sys.stderr.write("".join(f"shardlab.torchrun: {line.split(': ', 1)[1]}\n" for line in lines))
+        sys.stderr.flush()
+        return True
     except Exception as err:  # noqa: BLE001 - the agent's own exit code must come through regardless
         print(f"shardlab.torchrun: the doctor could not read {run_dir}: {err}", file=sys.stderr, flush=True)
+        return False
 
 
 def _exit_now(code: int, marker: str | None) -> None:

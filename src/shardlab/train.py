@@ -210,7 +210,8 @@ def build_run(cfg: Config, rt: Runtime, *, data: Any = None,
     state = TrainState()
     out_dir = run_dir(cfg)
     manager = resumed_from = None
-    if cfg.checkpoint.every_steps > 0 or cfg.checkpoint.resume != "none" or cfg.preemption.enabled:
+    c = cfg.checkpoint
+    if c.every_steps > 0 or c.final or c.resume != "none" or cfg.preemption.enabled:
         # sharded save and exact resume: docs/checkpointing.md
         from shardlab.checkpoint import CheckpointManager
 
@@ -518,9 +519,21 @@ def worker_main(cfg: Config) -> int:
     except BaseException as e:
         # says "lost contact" if a peer died or hung; the exit record and others' stacks in <run dir>/debug
         doctor.worker_failed(e, rt.rank, rt.distributed, cfg.parallel.timeout_s)
+        _record_for_agent(e)
         raise
     finally:
         shutdown(clean)  # see [Note: tearing down the process group] in runtime.py
+
+
+def _record_for_agent(e: BaseException) -> None:
+    """The exception into torch's error file (TORCHELASTIC_ERROR_FILE, set by torchrun's agent),
+    as torch's `@record` would: the agent's failure then carries its message (ProcessFailure),
+    which the launchers show when the doctor is off. `@record` itself is not used: it turns
+    faulthandler on for stderr, where the doctor keeps fatal stacks in its own file."""
+    if isinstance(e, Exception) and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(e)
 
 
 # how a run is watched, stopped or resumed, not what it trains: changing these keeps the run name

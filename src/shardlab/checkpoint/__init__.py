@@ -36,6 +36,7 @@ The package, one concern a module:
     manager.py     CheckpointManager: when to save, where to resume, save and load
 """
 
+import warnings
 
 from shardlab.checkpoint.format import (
     DCP_METADATA,
@@ -58,6 +59,10 @@ from shardlab.checkpoint.reader import (
     verify_checkpoint,
 )
 from shardlab.checkpoint.rng import capture_rng, restore_rng
+
+# A single process saves and loads with no_dist=True on purpose (the manager and reader); DCP
+# warns about it on every call, which every single-process run's final save would print.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 __all__ = ["CheckpointError", "CheckpointManager", "DCP_METADATA", "FORMAT", "FORMAT_VERSION", "HASH_KEY",
            "MANIFEST", "build_model_from_record", "capture_rng", "check_file_hashes", "checkpoint_layout",

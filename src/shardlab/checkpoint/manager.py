@@ -66,10 +66,11 @@ class CheckpointManager:
     """
 
     def __init__(self, root: str, rt: Any, *, every_steps: int = 0, keep_last: int = 2, resume: str = "auto",
-                 async_save: bool = False, timeout_s: float = 300.0, config: Any = None):
+                 async_save: bool = False, timeout_s: float = 300.0, config: Any = None, final: bool = False):
         self.root = root
         self.rt = rt
         self.every_steps = every_steps
+        self.final = final   # checkpoint.final: the last step is saved even when every_steps is 0
         self.keep_last = keep_last
         self.resume = resume
         self.async_save = async_save
@@ -97,7 +98,7 @@ class CheckpointManager:
         c = cfg.checkpoint
         return cls(c.dir or os.path.join(out_dir, "checkpoints"), rt, every_steps=c.every_steps,
                    keep_last=c.keep_last, resume=c.resume, async_save=c.async_save,
-                   timeout_s=cfg.parallel.timeout_s, config=cfg)
+                   timeout_s=cfg.parallel.timeout_s, config=cfg, final=c.final)
 
     # -- collectives ------------------------------------------------------------------------------
     @property
@@ -166,10 +167,10 @@ class CheckpointManager:
                 "train.grad_clip, then resume from it.")
 
     def finalize(self, model: nn.Module, opt, sched, state) -> str | None:
-        """At the end of training: the final state is saved (when checkpointing is on) and
-        every in-flight asynchronous save is committed."""
+        """At the end of training: the final state is saved (checkpoint.final, or every_steps > 0),
+        unless that step was just saved, and every in-flight asynchronous save is committed."""
         path = None
-        if self.every_steps > 0 and state.step != self.last_saved_step:
+        if (self.final or self.every_steps > 0) and state.step != self.last_saved_step:
             path = self.save(model, opt, sched, state, blocking=True)
         self.wait()
         return path

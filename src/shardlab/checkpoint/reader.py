@@ -51,8 +51,9 @@ def resolve_checkpoint(path: str) -> str:
         found = list_checkpoints(root)
         if found:
             return found[-1][1]
-    raise CheckpointError(f"no complete checkpoint under {path}; train with checkpoint.every_steps=N to write "
-                          "some (a run directory, its checkpoints/ directory or a step_* directory is accepted)")
+    raise CheckpointError(f"no complete checkpoint under {path}; a run keeps its last step unless "
+                          "checkpoint.final=false (checkpoint.every_steps=N keeps more); a run directory, its "
+                          "checkpoints/ directory or a step_* directory is accepted")
 
 
 def read_tensors(path: str, prefix: str = "", *, manifest: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:

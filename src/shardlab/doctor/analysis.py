@@ -327,7 +327,7 @@ def main_thread_frames(stacks: str) -> list[str]:
             current = names.get(int(m.group(1), 16))
             continue
         f = _FRAME.match(line)
-        if f and current == "MainThread":
+        if f and current == "MainThread" and not _plumbing(f.group(1)):
             frames.append(f"{_short(f.group(1))}:{f.group(2)} in {f.group(3)}")
     return frames
 
@@ -347,10 +347,15 @@ def fatal_summary(text: str) -> str:
 
 
 def traceback_frames(text: str) -> list[str]:
-    """An exception traceback's frames, innermost first."""
+    """An exception traceback's frames, innermost first (without the doctor's own wrapper of
+    torch.distributed, which every collective passes through)."""
     frames = [f"{_short(m.group(1))}:{m.group(2)} in {m.group(3)}"
-              for m in re.finditer(r'File "(.*)", line (\d+), in (.*)', text)]
+              for m in re.finditer(r'File "(.*)", line (\d+), in (.*)', text) if not _plumbing(m.group(1))]
     return frames[::-1]
+
+
+def _plumbing(path: str) -> bool:
+    return path.endswith(os.path.join("engines", "raw_collectives.py"))
 
 
 def _short(path: str) -> str:

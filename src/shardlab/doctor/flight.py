@@ -45,8 +45,10 @@ MAGIC = b"SHDLFLT1"
 VERSION = 1
 DEFAULT_CAPACITY = 4096
 
-#: Collective kinds, in code order (code = index + 1; 0 = unknown).
-KINDS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter")
+#: Collective kinds, in code order (code = index + 1; 0 = unknown). The first five are shardlab's
+#: own collectives'; the others come from torch.distributed called directly (raw_collectives.py).
+KINDS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "barrier", "all_to_all", "gather",
+         "scatter", "all_gather_object", "broadcast_object", "gather_object", "scatter_object")
 #: Phases, in code order (code = index). "loop": inside the training loop between the marked
 #: phases (the step-boundary agreement, the loss all-reduce, logging).
 PHASES = ("startup", "loop", "data", "forward", "backward", "optimizer", "eval", "checkpoint", "finish")

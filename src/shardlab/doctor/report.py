@@ -156,6 +156,43 @@ def _desync_verdict(d: Diagnosis) -> str:
             + "; ".join(parts))
 
 
+#: finding kinds that mean a worker was lost: it died without an exception of its own, or hung
+LOST_KINDS = ("missing", "frozen", "straggler", "data stall", "checkpoint stall")
+
+
+def worker_lost(d: Diagnosis) -> bool:
+    """Whether the failure lost a worker (killed, out of memory, hung), which a restart from the
+    last checkpoint survives; not a desync or an exception raised by the code, which would recur."""
+    return any(f.kind in LOST_KINDS or (f.kind == "crashed" and d.ranks[f.rank].exit is None) for f in d.findings)
+
+
+#: shardlab's errors a user can fix (errors.py): their message says what to do, as in one process
+USER_ERRORS = ("CheckpointError", "ConfigError")
+
+
+def user_errors(d: Diagnosis) -> list[str]:
+    """When every rank that raised (not counting lost peers) raised one of USER_ERRORS: their
+    messages, each once (ranks that refuse a checkpoint together raise the same one)."""
+    raised = [v.exit for v in d.ranks.values() if v.exit is not None and not v.exit.get("peer_failure")]
+    if not raised or any(e.get("exception") not in USER_ERRORS for e in raised):
+        return []
+    return list(dict.fromkeys(str(e.get("message", "")).split(": ", 1)[-1] for e in raised))
+
+
+def key_exception(d: Diagnosis) -> str | None:
+    """The one exception that matters, in a line: a culprit's own, else the first a rank raised
+    (with a hang, the first rank to give up waiting), with the innermost frame it was raised in."""
+    raised = {r: v for r, v in d.ranks.items() if v.exit is not None and v.exit.get("message")}
+    if not raised:
+        return None
+    culprits = [f.rank for f in d.findings if f.rank in raised and not raised[f.rank].exit.get("peer_failure")]
+    rank = culprits[0] if culprits else min(raised, key=lambda r: raised[r].exit.get("time", 0.0))
+    v = raised[rank]
+    frames = traceback_frames(v.exit.get("traceback", ""))
+    first = "" if culprits or len(raised) == 1 else " (the first to fail)"
+    return f"rank {rank}{first}: {v.exit['message'][:300]}" + (f", at {frames[0]}" if frames else "")
+
+
 def format_report(d: Diagnosis, with_verdict: bool = True) -> str:
     """The whole report: header, per-rank blocks, diagnosis, and the verdict as the last line."""
     info = d.info

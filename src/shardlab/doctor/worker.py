@@ -86,6 +86,7 @@ class Worker:
                      "kinds": list(KINDS), "phases": list(PHASES), "states": list(STATES),
                      "groups": [], "units": []}
         RECORDER.open(flight_path(debug, rank), rank=rank, world=world, attempt=attempt, capacity=capacity)
+        _record_raw_collectives(True)
         RECORDER.describe_group = _describe_group
         RECORDER.on_new_group = self.write_meta
         self.write_meta()
@@ -212,6 +213,7 @@ class Worker:
             h.remove()
         self.hooks.clear()
         RECORDER.set_unit(-1)
+        _record_raw_collectives(False)
         RECORDER.close(state)
         RECORDER.describe_group = RECORDER.on_new_group = None
         if self.fatal is not None:
@@ -274,11 +276,10 @@ def worker_failed(exc: BaseException, rank: int, distributed: bool, timeout_s: f
     global _ACTIVE
     peer = distributed and is_peer_failure(exc)
     if peer:
-        print(f"error: rank {rank}: lost contact with another worker ({str(exc).splitlines()[0][:200]}). "
-              f"Another rank died or hung: the launcher's report (or `shardlab doctor RUN_DIR`) names it. "
-              f"With --max-restarts the group restarts and resumes from the last complete checkpoint; "
-              f"otherwise re-run with checkpoint.resume=auto. Collectives time out after parallel.timeout_s="
-              f"{timeout_s:g} s.", file=sys.stderr, flush=True)
+        # no advice here: whether a worker was lost (and a resume helps) is the launcher's verdict
+        print(f"error: rank {rank}: lost contact with another worker ({str(exc).splitlines()[0][:200]}); the "
+              f"launcher's report (or `shardlab doctor RUN_DIR`) names the rank at fault. Collectives time out "
+              f"after parallel.timeout_s={timeout_s:g} s.", file=sys.stderr, flush=True)
     if _ACTIVE is not None:
         _ACTIVE.failed(exc, peer)
         _ACTIVE = None
@@ -290,13 +291,26 @@ def is_peer_failure(e: BaseException) -> bool:
 
     if not isinstance(e, (dist.DistBackendError, RuntimeError)):
         return False
-    text = str(e).lower()
-    return isinstance(e, dist.DistBackendError) or any(
-        s in text for s in ("connection reset", "connection closed", "broken pipe", "timed out", "timeout",
-                            "connectfullmesh", "connection refused"))
+    return isinstance(e, dist.DistBackendError) or reads_as_peer_failure(str(e))
+
+
+def reads_as_peer_failure(text: str) -> bool:
+    """Whether an error's text is gloo's or NCCL's wording for a lost or stuck peer."""
+    text = text.lower()
+    return any(s in text for s in ("connection reset", "connection closed", "broken pipe", "timed out", "timeout",
+                                   "connectfullmesh", "connection refused"))
 
 
 # ---------------------------------------------------------------------------------------- helpers
+def _record_raw_collectives(on: bool) -> None:
+    """torch.distributed's collectives called outside shardlab's go into the record while the
+    doctor is on (engines/raw_collectives.py; imported here, not at the top: `shardlab doctor`
+    reads records without torch)."""
+    from shardlab.engines import raw_collectives
+
+    raw_collectives.install() if on else raw_collectives.uninstall()
+
+
 def _describe_group(group: Any) -> tuple[str, list[int]]:
     import torch.distributed as dist
 

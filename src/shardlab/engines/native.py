@@ -41,7 +41,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from shardlab.engines import collectives
+from shardlab.engines import collectives, raw_collectives
 from shardlab.engines.api import (
     Collective,
     CPUOffload,
@@ -440,10 +440,14 @@ def _counting_fsdp2_comms(counter: collectives.CommCounter, replicas: int,
             return work
 
     def all_reduce_hook(reduce_output: torch.Tensor) -> None:
-        # called by FSDP2 (HSDP) right after its blocking all-reduce of the reduce-scattered slice
-        _, entry = collectives.issue(counter, "all_reduce", collectives.nbytes(reduce_output), replicas,
-                                     replica_group)
-        collectives.complete(entry)
+        # called by FSDP2 (HSDP) right after its blocking all-reduce of the reduce-scattered slice; with the
+        # doctor on, raw_collectives entered that all-reduce in the record as FSDP2 issued it: only counted here
+        if raw_collectives.installed():
+            counter.add("all_reduce", collectives.nbytes(reduce_output), replicas)
+        else:
+            _, entry = collectives.issue(counter, "all_reduce", collectives.nbytes(reduce_output), replicas,
+                                         replica_group)
+            collectives.complete(entry)
         if last_reduce_scatter_end[0] is not None:
             counter.add_seconds("all_reduce", time.perf_counter() - last_reduce_scatter_end[0])
             last_reduce_scatter_end[0] = None

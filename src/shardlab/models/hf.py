@@ -70,6 +70,7 @@ from shardlab.models.hf_load import (  # noqa: F401  (SafetensorsReader, weight_
     weight_files,
 )
 from shardlab.models.init import materialize_
+from shardlab.models.safetensors_check import check_safetensors_dir
 from shardlab.models.spec import ModelSpec
 
 IGNORE_INDEX = -100
@@ -392,6 +393,7 @@ def _check(section) -> None:
         if not any(os.path.isfile(os.path.join(section.hf_path, f)) for f in (INDEX_FILE, SINGLE_FILE)):
             raise ConfigError(f"model.hf_path {section.hf_path!r}: no {SINGLE_FILE} or {INDEX_FILE}; save the model "
                               "in safetensors (save_pretrained(..., safe_serialization=True))")
+        check_safetensors_dir(section.hf_path)  # headers only: a corrupted file is named before any worker
     elif not os.path.isfile(config_file(section)):
         from shardlab.shipped import shipped_hf_configs
 
