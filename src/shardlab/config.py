@@ -49,6 +49,8 @@ class DataConfig:
     path: Optional[str] = None             # tokens: a DATA_DIR from `shardlab prepare`; text: file, directory or
                                            # glob; sft: a JSON/JSONL file (null: the
                                            # embedded instruction set); cifar10: folder with cifar-10-batches-py
+    mix: Optional[dict[str, float]] = None  # tokens: {DATA_DIR: weight, ...}, a weighted mixture of prepared
+                                           # corpora instead of data.path (docs/data.md, "Mixtures")
     tokenizer: Optional[str] = None        # text: a local directory with tokenizer.json (null = bytes)
     tokenizer_path: Optional[str] = None   # sft: a local directory with tokenizer.json (null: model.hf_path's,
                                            # else a BPE trained at run time)
@@ -195,6 +197,8 @@ def _to_dict(obj: Any, section: str = "") -> Any:
         return out
     if isinstance(obj, list):
         return list(obj)
+    if isinstance(obj, dict):
+        return dict(obj)
     return obj
 
 
@@ -331,6 +335,8 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(a) for a in args) + " or null"
     if origin is list:
         return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return f"a mapping of {' to '.join(_type_name(a) for a in typing.get_args(tp))}"
     return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(tp, str(tp))
 
 
@@ -346,6 +352,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, list):
             raise bad
         return [_coerce(v, typing.get_args(tp)[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise bad
+        key_type, value_type = typing.get_args(tp)
+        return {_coerce(k, key_type, f"{key} key"): _coerce(v, value_type, f"{key}[{k}]") for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -399,6 +410,8 @@ def _validate_data(cfg: Config, spec: Any) -> None:
     m, d = cfg.model, cfg.data
     _choice("data.source", d.source, tuple(DATA_SOURCES))
     source = DATA_SOURCES[d.source]
+    _check(d.mix is None or d.source == "tokens", f"data.mix (a mixture of prepared corpora) applies to "
+           f"data.source=tokens, not {d.source}; set data.source=tokens or remove data.mix")
     source.check(cfg)  # the source's own keys
     _check(d.num_workers is None or d.num_workers >= 0, f"data.num_workers must be >= 0, got {d.num_workers}")
     kind = source.kind  # what the source yields; None (synthetic) yields what the model takes

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardlab import metrics as M
+from shardlab.data.mixture import MixtureSampler, source_counts
 from shardlab.engines import is_sharded
 
 
@@ -66,6 +67,9 @@ def summarize(run: Any, timer: M.StepTimer, per_rank: list[dict], val_losses: di
     elif run.data.tokens_per_sample:
         result["tokens_processed"] = samples * run.data.tokens_per_sample
         result["tokens_per_s"] = result["tokens_processed"] / train_seconds if train_seconds else None
+    if isinstance(run.sampler, MixtureSampler):  # data.mix: samples and tokens per corpus, exact
+        result["data_sources"] = source_counts(run.sampler, state.step - steps_run, state.step,
+                                               run.data.tokens_per_sample)
     return result
 
 
@@ -89,6 +93,9 @@ def print_summary(result: dict[str, Any], out_dir: str) -> None:
         row("median step time", f"{result['step_time_median_s'] * 1000:.1f} ms")
     else:
         row("trained in this run", f"nothing: resumed at step {result['steps']}, the last")
+    for source in result.get("data_sources") or []:
+        row(f"tokens from {source['data_dir']}", f"{source['tokens']:,} ({source['share']:.1%}; weight "
+            f"{source['weight']:.1%})")
     if "loss_scale" in result:
         row("fp16 loss scale (final), skipped steps", f"{result['loss_scale']:g}, {result['skipped_steps']}")
     if result.get("compile_s") is not None:  # live memory is not tracked then (see _train)

@@ -32,7 +32,7 @@ from shardlab import memory
 from shardlab import metrics as M
 from shardlab.amp import autocast, make_loss_scaler
 from shardlab.config import Config, dump_config, engine_options, validate_for_world
-from shardlab.data import GlobalBatchSampler, build_datasets
+from shardlab.data import GlobalBatchSampler, build_datasets, make_sampler
 from shardlab.data.loader import StepBatches
 from shardlab.data.text import copy_tokenizer_files
 from shardlab.doctor import RECORDER
@@ -144,7 +144,7 @@ class Run:
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LambdaLR
     scaler: torch.amp.GradScaler | None
-    sampler: GlobalBatchSampler
+    sampler: GlobalBatchSampler  # or a source's own with its interface (data.make_sampler: a mixture's)
     manager: Any
     state: TrainState
     accumulation: int
@@ -220,7 +220,7 @@ def build_run(cfg: Config, rt: Runtime, *, data: Any = None,
     if scaler is not None and state.loss_scaler is not None:
         scaler.load_state_dict(state.loss_scaler)
     _check_same_corpus(state, data.manifest_sha256, manager)
-    sampler = GlobalBatchSampler(len(data.train), t.global_batch_size, cfg.seed, cfg.data.shuffle)
+    sampler = make_sampler(data, t.global_batch_size, cfg.seed, cfg.data.shuffle)
     accumulation = t.global_batch_size // (rt.world_size * t.micro_batch_size)
     batches = StepBatches(data.train, sampler, rt.rank, rt.world_size, t.micro_batch_size, t.steps, rt.device,
                           cfg.data.num_workers)
@@ -236,8 +236,8 @@ def _check_same_corpus(state: TrainState, manifest_sha256: str | None, manager) 
         raise CheckpointError(
             f"the checkpoint in {manager.root} was trained on the corpus with manifest SHA-256 "
             f"{state.data_manifest[:16]}..., but this run's data has {manifest_sha256[:16]}...: its step would "
-            "index other data. Point data.path at the corpus it was trained on, or start a new run "
-            "(checkpoint.resume=none, or another output.run_name)")
+            "index other data. Point data.path (or data.mix, with the same weights) at the corpus it was trained on, "
+            "or start a new run (checkpoint.resume=none, or another output.run_name)")
     state.data_manifest = manifest_sha256
 
 

@@ -18,7 +18,7 @@ from shardlab.data.sampler import GlobalBatchSampler
 from shardlab.data.source import DataSource
 
 __all__ = ["GlobalBatchSampler", "Datasets", "DataSource", "DATA_SOURCES", "PREPARED_SOURCES", "data_source",
-           "build_datasets", "prepare_datasets", "collate"]
+           "build_datasets", "prepare_datasets", "make_sampler", "collate"]
 
 # data.source -> its DataSource (data/source.py). The order is the order help texts list them in.
 DATA_SOURCES: dict[str, DataSource] = {s.name: s for s in (tokens.BUILTIN, tokens.TEXT, tokens.TOKENS, sft.SOURCE,
@@ -42,6 +42,13 @@ def prepare_datasets(cfg) -> None:
     hashing shards new to this machine, tokenizing SFT data) and the checks that need the data,
     done once before they start (`shardlab train`, `shardlab verify`): the source's `prepare`."""
     data_source(cfg.data.source).prepare(cfg)
+
+
+def make_sampler(data: Datasets, global_batch_size: int, seed: int, shuffle: bool):
+    """The step-indexed sampler over data.train: the source's own (a mixture's) or GlobalBatchSampler."""
+    if data.make_sampler is not None:
+        return data.make_sampler(global_batch_size, seed, shuffle)
+    return GlobalBatchSampler(len(data.train), global_batch_size, seed, shuffle)
 
 
 def collate(dataset: torch.utils.data.Dataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

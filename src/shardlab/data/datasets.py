@@ -4,6 +4,7 @@ importing the registry (data/__init__.py) that imports it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,3 +30,6 @@ class Datasets:
     # prepared sources (DataSource.prepared): the SHA-256 of the corpus's manifest.json (a resume
     # refuses another)
     manifest_sha256: str | None = None
+    # a source whose samples are not drawn uniformly (a mixture of corpora, data/mixture.py):
+    # (global_batch_size, seed, shuffle) -> its step-indexed sampler; None: GlobalBatchSampler
+    make_sampler: Callable[[int, int, bool], Any] | None = None

@@ -106,13 +106,14 @@ class Manifest:
         return [f for s in SPLITS for shard in self.split(s)["shards"] for f in (shard["bin"], shard["idx"])]
 
 
-def read_manifest(path: str) -> Manifest:
-    """The manifest of DATA_DIR `path`, checked for format and version; DataError otherwise."""
+def read_manifest(path: str, key: str = "data.path") -> Manifest:
+    """The manifest of DATA_DIR `path`, checked for format and version; DataError otherwise
+    (`key`: the config key the messages name, data.path or data.mix)."""
     mpath = os.path.join(path, MANIFEST)
     if not os.path.isdir(path):
-        raise DataError(f"data.path {path!r}: no such directory; {_prepare_hint(path)}")
+        raise DataError(f"{key} {path!r}: no such directory; {_prepare_hint(path)}")
     if not os.path.isfile(mpath):
-        raise DataError(f"data.path {path!r}: no {MANIFEST}, so it is not a prepared corpus (or its prepare was "
+        raise DataError(f"{key} {path!r}: no {MANIFEST}, so it is not a prepared corpus (or its prepare was "
                         f"interrupted); {_prepare_hint(path)}")
     blob = Path(mpath).read_bytes()
     try:

@@ -1,5 +1,6 @@
 """The sources that train on prepared token shards: `data.source=tokens` maps a DATA_DIR
-written by `shardlab prepare`; `builtin` (the embedded corpus) and `text` (your files) prepare
+written by `shardlab prepare` (data.path), or several as a weighted mixture (data.mix: the
+sampler and the dataset are in mixture.py); `builtin` (the embedded corpus) and `text` (your files) prepare
 their inputs into the cache once per machine (keyed by the inputs' content hash, the tokenizer
 and data.val_fraction) and map that. No source reads a corpus into memory: a sample is
 seq_len + 1 tokens copied out of the map.
@@ -7,7 +8,7 @@ seq_len + 1 tokens copied out of the map.
 `check(cfg)` is their DataSource's `prepare`: it runs before any worker starts (cli) and again
 in each worker (under torchrun); it says what to fix when the tokenizer's vocabulary exceeds
 the model's, the corpus is empty or shorter than one global batch, or the directory is no
-prepared corpus.
+prepared corpus; for a mixture, each corpus, and that they share one tokenizer.
 """
 
 from __future__ import annotations
@@ -23,6 +24,13 @@ import torch.distributed as dist
 from shardlab.data.corpus import cache_dir, corpus_jsonl_path, corpus_sha256
 from shardlab.data.datasets import Datasets
 from shardlab.data.inputs import expand_inputs
+from shardlab.data.mixture import (
+    MixtureSampler,
+    MixtureWindows,
+    apportion,
+    check_mix_weights,
+    normalised_weights,
+)
 from shardlab.data.prepare import FORMAT_VERSION, prepare
 from shardlab.data.shards import (
     MANIFEST,
@@ -120,13 +128,13 @@ def fixed_model_vocab(cfg) -> int | None:
     return vocab
 
 
-def check(cfg, full_hash: bool | None = None) -> tuple[Manifest, str]:
-    """Prepare (builtin/text, once), read and verify the manifest, and check the corpus fits
-    the model and the batch. Returns the manifest and how it was verified ("size"/"sha256")."""
+def check_corpus(cfg, path: str, where: str, full_hash: bool | None = None,
+                 key: str = "data.path") -> tuple[Manifest, str]:
+    """Read and verify one corpus's manifest, and check it fits the model and the batch. Returns
+    the manifest and how it was verified ("size"/"sha256"). `where`, `key`: how messages name it."""
     d, t = cfg.data, cfg.train
-    m = read_manifest(data_dir(cfg))
+    m = read_manifest(path, key=key)
     verified = verify_data_dir(m, full_hash)
-    where = f"data.path={d.path}" if d.source == TOKENS.name else f"data.source={d.source}"
     model_vocab = fixed_model_vocab(cfg)
     if model_vocab is not None and m.vocab_size > model_vocab:
         raise DataError(f"{where}: the corpus's tokenizer has {m.vocab_size} token ids but the model's vocab_size is "
@@ -143,7 +151,45 @@ def check(cfg, full_hash: bool | None = None) -> tuple[Manifest, str]:
     return m, verified
 
 
-def _checked_on_every_rank(cfg) -> tuple[Manifest, str]:
+def _tokenizer_identity(m: Manifest) -> tuple:
+    t = m.raw["tokenizer"]
+    return t.get("kind"), t.get("sha256"), t.get("vocab_size"), t.get("eod_id")
+
+
+def check_mixture(cfg, full_hash: bool | None = None) -> list[tuple[Manifest, str]]:
+    """data.mix: every corpus checked as data.path is, each named once, all with one tokenizer."""
+    seen: dict[str, str] = {}
+    checked = []
+    for path in cfg.data.mix:
+        real = os.path.realpath(path)
+        if real in seen:
+            raise DataError(f"data.mix names {seen[real]!r} and {path!r}, which are the same corpus; give it once, "
+                            "with the sum of the two weights")
+        seen[real] = path
+        checked.append(check_corpus(cfg, path, f"data.mix[{path}]", full_hash, key="data.mix"))
+    first = checked[0][0]
+    for m, _ in checked[1:]:
+        if _tokenizer_identity(m) != _tokenizer_identity(first):
+            a, b = first.raw["tokenizer"], m.raw["tokenizer"]
+            raise DataError(f"data.mix: {first.path!r} and {m.path!r} were prepared with different tokenizers "
+                            f"({a.get('kind')}, vocab {a.get('vocab_size')}, sha256 {str(a.get('sha256'))[:12]} vs "
+                            f"{b.get('kind')}, vocab {b.get('vocab_size')}, sha256 {str(b.get('sha256'))[:12]}), so "
+                            "their token ids mean different things; prepare every corpus of a mixture with the same "
+                            "--tokenizer")
+    return checked
+
+
+def check(cfg, full_hash: bool | None = None):
+    """Prepare (builtin/text, once), read and verify the manifest(s), and check each corpus fits
+    the model and the batch: check_corpus's (manifest, how verified), a list of them for data.mix."""
+    d = cfg.data
+    if d.source == TOKENS.name and d.mix is not None:
+        return check_mixture(cfg, full_hash)
+    where = f"data.path={d.path}" if d.source == TOKENS.name else f"data.source={d.source}"
+    return check_corpus(cfg, data_dir(cfg), where, full_hash)
+
+
+def _checked_on_every_rank(cfg):
     """Local rank 0 prepares and (if this machine has not yet) hashes; the others then find
     the cache and the verification marker in place and check sizes only."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -158,18 +204,57 @@ def _checked_on_every_rank(cfg) -> tuple[Manifest, str]:
 
 
 def build(cfg) -> Datasets:
+    if cfg.data.source == TOKENS.name and cfg.data.mix is not None:
+        return build_mixture(cfg)
     m, verified = _checked_on_every_rank(cfg)
     T = cfg.data.seq_len
     train, val, validation = _split_windows(cfg, m)
     if int(os.environ.get("RANK", "0")) == 0 and (val is None or cfg.data.val_from_train):
         print(f"data: validation: {validation}", flush=True)
-    raw = m.raw
-    info = {**_inputs_of(cfg)[2], "data_dir": m.path, "manifest_sha256": m.sha256, "shards_verified_by": verified,
-            "tokenizer": raw["tokenizer"], "dtype": raw["dtype"], "train_tokens": raw["splits"]["train"]["tokens"],
-            "val_tokens": raw["splits"]["val"]["tokens"], "documents": raw["counts"]["documents"],
-            "replaced_invalid_utf8_bytes": raw["counts"]["replaced_invalid_utf8_bytes"], "validation": validation}
+    info = {**_inputs_of(cfg)[2], **_corpus_info(m, verified), "validation": validation}
     return Datasets(train, val, vocab_size=m.vocab_size, tokens_per_sample=T, info=info,
                     manifest_sha256=m.sha256, tokenizer_files=m.tokenizer_dir)
+
+
+def _corpus_info(m: Manifest, verified: str) -> dict[str, Any]:
+    """What run_args.json records of a corpus."""
+    raw = m.raw
+    return {"data_dir": m.path, "manifest_sha256": m.sha256, "shards_verified_by": verified,
+            "tokenizer": raw["tokenizer"], "dtype": raw["dtype"], "train_tokens": raw["splits"]["train"]["tokens"],
+            "val_tokens": raw["splits"]["val"]["tokens"], "documents": raw["counts"]["documents"],
+            "replaced_invalid_utf8_bytes": raw["counts"]["replaced_invalid_utf8_bytes"]}
+
+
+def build_mixture(cfg) -> Datasets:
+    """data.mix: the corpora's train windows side by side, sampled by MixtureSampler; validation is
+    each corpus's own val split (as data.path's), weighted as the mixture: of the train.eval_batches
+    global batches evaluated, corpus j gives its apportioned share (fewer if its split is smaller)."""
+    checked, d, t = _checked_on_every_rank(cfg), cfg.data, cfg.train
+    weights, names = normalised_weights(d.mix), list(d.mix)
+    val_shares = apportion(t.eval_batches * t.global_batch_size, weights)
+    trains, vals, said, infos = [], [], [], []
+    for (m, verified), name, w, share in zip(checked, names, weights, val_shares):
+        train, val, validation = _split_windows(cfg, m)
+        trains.append(train)
+        if val is not None and share > 0:
+            vals.append(ShardWindows(val.stream, d.seq_len, val.first, min(val.stop, val.first + share)))
+            said.append(f"{name}: {len(vals[-1])} windows")
+        else:
+            said.append(f"{name}: {'none: ' + validation if val is None else '0 windows (its weight is too small)'}")
+        infos.append({**_corpus_info(m, verified), "weight": float(w), "train_windows": len(train)})
+    validation = "each corpus's own, weighted as the mixture (" + "; ".join(said) + ")"
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"data: validation: {validation}", flush=True)
+    # the mixture's identity: its corpora, their order and weights decide which data step s reads
+    identity = hashlib.sha256(json.dumps([[m.sha256, str(w)] for (m, _), w in zip(checked, weights)]).encode())
+    first = checked[0][0]
+    info = {"mix": infos, "manifest_sha256": identity.hexdigest(), "tokenizer": first.raw["tokenizer"],
+            "validation": validation}
+    sizes = [len(p) for p in trains]
+    return Datasets(MixtureWindows(trains), MixtureWindows(vals) if vals else None, vocab_size=first.vocab_size,
+                    tokens_per_sample=d.seq_len, info=info, manifest_sha256=identity.hexdigest(),
+                    tokenizer_files=first.tokenizer_dir,
+                    make_sampler=lambda g, seed, shuffle: MixtureSampler(sizes, weights, g, seed, shuffle, names))
 
 
 # -- the sources (shardlab.data.DATA_SOURCES) --------------------------------------------------------
@@ -182,9 +267,15 @@ def _check_text(cfg) -> None:
 
 
 def _check_tokens(cfg) -> None:
-    if cfg.data.path is None:
+    d = cfg.data
+    if d.path is not None and d.mix is not None:
+        raise ConfigError("data.source=tokens takes data.path (one corpus) or data.mix (a weighted mixture), not both; "
+                          "remove one of them")
+    if d.path is None and d.mix is None:
         raise ConfigError("data.source=tokens needs data.path (a directory written by `shardlab prepare INPUT... "
-                          "--out DATA_DIR`)")
+                          "--out DATA_DIR`) or data.mix ({DATA_DIR: weight, ...})")
+    if d.mix is not None:
+        check_mix_weights(d.mix)
 
 
 def _tokenizer_vocab(cfg) -> int:
@@ -193,8 +284,10 @@ def _tokenizer_vocab(cfg) -> int:
 
 
 def _manifest_vocab(cfg) -> int:
-    """tokens: the vocabulary the corpus was prepared with, from its manifest (no shard is read)."""
-    return read_manifest(cfg.data.path).vocab_size
+    """tokens: the vocabulary the corpus was prepared with, from its manifest (no shard is read;
+    a mixture's corpora share one tokenizer)."""
+    d = cfg.data
+    return read_manifest(d.path if d.mix is None else next(iter(d.mix))).vocab_size
 
 
 # prepare (check): builtin/text are tokenized into the cache once, shards new to this machine

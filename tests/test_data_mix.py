@@ -1,0 +1,132 @@
+"""Weighted mixtures of prepared corpora (data.mix, data/mixture.py): each corpus's share tracks
+its weight at every step, the order is a function of (seed, weights, step) alone, each corpus is
+read in its own permuted epochs, and bad mixtures are one-line errors before any worker starts."""
+
+from __future__ import annotations
+
+import shutil
+from fractions import Fraction
+
+import pytest
+import torch
+
+from shardlab.config import ConfigError, load_config
+from shardlab.data import build_datasets, make_sampler
+from shardlab.data.mixture import apportion, normalised_weights
+from shardlab.data.prepare import prepare
+from shardlab.data.shards import DataError, read_manifest
+from shardlab.data.tokens import check
+from tests.test_prepare import DOCS, as_text_files, bpe_dir, words  # noqa: F401 (bpe_dir: a fixture)
+
+G, T = 12, 16  # global batch, data.seq_len
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory) -> tuple[str, str]:
+    """Two byte-level corpora of different sizes (b repeats epochs long before a does), each with a val split."""
+    tmp = tmp_path_factory.mktemp("mix")
+    (tmp / "a").mkdir()
+    (tmp / "b").mkdir()
+    a = prepare([as_text_files(tmp / "a", DOCS)], str(tmp / "a-data"), val_fraction=0.2, progress=False)
+    b = prepare([as_text_files(tmp / "b", [words(400 + 50 * i, 100 + i) for i in range(4)])], str(tmp / "b-data"),
+                val_fraction=0.2, progress=False)
+    return a, b
+
+
+def mix_cfg(mix: dict, *extra: str):
+    return load_config(None, ["data.source=tokens", "data.mix=" + repr(mix).replace("'", ""), f"data.seq_len={T}",
+                              f"train.global_batch_size={G}", "train.micro_batch_size=2", *extra])
+
+
+def test_shares_track_the_weights_at_every_step(corpora):
+    a, b = corpora
+    data = build_datasets(mix_cfg({a: 0.7, b: 0.3}))
+    sampler = make_sampler(data, G, 0, True)
+    tokens, samples = [0, 0], [0, 0]
+    for step in range(1000):
+        for i in sampler.global_indices(step).tolist():
+            samples[data.train.source_of(i)] += 1
+        tokens = [n * T for n in samples]
+        # at every step boundary each corpus is within half a sample of its weight (two corpora)
+        assert abs(samples[0] - 0.7 * G * (step + 1)) <= 0.5
+    share = tokens[0] / sum(tokens)
+    print(f"tokens per corpus over 1000 steps: {tokens}, share of a {share:.5f} (weight 0.7)")
+    assert abs(share - 0.7) / 0.7 < 0.01 and abs(tokens[1] / sum(tokens) - 0.3) / 0.3 < 0.01
+    assert samples == sampler.samples_before(1000)  # the closed form the run summary reports
+
+
+def test_each_corpus_is_read_in_its_own_epochs(corpora):
+    a, b = corpora
+    data = build_datasets(mix_cfg({a: 0.7, b: 0.3}))
+    sampler = make_sampler(data, G, 3, True)
+    n_b, first_b = len(data.train.parts[1]), data.train.offsets[1]
+    steps = next(s for s in range(1, 10_000) if sampler.samples_before(s)[1] >= n_b)
+    seen = torch.cat([sampler.global_indices(s) for s in range(steps)])
+    from_b = seen[seen >= first_b] - first_b
+    counts = torch.bincount(from_b, minlength=n_b)
+    # every window of b once in its first epoch; those of its second epoch so far a second time
+    assert counts.min() >= 1 and counts.max() <= 2
+    assert int((counts == 2).sum()) == sampler.samples_before(steps)[1] - n_b
+    assert len(set(seen[seen < first_b].tolist())) == int((seen < first_b).sum())  # a: still in its first epoch
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_the_order_does_not_depend_on_the_world_size(corpora, world):
+    a, b = corpora
+    data = build_datasets(mix_cfg({a: 2, b: 1}))
+    one = make_sampler(data, G, 5, True)
+    again = make_sampler(data, G, 5, True)  # a new process (a resume) builds its own
+    for step in (0, 1, 17, 250):
+        parts = torch.cat([again.rank_indices(step, r, world) for r in range(world)])
+        assert torch.equal(parts, one.global_indices(step))
+
+
+def test_apportion_is_monotone_and_close_for_three_corpora():
+    weights = normalised_weights({"x": 0.5, "y": 0.3, "z": 0.2})
+    assert weights == [Fraction(1, 2), Fraction(3, 10), Fraction(1, 5)]  # exact: no float rounding
+    prev = [0, 0, 0]
+    for n in range(0, 5000, 7):
+        now = apportion(n, weights)
+        assert sum(now) == n and all(x >= p for x, p in zip(now, prev))
+        assert all(abs(c - w * n) <= Fraction(3, 2) for c, w in zip(now, weights))
+        prev = now
+
+
+@pytest.mark.parametrize("mix,extra,fragment", [
+    ("{A: 1}", ["data.path=/x"], "data.path (one corpus) or data.mix (a weighted mixture), not both"),
+    (None, [], "needs data.path"),
+    ("{A: 0.7, B: 0}", [], "data.mix[B]: weight 0.0 must be a number > 0"),
+    ("{A: 0.7, B: -1}", [], "data.mix[B]: weight -1.0 must be a number > 0"),
+    ("{}", [], "data.mix is empty"),
+    ("{A: 1}", ["data.source=text"], "applies to data.source=tokens, not text"),
+])
+def test_bad_mixtures_are_one_line_config_errors(corpora, mix, extra, fragment):
+    a, b = corpora
+    over = ["data.source=tokens"] + ([f"data.mix={mix.replace('A', a).replace('B', b)}"] if mix else []) + extra
+    with pytest.raises(ConfigError) as e:
+        load_config(None, over)
+    message = str(e.value).replace(a, "A").replace(b, "B")
+    assert fragment in message and "\n" not in message
+
+
+def test_bad_corpora_are_one_line_errors_before_workers(corpora, bpe_dir, tmp_path):  # noqa: F811
+    a, b = corpora
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "x.txt").write_text("not prepared")
+    cut = str(tmp_path / "cut")
+    shutil.copytree(b, cut)
+    shard = read_manifest(cut).split("train")["shards"][0]["bin"]["name"]
+    with open(f"{cut}/{shard}", "r+b") as f:
+        f.truncate(10)
+    bpe = prepare([as_text_files(tmp_path, DOCS)], str(tmp_path / "bpe-data"), tokenizer=bpe_dir, progress=False)
+    # (mixture, what the message says, the corpus it names)
+    cases = [({a: 1, str(tmp_path / "raw"): 1}, "no manifest.json, so it is not a prepared corpus", "raw"),
+             ({a: 1, cut: 1}, "bytes, but manifest.json says", cut),
+             ({a: 1, bpe: 1}, "prepared with different tokenizers", bpe),
+             ({a: 1, a + "/": 2}, "which are the same corpus", a + "/"),
+             ({a: 1, b: 1}, "fewer than one global batch", "data.mix[" + a)]
+    for i, (mix, fragment, named) in enumerate(cases):
+        extra = ["train.global_batch_size=600"] if i == len(cases) - 1 else []
+        with pytest.raises(DataError) as e:
+            check(mix_cfg(mix, *extra, "model.vocab_size=512"))
+        assert fragment in str(e.value) and named in str(e.value) and "\n" not in str(e.value), str(e.value)
