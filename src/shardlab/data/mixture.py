@@ -122,6 +122,7 @@ class MixtureSampler:
         self.offsets = np.cumsum([0] + self.sizes[:-1]).tolist()
         self.global_batch_size, self.seed, self.shuffle = global_batch_size, seed, shuffle
         self._perms: dict[int, tuple[int, FeistelPermutation]] = {}  # corpus -> (epoch, permutation): the last one
+        self._recent: dict[int, torch.Tensor] = {}  # step -> its indices, for at most two steps
 
     def samples_before(self, step: int) -> list[int]:
         """Samples each corpus gave in steps [0, step)."""
@@ -151,7 +152,14 @@ class MixtureSampler:
         return self.offsets[j] + out
 
     def global_indices(self, step: int) -> torch.Tensor:
-        """The G dataset indices of step `step`."""
+        """The G dataset indices of step `step`. The loader asks for each step twice (read ahead,
+        then read), so the last two steps are kept."""
+        if step not in self._recent:
+            self._recent = {s: v for s, v in self._recent.items() if s in (step - 1, step + 1)}
+            self._recent[step] = self._compute(step)
+        return self._recent[step]
+
+    def _compute(self, step: int) -> torch.Tensor:
         before, after = self.samples_before(step), self.samples_before(step + 1)
         parts = [self._positions(j, a, b - a) for j, (a, b) in enumerate(zip(before, after)) if b > a]
         idx = torch.cat(parts)

@@ -66,13 +66,14 @@ def file_sha256(path: str | Path, chunk: int = 8 << 20) -> str:
     return h.hexdigest()
 
 
-def _prepare_hint(path: str) -> str:
+def _prepare_hint(path: str, key: str = "data.path") -> str:
     name = os.path.basename(os.path.normpath(path))
     if ".tmp-" in name and name.startswith("."):
         return "it is the partial output of an interrupted `shardlab prepare`: delete it and prepare again"
     if os.path.isdir(path) and os.listdir(path):  # raw documents: prepare them into a new directory
         out = os.path.normpath(path) + "-tokens"
-        return f"if it holds documents, prepare them: `shardlab prepare {path} --out {out}`, then data.path={out}"
+        use = f"data.path={out}" if key == "data.path" else f"name {out} in {key}"
+        return f"if it holds documents, prepare them: `shardlab prepare {path} --out {out}`, then {use}"
     return f"run `shardlab prepare INPUT... --out {path}` to make one"
 
 
@@ -111,10 +112,10 @@ def read_manifest(path: str, key: str = "data.path") -> Manifest:
     (`key`: the config key the messages name, data.path or data.mix)."""
     mpath = os.path.join(path, MANIFEST)
     if not os.path.isdir(path):
-        raise DataError(f"{key} {path!r}: no such directory; {_prepare_hint(path)}")
+        raise DataError(f"{key} {path!r}: no such directory; {_prepare_hint(path, key)}")
     if not os.path.isfile(mpath):
         raise DataError(f"{key} {path!r}: no {MANIFEST}, so it is not a prepared corpus (or its prepare was "
-                        f"interrupted); {_prepare_hint(path)}")
+                        f"interrupted); {_prepare_hint(path, key)}")
     blob = Path(mpath).read_bytes()
     try:
         raw = json.loads(blob)

@@ -240,7 +240,7 @@ def build_mixture(cfg) -> Datasets:
             vals.append(ShardWindows(val.stream, d.seq_len, val.first, min(val.stop, val.first + share)))
             said.append(f"{name}: {len(vals[-1])} windows")
         else:
-            said.append(f"{name}: {'none: ' + validation if val is None else '0 windows (its weight is too small)'}")
+            said.append(f"{name}: {validation if val is None else '0 windows (its weight is too small)'}")
         infos.append({**_corpus_info(m, verified), "weight": float(w), "train_windows": len(train)})
     validation = "each corpus's own, weighted as the mixture (" + "; ".join(said) + ")"
     if int(os.environ.get("RANK", "0")) == 0:
