@@ -21,6 +21,7 @@ The grace period is torchrun's own `--shutdown-timeout` (rendered from preemptio
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -59,10 +60,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shardlab.torchrun: exit code {code}", file=sys.stderr, flush=True)
         return code
     finally:
-        if own_marker and os.path.exists(marker):
-            os.remove(marker)
-        if own_note and os.path.exists(run_dir_note):
-            os.remove(run_dir_note)
+        # two agents on one host (a Slurm job's tasks) may share these paths: the other may have
+        # removed them first
+        for path, own in ((marker, own_marker), (run_dir_note, own_note)):
+            if own:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
     return 0
 
 
