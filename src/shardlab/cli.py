@@ -102,21 +102,10 @@ def _configs(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    import shardlab
-
-    parser = argparse.ArgumentParser(
-        prog="shardlab",
-        description="Sharded data-parallel training on PyTorch: DDP, ZeRO-3 and FSDP written from scratch, "
-                    "beside PyTorch's DDP and FSDP2, behind one config.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Run `shardlab COMMAND --help` for a command's options.")
-    parser.add_argument("--version", action="version", version=f"shardlab {shardlab.__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
+def _add_train_parser(sub, strategies) -> None:
     tr = sub.add_parser("train", help="train a model on N local workers, or as one worker of a launched job",
                         description="Train a model. Config: YAML file plus dotted key=value overrides.",
-                        epilog=TRAIN_EPILOG.format(strategies=", ".join(shardlab.STRATEGIES)),
+                        epilog=TRAIN_EPILOG.format(strategies=", ".join(strategies)),
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     tr.add_argument("config", nargs="?", help="YAML config file, or a shipped config's name (`shardlab configs`); "
                                               "default: built-in defaults")
@@ -131,39 +120,40 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     tr.set_defaults(func=_train)
 
+
+def _add_module_command(sub, name: str, help_text: str, module) -> None:
+    """A command whose module documents it (its docstring), adds its arguments and runs it."""
+    p = sub.add_parser(name, help=help_text, description=module.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(p)
+    p.set_defaults(func=module.run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import shardlab
+    from shardlab import bench, plan, verify
+    from shardlab.data import describe, prepare
+
+    parser = argparse.ArgumentParser(
+        prog="shardlab",
+        description="Sharded data-parallel training on PyTorch: DDP, ZeRO-3 and FSDP written from scratch, "
+                    "beside PyTorch's DDP and FSDP2, behind one config.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Run `shardlab COMMAND --help` for a command's options.")
+    parser.add_argument("--version", action="version", version=f"shardlab {shardlab.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_train_parser(sub, shardlab.STRATEGIES)
+
     co = sub.add_parser("configs", help="list the example configs shipped with shardlab, or print one",
                         description="The example configs shipped inside the package; `shardlab train NAME` "
                                     "runs one.")
     co.add_argument("name", nargs="?", metavar="NAME", help="print this config's YAML")
     co.set_defaults(func=_configs)
-    from shardlab.data import prepare
-
-    pr = sub.add_parser("prepare", help="tokenize documents into memory-mapped token shards (data.source=tokens)",
-                        description=prepare.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    prepare.add_arguments(pr)
-    pr.set_defaults(func=prepare.run)
-    from shardlab.data import describe
-
-    da = sub.add_parser("data", help="look into a prepared corpus: `shardlab data inspect DATA_DIR`",
-                        description=describe.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    describe.add_arguments(da)
-    da.set_defaults(func=describe.run)
-
-    from shardlab import bench
-
-    be = sub.add_parser("bench", help="measure every engine at every world size, beside the theory",
-                        description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench.add_arguments(be)
-    be.set_defaults(func=bench.run)
-
-    from shardlab import plan
-
-    pl = sub.add_parser("plan", help="predict peak memory per rank of every engine on a GPU, and step time",
-                        description=plan.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    plan.add_arguments(pl)
-    pl.set_defaults(func=plan.run)
-
-    from shardlab import verify
+    _add_module_command(sub, "prepare", "tokenize documents into memory-mapped token shards (data.source=tokens)",
+                        prepare)
+    _add_module_command(sub, "data", "look into a prepared corpus: `shardlab data inspect DATA_DIR`", describe)
+    _add_module_command(sub, "bench", "measure every engine at every world size, beside the theory", bench)
+    _add_module_command(sub, "plan", "predict peak memory per rank of every engine on a GPU, and step time", plan)
 
     ve = sub.add_parser("verify", help="prove the config trains on N ranks exactly as one process would",
                         description="Prove the config trains on N ranks exactly as one process would: step "
