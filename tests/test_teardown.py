@@ -33,7 +33,11 @@ def _run_each_engine(rank, world, out_dir):
             f"parallel.strategy={strategy}", "model.preset=gpt-nano", "data.source=synthetic",
             "data.seq_len=16", "train.steps=2", "train.global_batch_size=4", "train.micro_batch_size=2",
             "train.eval_batches=1", f"output.dir={out_dir}", f"output.run_name={strategy}",
-            "output.progress=false", "output.tensorboard=false"])
+            "output.progress=false", "output.tensorboard=false",
+            # each process is a one-worker run (no RANK/WORLD_SIZE in its environment) over this test's
+            # two-rank group, both in one directory: a final checkpoint would be two runs writing one
+            # step_* at once. Checkpoints' teardown is tested where runs are real (test_checkpoint*).
+            "checkpoint.final=false"])
         code = worker_main(cfg)
         alive = [type(o).__name__ for o in gc.get_objects()
                  if isinstance(o, (nn.Module, Engine, torch.optim.Optimizer))]
