@@ -42,18 +42,18 @@ def build(arch: str, device: str, lora: bool = False, hf_path: str | None = None
                           lora=LORA if lora else None)
 
 
-def sft_batch(step: int, packed: bool):
+def sft_batch(step: int, packed: bool, vocab: int = VOCAB, T: int = T, rows: int = GLOBAL, seed: int = 100):
     """Random ids; targets are the next tokens with a random-length prompt masked (-100). Packed:
     two examples per row, position ids restarting at the second one."""
-    g = torch.Generator().manual_seed(100 + step)
-    ids = torch.randint(1, VOCAB, (GLOBAL, T), generator=g)
+    g = torch.Generator().manual_seed(seed + step)
+    ids = torch.randint(1, vocab, (rows, T), generator=g)
     y = torch.roll(ids, -1, dims=1)
-    prompt = torch.randint(2, T // 2, (GLOBAL,), generator=g)
+    prompt = torch.randint(2, T // 2, (rows,), generator=g)
     y[torch.arange(T)[None, :] < prompt[:, None]] = -100
     y[:, -1] = -100
     if not packed:
         return ids, y
-    cut = torch.randint(3, T - 3, (GLOBAL,), generator=g)
+    cut = torch.randint(3, T - 3, (rows,), generator=g)
     pos = torch.stack([torch.cat([torch.arange(c), torch.arange(T - c)]) for c in cut.tolist()])
     y[torch.arange(T)[None, :] == (cut[:, None] - 1)] = -100  # no target across the boundary
     return torch.stack([ids, pos], dim=1), y

@@ -19,6 +19,7 @@ from shardlab.models.hf import HFCausalLM  # noqa: E402
 from shardlab.testing import run_workers  # noqa: E402
 from shardlab.verify.float64 import Float64Everywhere  # noqa: E402
 from tests.parity import F64_ATOL, F64_RTOL, assert_parity  # noqa: E402
+from tests.test_hf_models import sft_batch  # noqa: E402
 
 VOCAB, T, WORLD, MICRO, STEPS = 53, 10, 3, 2, 3
 GLOBAL = WORLD * MICRO * 2  # two micro batches per rank
@@ -41,20 +42,9 @@ def build(arch: str, device: str, lora: bool) -> HFCausalLM:
 
 
 def batch(step: int, packed: bool):
-    """The global batch of a step: random ids, targets the next tokens with a random prompt
-    masked; packed rows hold two examples (position ids restart, no target across them)."""
-    g = torch.Generator().manual_seed(200 + step)
-    ids = torch.randint(1, VOCAB, (GLOBAL, T), generator=g)
-    y = torch.roll(ids, -1, dims=1)
-    prompt = torch.randint(1, T // 2, (GLOBAL,), generator=g)
-    y[torch.arange(T)[None, :] < prompt[:, None]] = -100
-    y[:, -1] = -100
-    if not packed:
-        return ids, y
-    cut = torch.randint(3, T - 3, (GLOBAL,), generator=g)
-    pos = torch.stack([torch.cat([torch.arange(c), torch.arange(T - c)]) for c in cut.tolist()])
-    y[torch.arange(T)[None, :] == (cut[:, None] - 1)] = -100
-    return torch.stack([ids, pos], dim=1), y
+    """The global batch of a step (tests/test_hf_models.py's SFT rows: a masked prompt, packed rows
+    of two examples with position ids restarting and no target across them)."""
+    return sft_batch(step, packed, vocab=VOCAB, T=T, rows=GLOBAL, seed=200)
 
 
 def _sgd(model):

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from shardlab.doctor.flight import RECORDER
+from shardlab.engines.collectives import TimedWork
 
 #: function name -> (the record's kind, which argument's bytes are the payload: None = 0)
 COLLECTIVES: dict[str, tuple[str, str | None]] = {
@@ -99,7 +100,8 @@ def _recording(original: Callable[..., Any], kind: str, payload: str | None) -> 
         entry = RECORDER.issue(kind, _nbytes(arg(args, kwargs, payload)) if payload else 0, group)
         work = original(*args, **kwargs)
         if isinstance(work, dist.Work):
-            return _CompletingWork(work, entry)
+            # the flight entry completes when the first wait() returns (counter None: nothing counted)
+            return TimedWork(work, None, kind, 0.0, entry)
         RECORDER.complete(entry)
         return work
 
@@ -126,36 +128,3 @@ def _nbytes(x: Any) -> int:
         return sum(_nbytes(t) for t in x)
     return 0
 
-
-class _CompletingWork(dist.Work):
-    """An async raw call's Work: its flight entry is completed when the first `wait()` returns.
-    A `dist.Work` subclass, as collectives.TimedWork, for code that checks the type."""
-
-    def __init__(self, inner: dist.Work, entry: int):
-        super().__init__()
-        self.inner, self.entry = inner, entry
-
-    def wait(self, timeout=None):  # noqa: ANN001 - torch's signature
-        done = self.inner.wait() if timeout is None else self.inner.wait(timeout)
-        if self.entry:
-            RECORDER.complete(self.entry)
-            self.entry = 0
-        return done
-
-    def is_completed(self) -> bool:
-        return self.inner.is_completed()
-
-    def is_success(self) -> bool:
-        return self.inner.is_success()
-
-    def exception(self):  # noqa: ANN201
-        return self.inner.exception()
-
-    def get_future(self):  # noqa: ANN201
-        return self.inner.get_future()
-
-    def result(self):  # noqa: ANN201
-        return self.inner.result()
-
-    def synchronize(self) -> None:
-        self.inner.synchronize()
