@@ -456,10 +456,11 @@ def test_sigstopped_rank_is_named_stuck_with_its_step_and_phase(launches, name):
     assert all(f"rank {r} waited for it in " in verdict for r in range(launch.nproc) if r != 1), verdict
     assert not _blames_a_waiting_rank(launch.text()), launch.text()[-3000:]
     # the exception that ended the run (a waiting rank's timeout), and the resume advice: a worker was lost
-    # (which waiting rank gives up first, and whether gloo raises RuntimeError or its subclass
-    # DistBackendError, depends on timing: any waiting rank, any error that says it timed out)
-    first = re.search(r"^error: rank (\d+)( \(the first to fail\))?: \w*Error: .*(Timed out|timed out)", launch.text(),
-                      re.M)
+    # (which waiting rank gives up first, and how gloo says it, depend on timing: any waiting rank,
+    # RuntimeError or its subclass DistBackendError, "Timed out waiting ..." or "Application timeout
+    # caused pair closure": any error that says it timed out)
+    first = re.search(r"^error: rank (\d+)( \(the first to fail\))?: \w*Error: .*(timed out|timeout)", launch.text(),
+                      re.M | re.I)
     assert first and first.group(1) != "1", launch.text()
     assert LOST_ADVICE in launch.text()
     # afterwards, from the run directory alone: the same
