@@ -136,6 +136,30 @@ def test_a_held_lock_refuses_and_a_free_one_is_taken(tmp_path):
     assert not os.path.exists(os.path.join(tmp_path, ".out.lock"))
 
 
+def test_a_cache_being_prepared_elsewhere_is_waited_for(tmp_path, monkeypatch):
+    """data.source=text prepares into the cache; two processes of one machine may do it at once (the
+    local rank 0 of each agent of a job): the second waits for the first's corpus, not refused."""
+    import threading
+
+    from shardlab.config import load_config
+    from shardlab.data.tokens import cached_data_dir
+
+    monkeypatch.setenv("SHARDLAB_CACHE", str(tmp_path / "cache"))
+    cfg = load_config(None, ["data.source=text", f"data.path={as_text_files(tmp_path, DOCS)}", "data.seq_len=16",
+                             "train.global_batch_size=4", "train.micro_batch_size=2"])
+    out = cached_data_dir(cfg, prepare_if_missing=False)
+    got = []
+    with out_lock(out, wait=False):  # another process is preparing it
+        waiter = threading.Thread(target=lambda: got.append(cached_data_dir(cfg)))
+        waiter.start()
+        waiter.join(1.0)
+        assert waiter.is_alive() and not got  # it waits, it is not refused
+        prepare([str(tmp_path / "txt")], out + ".first", force_format="text")
+        os.replace(out + ".first", out)  # the first's corpus in place, then its lock released
+    waiter.join(30)
+    assert got == [out] and read_manifest(out).raw["counts"]["documents"] == len(DOCS)
+
+
 def test_advice_for_raw_folders_tokenizer_files_and_hub_names(tmp_path):
     from shardlab.data.text import Tokenizer
 

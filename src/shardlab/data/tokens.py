@@ -107,7 +107,11 @@ def cached_data_dir(cfg, prepare_if_missing: bool = True) -> str:
     out = str(cache_dir() / "tokens" / hashlib.sha256(key.encode()).hexdigest()[:24])
     if prepare_if_missing and not os.path.isfile(os.path.join(out, MANIFEST)):
         try:
-            prepare(specs, out, tokenizer=d.tokenizer, val_fraction=d.val_fraction, force_format=fmt, progress=False)
+            # wait_if_busy: several processes of one machine may prepare the same cache at once (the
+            # local rank 0 of each agent of a job, several runs): the later ones wait for the first
+            # and then find its corpus, instead of being refused as a second `shardlab prepare` is
+            prepare(specs, out, tokenizer=d.tokenizer, val_fraction=d.val_fraction, force_format=fmt, progress=False,
+                    wait_if_busy=True)
         except (OSError, DataError):  # another process put its copy in place first
             if not os.path.isfile(os.path.join(out, MANIFEST)):
                 raise
