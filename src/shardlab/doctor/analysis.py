@@ -12,9 +12,9 @@ flight records number them per group (seq 1, 2, ...) and the numbers agree acros
    code without one, or by a signal (the launcher's exits.json).
 3. otherwise the ranks that wait: a rank waits in its oldest collective not completed. A
    member of that group that never issued that sequence number is behind: the one the others
-   wait for. Its phase says why: data loading (data stall), a checkpoint (checkpoint stall);
-   else, if its process stopped running (its watcher thread stopped ticking, e.g. SIGSTOP, a
-   dead host) it is frozen, and if it ran but did not arrive, a straggler.
+   wait for. If its process stopped running (its watcher thread stopped ticking, e.g. SIGSTOP, a
+   dead host) it is frozen, whatever its phase; else its phase says why: data loading (data
+   stall), a checkpoint (checkpoint stall); and if it ran but did not arrive, a straggler.
 A rank whose exception is a lost peer (a collective timeout, a closed connection) waited: it
 is never the culprit.
 
@@ -297,12 +297,16 @@ def _fallback(ranks: dict[int, RankView], findings: dict[int, Finding]) -> None:
 
 
 def _why_behind(v: RankView) -> str:
+    # a process that does not run is frozen whatever its phase (a SIGSTOP can land during data
+    # loading: the verdict's "phase data" says where); a stall is a running process stuck in a phase
+    if v.status == "not running":
+        return "frozen"
     phase = v.flight.phase if v.flight else None
     if phase == "data":
         return "data stall"
     if phase == "checkpoint":
         return "checkpoint stall"
-    return "frozen" if v.status == "not running" else "straggler"
+    return "straggler"
 
 
 # ------------------------------------------------------------------------------------ stack reading
