@@ -20,6 +20,8 @@ import math
 
 import torch
 
+from shardlab.verify.float64 import merge_float64
+
 BATCHNORM = ("BatchNorm statistics per rank: in training mode each rank normalizes with the mean and variance of "
              "its own micro batch, so the model trained differs from one process on the global batch (and the "
              "running statistics drift apart). Set model.sync_batchnorm=true: statistics over all ranks.")
@@ -179,8 +181,8 @@ def _sites(counts: dict[str, int], limit: int = 4) -> str:
 def _float64_notes(ref, engine) -> list[str]:
     """What Float64Everywhere did and saw (verify/float64.py): the downcasts it kept in float64, and
     the modules that still computed in a lower precision, by name, with what that did to the tolerance."""
-    kept = {**(ref.float64 or {}).get("kept", {}), **(engine.float64 or {}).get("kept", {})}
-    islands = {**(ref.float64 or {}).get("islands", {}), **(engine.float64 or {}).get("islands", {})}
+    both = merge_float64([ref.float64, engine.float64]) or {"kept": {}, "islands": {}}
+    kept, islands = both["kept"], both["islands"]
     notes = []
     if kept:
         notes.append(f"float32 casts kept in float64 ({_sites(kept)}): the model computes in float32 there even in a "

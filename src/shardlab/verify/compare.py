@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shardlab.verify import causes
+from shardlab.verify.float64 import merge_float64
 from shardlab.verify.runs import Plan, full_gradients, path_of
 from shardlab.verify.tolerance import UNIT_ROUNDOFF, Tolerance, tolerance_for
 
@@ -113,19 +114,6 @@ class Records:
 
     def pieces(self, s: int) -> list[dict[str, list[tuple[int, torch.Tensor]]]]:
         return [self._load(f"grads{s}.rank{r}.pt") for r in range(self.world)]
-
-
-def merge_float64(per_rank: list[dict | None]) -> dict | None:
-    """The ranks' Float64Everywhere records as one: counts summed by site, dtypes united."""
-    if not any(per_rank):
-        return None
-    out: dict = {"kept": {}, "islands": {}, "island_dtypes": set()}
-    for r in filter(None, per_rank):
-        for key in ("kept", "islands"):
-            for site, n in r[key].items():
-                out[key][site] = out[key].get(site, 0) + n
-        out["island_dtypes"] |= set(r["island_dtypes"])
-    return out
 
 
 def islands_dtype(*runs: Records) -> torch.dtype | None:

@@ -146,3 +146,16 @@ class Float64Everywhere(TorchFunctionMode):
         """What a run records (picklable)."""
         return {"kept": dict(self.kept), "islands": dict(self.islands),
                 "island_dtypes": sorted(str(d).removeprefix("torch.") for d in self.island_dtypes)}
+
+
+def merge_float64(per_rank: list[dict | None]) -> dict | None:
+    """The ranks' Float64Everywhere records as one: counts summed by site, dtypes united."""
+    if not any(per_rank):
+        return None
+    out: dict = {"kept": {}, "islands": {}, "island_dtypes": set()}
+    for r in filter(None, per_rank):
+        for key in ("kept", "islands"):
+            for site, n in r[key].items():
+                out[key][site] = out[key].get(site, 0) + n
+        out["island_dtypes"] |= set(r["island_dtypes"])
+    return out
