@@ -1,30 +1,37 @@
 """The docs name only what exists, and state the present.
 
 Every inline code span (`...`, outside fenced blocks) of docs/*.md and README.md is read by one
-rule, and each link target too:
+rule:
 
 - a **path** is a span without spaces that ends in `.py`, or whose first part is a folder of the
-  repository (`src/`, `tests/`, `configs/`, `docs/`, `infra/`) or of the package (`engines/`,
-  `doctor/`, `plan/`, ...). It must exist relative to the repository root, `src/`, `src/shardlab/`,
-  `tests/` or the doc's folder; a bare `name.py` may be anywhere under `src/shardlab/` or
-  `tests/`. A glob (`tests/test_engine_*.py`) must match a file; a placeholder (`<name>`, `{...}`)
-  is checked up to the folder before it; `file.py::test_x` must define `test_x`.
-- a **symbol** is a span that reads as a code name: a call `name(...)`, a dotted name
-  `a.b.c` (`shardlab.x.y`, `module.attr`, `Class.method`), a `CamelCase` or `_private` name, or an
-  ALL_CAPS name. It must be defined in src/ or tests/ (`def name`, `class name`, `name =`), or
-  be an attribute reached by importing (`shardlab.train.train_step`, `train.train_step`,
-  `Engine.shard_layout`, `torch.distributed.all_reduce`); a bare third-party name is looked up in
-  THIRD_PARTY_HOMES. A bare snake_case or ALL_CAPS name (not a call) may also be one the project
-  writes without defining it: a JSON field or environment variable in a string literal, a
-  keyword argument, a config key's last part, a word of infra/ or the Makefile.
-- **not symbols**: config keys (`train.steps`, `parallel.strategy=fsdp`, `model.lora.*`) are
-  checked against the config instead; file names with another extension (`metrics.json`), plain
-  lowercase words (`fsdp`, `no_sync`, JSON fields and values), CLI flags, and anything with a space
-  that is not a call (shell commands) are prose. A dotted name whose root is none of the above
-  (a variable: `model.parameters()`, `opt.step()`) cannot be resolved and is not checked.
+  repository (`src/`, `tests/`, `configs/`, `docs/`, `infra/`), or a package folder itself
+  (`doctor/`). It must exist relative to the repository root, `src/`, `src/shardlab/`, `tests/`
+  or the doc's folder; a bare `name.py` may be anywhere under `src/shardlab/` or `tests/`. A glob
+  (`tests/test_engine_*.py`) must match a file; a placeholder (`<name>`, `{...}`) is checked up to
+  the folder before it; `file.py::test_x` must define `test_x`. GENERATED paths are written by a
+  command and absent from a fresh checkout.
+- a **config key** is a dotted span whose first part is a config section (`train.steps`,
+  `parallel.strategy=fsdp`, `model.lora.*`): it must be a key of the config, or else a code name
+  (`train.train_step`).
+- a **symbol** is a span that reads as a code name: a call `name(...)`, a dotted name `a.b.c`
+  (`shardlab.x.y`, `module.attr`, `Class.method`), a `CamelCase` or `_private` name, a snake_case
+  name (`no_sync`), or an ALL_CAPS name with an underscore. It must be defined in src/ or tests/
+  (`def name`, `class name`, `name =`, an attribute or argument of that name), or be reached by
+  importing (`shardlab.train.train_step`, `train.train_step`, `Engine.shard_layout`,
+  `torch.distributed.all_reduce`); a bare third-party name is looked up in THIRD_PARTY_HOMES, and a
+  dotted name rooted at one of VARIABLES (`model.parameters()`) on the class it stands for. A bare
+  snake_case or ALL_CAPS name that is not a call may also be one the project writes without
+  defining it: a JSON field or environment variable in a string literal, a keyword argument, a
+  config key's last part, a word of infra/ or the Makefile.
+- **prose**, not checked: lowercase words without an underscore (`fsdp`, `bf16`), file names with
+  another extension (`metrics.json`), CLI flags, anything with a space that is not a call (shell
+  commands), and dotted names rooted at a name nothing resolves (`opt.step()`).
 - ALLOWED: the few spans that look like code names but name no Python code (below, each with why).
 
-Failures list doc:line and the name, so a rename elsewhere shows every page to update.
+Besides: link targets and their #anchors exist; `docs/x.md, "Section"` (in docs, code and tests)
+names a section of that doc; a `[Note: ...]` a doc names is in the code; docs/plan.md's GPU and
+link tables are plan's catalogue; no page cites an issue or tells history. Failures list file:line
+and the name, so a rename elsewhere shows every place to update.
 """
 
 from __future__ import annotations
