@@ -19,6 +19,7 @@ from torch import nn
 import shardlab
 from shardlab.engines import engine_of, optimizer_state_bytes
 from shardlab.testing import run_workers
+from tests.minimal_cases import PARITY, check_minimal, minimal_runs
 from tests.parity import (
     CASES,
     DTYPE,
@@ -260,6 +261,7 @@ def _ddp_cases(rank: int, world: int) -> dict:
         out[("custom", c)] = train_custom(rank, world, c, "ddp", "adamw")
     out["reuse"] = train_reuse(rank, world, "ddp")
     out["reuse_checkpointing"] = train_reuse(rank, world, "ddp", activation_checkpointing=True)
+    out["minimal"] = minimal_runs(rank, world, "ddp")
     return out
 
 
@@ -302,3 +304,4 @@ def test_ddp_matches_single(world):
     for key in ("reuse", "reuse_checkpointing"):
         assert_parity(reuse_ref, got[key], f"ddp/{key}/N={world}")
     check_same_on_every_rank(results, f"ddp/N={world}/")
+    check_minimal(results, world, "ddp", {(c, o): got[("parity", c, o)] for c, o in PARITY})

@@ -18,6 +18,7 @@ from shardlab.engines import engine_of, optimizer_state_bytes
 from shardlab.models import count_parameters
 from shardlab.models.init import INIT_STD_ATTR, init_parameters_
 from shardlab.testing import run_workers
+from tests.minimal_cases import check_minimal, minimal_runs
 from tests.parity import (
     ALL_CASES,
     CASES,
@@ -260,6 +261,7 @@ def _run_plan(rank: int, world: int) -> dict:
         results["memory"] = _memory_and_traffic(rank, world)
     if world == 2:
         results["resharding"] = _resharding(rank, world)
+    results["minimal"] = minimal_runs(rank, world, "fsdp")
     return results
 
 
@@ -294,6 +296,8 @@ def _check_custom(ref: dict, got: dict, label: str) -> None:
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_fsdp_matches_single(world):
     results = run_workers(world, _run_plan)
+    check_minimal(results, world, "fsdp", {(case, opt): results[0][i] for i, (kind, case, opt, options)
+                                           in enumerate(_plan(world)) if kind == "parity" and not options})
     for i, (kind, case, opt, options) in enumerate(_plan(world)):
         label = f"fsdp/{kind}/{case}/{opt}/{options}/N={world}"
         got = results[0][i]

@@ -21,6 +21,7 @@ from torch import nn
 import shardlab
 from shardlab.engines import engine_of
 from shardlab.testing import run_workers
+from tests.minimal_cases import PARITY, check_minimal, minimal_runs
 from tests.parity import (
     CASES,
     DTYPE,
@@ -174,6 +175,7 @@ def _zero3_cases(rank: int, world: int) -> dict:
     out["two_tensors"] = train_two_tensors(rank, world, "zero3")
     out["round_trip"] = load_round_trip(rank, world)
     out["backward_twice"] = train_backward_twice(rank, world, "zero3")
+    out["minimal"] = minimal_runs(rank, world, "zero3")
     return out
 
 
@@ -290,6 +292,7 @@ def test_zero3_matches_single(world):
     _check_round_trip(results, "round_trip", "gpt")
     assert_parity(train_backward_twice(0, 1, None), got["backward_twice"], f"zero3/retain_graph/N={world}")
     check_same_on_every_rank(results, f"zero3/N={world}/")
+    check_minimal(results, world, "zero3", {(c, o): got[("parity", c, o)] for c, o in PARITY})
 
 
 def test_zero3_rejects_unknown_option():
