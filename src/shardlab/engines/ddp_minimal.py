@@ -41,7 +41,7 @@ from torch import nn
 
 from shardlab.engines import _hooks
 from shardlab.engines import collectives as C
-from shardlab.engines.api import Collective, Engine, ModelTraffic, materialize_whole_
+from shardlab.engines.api import Collective, Engine, ModelTraffic
 
 
 class MinimalDDPEngine(Engine):
@@ -51,8 +51,7 @@ class MinimalDDPEngine(Engine):
     def __init__(self, module: nn.Module, **kw: Any):
         super().__init__(module, **kw)
         self.counter = C.CommCounter()  # every collective below counts its bytes (shardlab bench)
-        materialize_whole_(module, self.device)
-        _hooks.broadcast_from_rank0([*module.parameters(), *module.buffers()], self.group, self.counter)
+        _hooks.replicate_from_rank0(module, self.device, self.group, self.counter)
         self.trainable = [p for p in self.local_parameters() if p.requires_grad]
         self._backward_end = _hooks.BackwardEnd(self._average_gradients)
         for p in self.trainable:

@@ -57,21 +57,10 @@ from shardlab.engines.api import (
     ModelTraffic,
     ShardPiece,
     gathered_unit_traffic,
-    materialize_whole_,
 )
 from shardlab.engines.fsdp import FSDPEngine
+from shardlab.engines.fsdp_layout import FlatEntry, shard_pieces
 from shardlab.models.init import canonical_names, parameter_bindings
-
-
-@dataclass(eq=False)
-class Entry:
-    """One original parameter inside a group's flat buffer."""
-
-    name: str                                    # canonical name
-    offset: int                                  # its first element in the flat buffer
-    numel: int
-    places: list[tuple[nn.Module, str]]          # every (module, attribute) that binds it
-    stand_in: torch.Tensor                       # meta tensor of its shape: what the modules hold while sharded
 
 
 @dataclass(eq=False)
@@ -79,7 +68,8 @@ class Group:
     """A unit's parameters of one requires_grad and dtype, as one flat buffer sharded N ways."""
 
     unit: Unit
-    entries: list[Entry]
+    entries: list[FlatEntry]                     # each original parameter: name, shape, offset, numel, bindings
+    stand_ins: list[torch.Tensor]                # per entry, a meta tensor of its shape: what modules hold while sharded
     shard: nn.Parameter                          # this rank's slice: what the optimizer sees
     full: torch.Tensor                           # the whole flat buffer; storage freed while sharded
     views: list[torch.Tensor] = field(default_factory=list)   # per entry, made at each forward
@@ -100,8 +90,7 @@ class MinimalFSDPEngine(Engine):
     def __init__(self, module: nn.Module, **kw: Any):
         super().__init__(module, **kw)
         self.counter = C.CommCounter()  # every collective below counts its bytes (shardlab bench)
-        materialize_whole_(module, self.device)
-        _hooks.broadcast_from_rank0([*module.parameters(), *module.buffers()], self.group, self.counter)
+        _hooks.replicate_from_rank0(module, self.device, self.group, self.counter)
         names = canonical_names(module)
         # the state_dict's keys (tied names, buffers), recorded before any parameter leaves
         self.state_keys = _hooks.StateDictMirror(module, lambda p: names[id(p)])
@@ -138,24 +127,25 @@ class MinimalFSDPEngine(Engine):
                     places: dict[int, list[tuple[nn.Module, str]]]) -> Group:
         entries, offset = [], 0
         for p in params:
-            entries.append(Entry(names[id(p)], offset, p.numel(), places[id(p)], torch.empty_like(p, device="meta")))
+            entries.append(FlatEntry(names[id(p)], p.shape, offset, p.numel(), places[id(p)]))
             offset += p.numel()
         padded = -(-offset // self.world_size) * self.world_size
         flat = self._flat(entries, {e.name: p for e, p in zip(entries, params)}, padded)
         shard = nn.Parameter(flat.chunk(self.world_size)[self.rank].clone(), requires_grad=params[0].requires_grad)
         unit.module.register_parameter(shard_name, shard)
-        for e in entries:  # the original parameters leave; the stand-in keeps their place
-            for m, attr in e.places:
+        stand_ins = [torch.empty_like(p, device="meta") for p in params]
+        for e, stand_in in zip(entries, stand_ins):  # the original parameters leave; stand-ins keep their place
+            for m, attr in e.bindings:
                 del m._parameters[attr]
-                m.__dict__[attr] = e.stand_in
+                m.__dict__[attr] = stand_in
         full = torch.empty(padded, dtype=shard.dtype, device=self.device, requires_grad=shard.requires_grad)
         full.untyped_storage().resize_(0)
-        group = Group(unit, entries, shard, full)
+        group = Group(unit, entries, stand_ins, shard, full)
         if shard.requires_grad:
             full.register_post_accumulate_grad_hook(_hooks.weak_hook(self._post_backward, group))
         return group
 
-    def _flat(self, entries: list[Entry], values: Mapping[str, torch.Tensor], padded: int) -> torch.Tensor:
+    def _flat(self, entries: list[FlatEntry], values: Mapping[str, torch.Tensor], padded: int) -> torch.Tensor:
         """The entries' values laid end to end, zeros after them up to `padded` elements."""
         flat = [values[e.name].reshape(-1).to(self.device) for e in entries]
         return torch.cat([*flat, flat[0].new_zeros(padded - sum(e.numel for e in entries))])
@@ -177,16 +167,16 @@ class MinimalFSDPEngine(Engine):
         `nn.Module.__getattr__` would look anywhere else."""
         for g in unit.groups:
             for e, view in zip(g.entries, g.views):
-                for m, attr in e.places:
+                for m, attr in e.bindings:
                     m.__dict__[attr] = view
 
     def _reshard(self, unit: Unit) -> None:
         """Free the storage; the modules see their stand-ins again."""
         for g in unit.groups:
             g.full.untyped_storage().resize_(0)
-            for e in g.entries:
-                for m, attr in e.places:
-                    m.__dict__[attr] = e.stand_in
+            for e, stand_in in zip(g.entries, g.stand_ins):
+                for m, attr in e.bindings:
+                    m.__dict__[attr] = stand_in
 
     # -- forward and backward -------------------------------------------------------------------
     def _pre_forward(self, unit: Unit, module: nn.Module, args: tuple) -> None:
@@ -196,7 +186,7 @@ class MinimalFSDPEngine(Engine):
             # padding, the last piece, which no entry takes) into `full.grad`
             sizes = [e.numel for e in g.entries]
             pieces = g.full.split([*sizes, g.full.numel() - sum(sizes)])
-            g.views = [v.view(e.stand_in.shape) for v, e in zip(pieces, g.entries)]
+            g.views = [v.view(e.shape) for v, e in zip(pieces, g.entries)]
         self._bind(unit)
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: tuple, output: Any) -> None:
@@ -239,7 +229,7 @@ class MinimalFSDPEngine(Engine):
             flat = torch.empty(g.full.numel(), dtype=g.shard.dtype, device=self.device)
             C.all_gather_into(flat, g.shard.detach(), self.group, counter=self.counter)
             for e in g.entries:
-                params[e.name] = flat[e.offset:e.offset + e.numel].view(e.stand_in.shape).to("cpu", copy=True)
+                params[e.name] = flat[e.offset:e.offset + e.numel].view(e.shape).to("cpu", copy=True)
         return self.state_keys.full(params)
 
     @torch.no_grad()
@@ -249,18 +239,8 @@ class MinimalFSDPEngine(Engine):
         self.state_keys.load_buffers(state)
 
     def shard_layout(self) -> list[tuple[nn.Parameter, list[ShardPiece]]]:
-        """Each shard holds the parts of its group's entries that fall in [lo, lo + S)."""
-        layout = []
-        for g in self.groups:
-            size = g.shard.numel()
-            lo = self.rank * size
-            pieces = []
-            for e in g.entries:
-                a, b = max(lo, e.offset), min(lo + size, e.offset + e.numel)
-                if a < b:
-                    pieces.append(ShardPiece(e.name, e.stand_in.shape, a - e.offset, a - lo, b - a))
-            layout.append((g.shard, pieces))
-        return layout
+        """Each shard holds the parts of its group's entries that fall in its slice [r*S, (r+1)*S)."""
+        return [(g.shard, shard_pieces(g.entries, self.rank * g.shard.numel(), g.shard.numel())) for g in self.groups]
 
     # -- what plan and the measurements ask (engines/api.py) --------------------------------------
     planned_state = FSDPEngine.planned_state  # flat groups per unit, padded: built, not re-derived

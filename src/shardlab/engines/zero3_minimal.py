@@ -54,7 +54,6 @@ from shardlab.engines.api import (
     LocalTensor,
     ModelTraffic,
     ShardPiece,
-    materialize_whole_,
 )
 from shardlab.engines.zero3 import Zero3Engine
 from shardlab.engines.zero3_layout import assign_owners
@@ -97,8 +96,7 @@ class MinimalZero3Engine(Engine):
     def __init__(self, module: nn.Module, **kw: Any):
         super().__init__(module, **kw)
         self.counter = C.CommCounter()  # every collective below counts its bytes (shardlab bench)
-        materialize_whole_(module, self.device)
-        _hooks.broadcast_from_rank0([*module.parameters(), *module.buffers()], self.group, self.counter)
+        _hooks.replicate_from_rank0(module, self.device, self.group, self.counter)
         params = list({id(p): p for p in module.parameters()}.values())
         names = canonical_names(module)
         owners = assign_owners(params, self.world_size)
