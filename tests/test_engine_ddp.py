@@ -18,6 +18,7 @@ from torch import nn
 
 import shardlab
 from tests.custom_train import check_custom, reference_custom, train_custom
+from tests.minimal_cases import PARITY, check_minimal, minimal_runs
 from tests.parity import CASES, DTYPE, F64_ATOL, GLOBAL_BATCH, assert_parity, build, train_engine
 from tests.plans import case_id, check_against_single, check_same_on_every_rank, plan_params, run_plan
 
@@ -132,11 +133,12 @@ def _ddp_plan(world: int) -> dict:
         plan[("custom", c)] = (train_custom, (c, "ddp", "adamw"), {})
     plan[("reuse",)] = (train_reuse, ("ddp",), {})
     plan[("reuse", "checkpointing")] = (train_reuse, ("ddp",), {"activation_checkpointing": True})
+    plan[("minimal",)] = (minimal_runs, ("ddp",), {})
     return plan
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,key", plan_params(_ddp_plan, (1, 2, 3, 4)))
+@pytest.mark.parametrize("world,key", plan_params(_ddp_plan, (1, 2, 3, 4), only=lambda key: key[0] != "minimal"))
 def test_ddp_matches_single(spawned, world, key):
     """One case at one world size against `single` (one spawn per world size runs them all)."""
     results = spawned(run_plan, world, plan=_ddp_plan)
@@ -155,3 +157,12 @@ def test_ddp_matches_single(spawned, world, key):
     else:
         check_against_single(entry, got, label)
     check_same_on_every_rank(results, key, label)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ddp_minimal_matches_single_and_ddp(spawned, world):
+    """ddp-minimal in the same spawned workers: equal to `single` and to ddp (tests/minimal_cases.py)."""
+    results = spawned(run_plan, world, plan=_ddp_plan)
+    check_minimal([{"minimal": r[("minimal",)]} for r in results], world, "ddp",
+                  {(c, o): results[0][("parity", c, o)] for c, o in PARITY})

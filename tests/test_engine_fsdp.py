@@ -18,6 +18,7 @@ from shardlab.engines import engine_of, optimizer_state_bytes
 from shardlab.models import count_parameters
 from shardlab.models.init import INIT_STD_ATTR, init_parameters_
 from tests.custom_train import check_custom, reference_custom, train_custom
+from tests.minimal_cases import check_minimal, minimal_runs
 from tests.parity import (
     CASES,
     DTYPE,
@@ -237,6 +238,7 @@ def _run_plan(rank: int, world: int) -> dict:
         results["memory"] = _memory_and_traffic(rank, world)
     if world == 2:
         results["resharding"] = _resharding(rank, world)
+    results["minimal"] = minimal_runs(rank, world, "fsdp")
     return results
 
 
@@ -368,3 +370,12 @@ def test_fsdp_reshard_after_forward(spawned):
     after_fwd, full_bytes, after_bwd = results[False]
     assert after_fwd == full_bytes, "reshard_after_forward=False should keep units gathered until backward"
     assert after_bwd == 0, "everything is freed after backward"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", WORLDS)
+def test_fsdp_minimal_matches_single_and_fsdp(spawned, world):
+    """fsdp-minimal in the same spawned workers: equal to `single` and to fsdp (tests/minimal_cases.py)."""
+    results = spawned(_run_plan, world)
+    check_minimal(results, world, "fsdp", {(case, opt): results[0][i] for i, (kind, case, opt, options)
+                                           in enumerate(_plan(world)) if kind == "parity" and not options})

@@ -22,6 +22,7 @@ from torch import nn
 import shardlab
 from shardlab.engines import engine_of
 from tests.custom_train import check_custom, reference_custom, train_custom
+from tests.minimal_cases import PARITY, check_minimal, minimal_runs
 from tests.parity import (
     CASES,
     DTYPE,
@@ -159,6 +160,7 @@ def _zero3_plan(world: int) -> dict:
     plan[("round_trip", "gpt")] = (load_round_trip, ("gpt",), {})
     plan[("round_trip", "frozen")] = (load_round_trip, ("frozen",), {})
     plan[("ddp", "gpt")] = (train_custom, ("gpt", "ddp", "adamw"), {})
+    plan[("minimal",)] = (minimal_runs, ("zero3",), {})
     return plan
 
 
@@ -187,7 +189,7 @@ def _check_round_trip(results: list, key: tuple, case: str) -> None:
 
 
 WORLDS = (1, 2, 3, 4)
-OWN_TESTS = ("frozen_release", "round_trip", "ddp")  # keys checked by their own tests below
+OWN_TESTS = ("frozen_release", "round_trip", "ddp", "minimal")  # keys checked by their own tests below
 REFERENCES = {"reuse": lambda: train_reuse(0, 1, None), "two_tensors": lambda: train_two_tensors(0, 1, None),
               "backward_twice": lambda: train_backward_twice(0, 1, None)}
 
@@ -341,3 +343,12 @@ def test_ranks_without_trainable_tensors_are_named_when_built():
                 shardlab.parallelize(model, "zero3", device="meta")
         finally:
             dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", WORLDS)
+def test_zero3_minimal_matches_single_and_zero3(spawned, world):
+    """zero3-minimal in the same spawned workers: equal to `single` and to zero3 (tests/minimal_cases.py)."""
+    results = spawned(run_plan, world, plan=_zero3_plan)
+    check_minimal([{"minimal": r[("minimal",)]} for r in results], world, "zero3",
+                  {(c, o): results[0][("parity", c, o)] for c, o in PARITY})

@@ -40,7 +40,7 @@ def _check_class_answers(name: str) -> None:
     else:
         assert planned and all(isinstance(t, LocalTensor) for rank in planned for t in rank), name
     traffic = ModelTraffic(param_bytes=4000.0, trainable_bytes=4000.0, root_bytes=1000.0, units=2,
-                           micro_batches=1, world=2)
+                           micro_batches=1, world=2, tensors=6, trainable_tensors=6)
     sent = cls.step_traffic(traffic, {})
     assert all(isinstance(c, Collective) and c.kind in KINDS and c.calls >= 1 and c.ranks >= 1 for c in sent), name
     assert bool(sent) == cls.distributed, (name, sent)

@@ -10,7 +10,8 @@ import pathlib
 import re
 
 SRC = pathlib.Path(__file__).resolve().parent.parent / "src"
-BUILT_IN_ENGINES = ("single", "ddp", "zero3", "fsdp", "torch-ddp", "torch-fsdp")
+BUILT_IN_ENGINES = ("single", "ddp", "zero3", "fsdp", "ddp-minimal", "zero3-minimal", "fsdp-minimal", "torch-ddp",
+                    "torch-fsdp")
 
 
 def _files() -> list[pathlib.Path]:

@@ -45,6 +45,10 @@ STRATEGIES: dict[str, EngineEntry] = {
     "ddp": EngineEntry("shardlab.engines.ddp:DDPEngine", torch_twin="torch-ddp"),
     "zero3": EngineEntry("shardlab.engines.zero3:Zero3Engine", torch_twin="torch-fsdp"),
     "fsdp": EngineEntry("shardlab.engines.fsdp:FSDPEngine", torch_twin="torch-fsdp"),
+    # the same algorithms, each in one short file with nothing beyond them: to read first (docs/engines.md)
+    "ddp-minimal": EngineEntry("shardlab.engines.ddp_minimal:MinimalDDPEngine", torch_twin="torch-ddp"),
+    "zero3-minimal": EngineEntry("shardlab.engines.zero3_minimal:MinimalZero3Engine", torch_twin="torch-fsdp"),
+    "fsdp-minimal": EngineEntry("shardlab.engines.fsdp_minimal:MinimalFSDPEngine", torch_twin="torch-fsdp"),
     "torch-ddp": EngineEntry("shardlab.engines.native:TorchDDPEngine"),
     "torch-fsdp": EngineEntry("shardlab.engines.native:TorchFSDPEngine"),
 }

@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from shardlab.engines import collectives
-from shardlab.engines.api import CPUOffload
+from shardlab.engines.api import CPUOffload, materialize_whole_
 
 
 def weak_hook(method: Callable[..., Any], *args: Any) -> Callable[..., Any]:
@@ -190,6 +190,14 @@ def broadcast_from_rank0(tensors: Iterable[torch.Tensor], group: dist.ProcessGro
     """Make every rank's copy equal to rank 0's (each tensor once, tied ones included)."""
     for t in {id(t): t for t in tensors}.values():
         collectives.broadcast(t.data, 0, group, counter=counter)
+
+
+def replicate_from_rank0(module: nn.Module, device: torch.device, group: dist.ProcessGroup | None,
+                         counter: collectives.CommCounter | None) -> None:
+    """Give every rank the whole module with rank 0's values: a meta module is materialized (as a
+    direct build would initialize it), then every parameter and buffer is broadcast from rank 0."""
+    materialize_whole_(module, device)
+    broadcast_from_rank0([*module.parameters(), *module.buffers()], group, counter)
 
 
 @dataclass(frozen=True)

@@ -210,6 +210,8 @@ class ModelTraffic:
     units: int                  # wrap units, the root not counted
     micro_batches: int          # forward/backward passes per rank per step
     world: int
+    tensors: int                # parameter tensors (tied names counted once): per-tensor collectives' calls
+    trainable_tensors: int      # those that get a gradient
 
 
 class Collective(NamedTuple):

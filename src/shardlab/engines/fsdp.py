@@ -142,7 +142,14 @@ from shardlab.engines.api import (
     gathered_unit_traffic,
     is_meta,
 )
-from shardlab.engines.fsdp_layout import FlatGroup, FlatUnit, ShardSpec, UnitState, build_flat_units
+from shardlab.engines.fsdp_layout import (
+    FlatGroup,
+    FlatUnit,
+    ShardSpec,
+    UnitState,
+    build_flat_units,
+    shard_pieces,
+)
 from shardlab.models.init import canonical_names
 
 MAX_UNITS_REDUCING = 1  # see [Note: how many reduce-scatters may be in flight]
@@ -532,17 +539,8 @@ class FSDPEngine(Engine):
     def shard_layout(self) -> list[tuple[nn.Parameter, list[ShardPiece]]]:
         """Every group's shard, frozen ones included (a checkpoint must hold every parameter).
         Under HSDP the R replicas of a shard describe the same pieces: DCP writes one of them."""
-        layout = []
-        for g in self.groups:
-            n = g.shard.numel()
-            lo = self.shard_rank * n
-            pieces = []
-            for e in g.entries:
-                a, b = max(lo, e.offset), min(lo + n, e.offset + e.numel)
-                if a < b:
-                    pieces.append(ShardPiece(e.name, e.shape, a - e.offset, a - lo, b - a))
-            layout.append((g.shard, pieces))
-        return layout
+        return [(g.shard, shard_pieces(g.entries, self.shard_rank * g.shard.numel(), g.shard.numel()))
+                for g in self.groups]
 
     def comm_counters(self) -> list[collectives.CommCounter]:
         """All-gathers and reduce-scatters over the shard group (and the wrap-time broadcasts over

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from shardlab.engines._hooks import NoSyncGrad
-from shardlab.engines.api import CPUOffload
+from shardlab.engines.api import CPUOffload, ShardPiece
 from shardlab.models.init import RANGE_READERS_ATTR, init_parameters_
 
 
@@ -82,6 +82,17 @@ class FlatUnit:
     @property
     def has_frozen(self) -> bool:
         return any(not g.trainable for g in self.groups)
+
+
+def shard_pieces(entries: list[FlatEntry], lo: int, size: int) -> list[ShardPiece]:
+    """The parts of a flat buffer's entries that fall in the slice [lo, lo + size), as the pieces of
+    the shard holding that slice (`Engine.shard_layout`)."""
+    pieces = []
+    for e in entries:
+        a, b = max(lo, e.offset), min(lo + size, e.offset + e.numel)
+        if a < b:
+            pieces.append(ShardPiece(e.name, e.shape, a - e.offset, a - lo, b - a))
+    return pieces
 
 
 @dataclass(frozen=True)

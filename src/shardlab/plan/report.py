@@ -212,7 +212,8 @@ def print_report(cfg, report: dict[str, Any]) -> None:
     _UNIT[:] = [2**20, "MiB"] if small else [2**30, "GiB"]
     print(f"predicted peak per rank, {_UNIT[1]}, by part:")
     cols = ["params", "gathered_params", "grads", "unsharded_grads", "optimizer", "activations", "comm"]
-    head = (f"{'engine':11s} {'peak':>7s} " + " ".join(f"{c[:10]:>10s}" for c in cols)
+    w = max(11, *(len(e) for e in report["engines"]))  # the engine column: as wide as the longest name
+    head = (f"{'engine':{w}s} {'peak':>7s} " + " ".join(f"{c[:10]:>10s}" for c in cols)
             + f" {'reserved':>9s} {'device':>8s}  verdict")
     print(head)
     for e, r in report["engines"].items():
@@ -220,7 +221,7 @@ def print_report(cfg, report: dict[str, Any]) -> None:
         word = (f"fits, {_gib(v['margin_bytes'])} {_UNIT[1]} spare" if v["fits"] else
                 ("does not fit" if r["probed"] else "does not fit (lower bound)" if v["margin_bytes"] < 0
                  else "unknown (not probed)"))
-        print(f"{e:11s} {_gib(r['peak_bytes']):>7s} " + " ".join(f"{_gib(r['parts'][c]):>10s}" for c in cols)
+        print(f"{e:{w}s} {_gib(r['peak_bytes']):>7s} " + " ".join(f"{_gib(r['parts'][c]):>10s}" for c in cols)
               + f" {_gib(r['reserved_bytes']):>9s} {_gib(r['device_bytes']):>8s}  {word}")
     print("  peak: live tensor bytes; reserved: the CUDA caching allocator's peak (torch.cuda.max_memory_reserved); "
           "device: reserved + CUDA context + NCCL (nvidia-smi) (docs/memory.md, [Note: live, reserved, device])")
@@ -242,7 +243,7 @@ def print_report(cfg, report: dict[str, Any]) -> None:
     for e, r in report["engines"].items():
         t = r["time"]
         lim = t["comm_stops_hiding_at_nodes"]
-        print(f"  {e:11s} compute {t['compute_s'] * 1e3:9.1f} ms  comm {t['comm_s'] * 1e3:9.1f} ms  step "
+        print(f"  {e:{w}s} compute {t['compute_s'] * 1e3:9.1f} ms  comm {t['comm_s'] * 1e3:9.1f} ms  step "
               f"{t['step_s'] * 1e3:9.1f} ms  {t['tokens_per_s'] or 0:12.0f} tokens/s "
               f"({(t['tokens_per_s'] or 0) / report['world']:.0f} per rank, {t['flops_per_token']:.3g} FLOP/token)  comm "
               f"{'hidden' if t['comm_hidden'] else 'EXPOSED'}"

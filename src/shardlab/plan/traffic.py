@@ -53,7 +53,7 @@ def model_traffic(cfg, world: int, mixed_precision: MixedPrecision | None = None
                         trainable_bytes=nbytes([p for p in params if p.requires_grad], reduced),
                         root_bytes=nbytes([p for p in params if id(p) not in in_units], gathered), units=len(units),
                         micro_batches=max(1, cfg.train.global_batch_size // (world * cfg.train.micro_batch_size)),
-                        world=world)
+                        world=world, tensors=len(params), trainable_tensors=sum(p.requires_grad for p in params))
 
 
 def comm_plan(cfg, engine: str, world: int) -> list[Collective]:
