@@ -116,7 +116,7 @@ def train_custom(rank: int, world: int, case: str, strategy: str, opt_name: str,
             if strategy == "fsdp":
                 out["gathered_after_eval"].append(engine.gathered_bytes())
                 out["armed_after_eval"].append(engine._backward_end.queued or any(
-                    u.needs_backward or u.tracked_views or u.state.value != "sharded" for u in engine.flat_units))
+                    not u.state.idle or u.storage.value != "sharded" for u in engine.flat_units))
     out["state"] = shardlab.full_state_dict(model)
     return out
 
@@ -181,7 +181,7 @@ def _frozen_release(rank: int, world: int) -> dict:
     trainable = next(g for g in block0.groups if g.trainable)
 
     def record(_full: torch.Tensor) -> None:
-        seen.setdefault("states", [u.state.value for u in engine.wrap_units])
+        seen.setdefault("states", [u.storage.value for u in engine.wrap_units])
 
     trainable.full.register_post_accumulate_grad_hook(record)  # after the engine's own hook on it
     b = GLOBAL_BATCH // world
