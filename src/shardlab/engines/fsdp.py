@@ -348,7 +348,10 @@ class FSDPEngine(Engine):
             # the sum on the next synced backward.
             g.unsynced.keep(full_grad, g.shard.dtype, copy=False)
             return
-        self._reduce_scatter(g, g.unsynced.take(full_grad))
+        # rebound, not passed on: a flat gradient cast to the reduce dtype is freed here, not held
+        # while older reduce-scatters are waited for
+        full_grad = g.unsynced.take(full_grad).to(self.reduce_dtype or g.shard.dtype)
+        self._reduce_scatter(g, full_grad)
 
     # [Note: how many reduce-scatters may be in flight]
     # A reduce-scatter's input is the unit's whole unsharded gradient (4 bytes per parameter in
@@ -366,9 +369,8 @@ class FSDPEngine(Engine):
     # may be in flight] in engines/zero3.py.)
 
     def _reduce_scatter(self, g: FlatGroup, full_grad: torch.Tensor) -> None:
-        """Start the reduce-scatter of a group's flat gradient (averaged: [Note: why average]),
-        in the reduce dtype, bounded as the Note above says."""
-        full_grad = full_grad.to(self.reduce_dtype or g.shard.dtype)
+        """Start the reduce-scatter of a group's flat gradient, in the reduce dtype (averaged:
+        [Note: why average]), bounded as the Note above says."""
         out = torch.empty(g.shard.numel(), dtype=full_grad.dtype, device=self.device)
         handle = collectives.reduce_scatter_into(out, full_grad, self.shard_group, average=True, async_op=True,
                                                  counter=self.counter)
