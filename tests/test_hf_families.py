@@ -327,12 +327,11 @@ def _verify_all(rank: int, world: int, cases: dict[str, dict], root: str) -> dic
 
 
 @pytest.fixture(scope="module")
-def verified(dirs, tmp_path_factory):
+def verified(dirs, tmp_path_factory, monkeypatch_module):
     import json
-    import os
 
     root = tmp_path_factory.mktemp("verify-families")
-    os.environ["SHARDLAB_CACHE"] = str(root / "cache")
+    monkeypatch_module.setenv("SHARDLAB_CACHE", str(root / "cache"))
     data = root / "chat.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Add {i} and {i % 5}"},
                                                      {"role": "assistant", "content": f"It is {i + i % 5}."}]})

@@ -115,12 +115,6 @@ def layout_runs(sft_files, monkeypatch_module):
     return {world: run_workers(world, _run_layouts, sft_files, timeout_s=400)[0] for world in LAYOUTS}
 
 
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as mp:
-        yield mp
-
-
 @pytest.mark.slow
 def test_every_layout_and_engine_equals_one_big_batch(layout_runs):
     ref = layout_runs[1][("single", 1, GLOBAL)]

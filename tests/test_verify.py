@@ -128,10 +128,10 @@ def _cases(rank: int, world: int, root: str, cases: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory):
+def reports(tmp_path_factory, monkeypatch_module):
     pytest.importorskip("peft")
     root = tmp_path_factory.mktemp("verify")
-    os.environ["SHARDLAB_CACHE"] = str(root / "cache")
+    monkeypatch_module.setenv("SHARDLAB_CACHE", str(root / "cache"))
     _write_sft_examples(str(root / "sft.jsonl"))
     cases = dict(CASES)
     raw = json.loads(json.dumps(cases["sft-uneven-targets"][0]))

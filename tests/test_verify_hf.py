@@ -85,9 +85,9 @@ def _run(rank: int, world: int, root: str, cases: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory):
+def reports(tmp_path_factory, monkeypatch_module):
     root = tmp_path_factory.mktemp("verify-hf")
-    os.environ["SHARDLAB_CACHE"] = str(root / "cache")
+    monkeypatch_module.setenv("SHARDLAB_CACHE", str(root / "cache"))
     data = root / "chat.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in _conversations(96)))
     (root / "qwen2.json").write_text(json.dumps(QWEN2_TIED))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -355,8 +356,11 @@ class StepLogger:
         if rt.is_main and cfg.output.progress:
             from tqdm import tqdm
 
+            # A worker's stderr goes to a file (launcher.py), so on a terminal the bar is drawn on
+            # stdout, which stays the terminal's; piped (CI, Slurm, tests) it stays on stderr.
+            out = sys.stdout if sys.stdout.isatty() else sys.stderr
             self.bar = tqdm(total=cfg.train.steps, initial=run.state.step, unit="step", dynamic_ncols=True,
-                            desc=f"{cfg.parallel.strategy} x{rt.world_size}")
+                            desc=f"{cfg.parallel.strategy} x{rt.world_size}", file=out)
 
     def log(self, r: StepResult, step_time: float) -> None:
         step, t = self.run.state.step, self.run.cfg.train

@@ -1,5 +1,5 @@
 """`shardlab plan`: predict the peak memory per rank of every engine before launch, say whether it
-fits a GPU, and predict step time and tokens/s at K nodes (docs/memory.md, "shardlab plan").
+fits a GPU, and predict step time and tokens/s at K nodes (docs/plan.md; the model: docs/memory.md, "How shardlab plan predicts the peak").
 
   shardlab plan CONFIG.yaml [key=value ...] --gpu T4|L4|A100-40|A100-80|H100|H200 --nproc N [--nodes K]
                 [--interconnect NAME] [--engines a,b] [--json]
