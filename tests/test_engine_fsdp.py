@@ -87,7 +87,7 @@ def _idle(engine) -> dict:
     """What fsdp holds after a no-grad forward: nothing should stay gathered or armed for a backward."""
     return {"gathered": engine.gathered_bytes(),
             "armed": engine._backward_end.queued or any(
-                u.needs_backward or u.tracked_views or u.state.value != "sharded" for u in engine.flat_units)}
+                not u.state.idle or u.storage.value != "sharded" for u in engine.flat_units)}
 
 
 def _custom(rank: int, world: int, case: str, opt: str, options: dict) -> dict:
@@ -159,7 +159,7 @@ def _frozen_release(rank: int, world: int) -> dict:
     trainable = next(g for g in block0.groups if g.trainable)
 
     def record(_full: torch.Tensor) -> None:
-        seen.setdefault("states", [u.state.value for u in engine.wrap_units])
+        seen.setdefault("states", [u.storage.value for u in engine.wrap_units])
 
     trainable.full.register_post_accumulate_grad_hook(record)  # after the engine's own hook on it
     b = GLOBAL_BATCH // world

@@ -17,9 +17,8 @@ Contract every engine keeps (the parity tests check it):
 - `full_state_dict()` is called by every rank and returns the unwrapped module's
   `state_dict()` keys (original names, tied names included) with full CPU tensors.
 
-The reasoning every engine that communicates from hooks (ddp, zero3, fsdp) relies on is
-written here once; the engines cite these Notes by name and add only what is their own.
-The hook helpers themselves live in `engines/_hooks.py`.
+The reasoning the engines that communicate from hooks (ddp, zero3, fsdp) share is written
+beside the hooks, in `engines/_hooks.py`; the contract's own reason is here:
 
 [Note: why average]
 Each rank's loss is the mean over its own micro batch. With equal micro batches the loss
@@ -28,50 +27,6 @@ gradient is the mean of the N local gradients: every reduction divides by N. Sum
 instead multiplies the effective learning rate by N (the classic bug of public
 attempts); with Adam it also shifts the balance against epsilon. The parity tests train
 with plain SGD, which turns an N-times gradient into a visibly different model.
-
-[Note: when the hooks fire]
-- A forward pre-hook runs just before a unit's forward; a forward hook just after it.
-- A hook on a forward *output's* gradient runs when that gradient is complete, before any
-  backward node of the unit that produced it: the pre-backward, the moment to re-gather.
-- A post-accumulate-grad hook on a leaf runs once per backward, after autograd has summed
-  every use of that leaf (tied names, a unit called twice): the moment its gradient is
-  final and may be reduced.
-- With activation checkpointing a unit's forward runs again inside backward; the forward
-  hooks then fire while an autograd graph task runs (`_hooks.in_backward()`), and must
-  neither gather anew nor free what backward still reads.
-- A leaf's gradient tells that every node *reading a trainable parameter* has run; nodes
-  reading only frozen parameters give no such signal, but all of a unit's nodes precede
-  the gradients of its inputs (`_hooks.hook_input_grads`).
-
-[Note: why we wait where we wait]
-Reductions launch asynchronously so they overlap the backward of earlier layers. The
-contract says communication is complete when `backward()` returns, so the optimizer step
-right after it sees final gradients: the first backward hook of a pass queues a callback
-on the autograd engine (`_hooks.BackwardEnd`) that runs after the last node, still inside
-`loss.backward()` — the latest point that keeps the contract. It launches what could not
-launch (parameters unused in this step still take part, in the same order on every rank,
-so the collectives pair up), waits for everything in flight, and frees what is still
-gathered. Gathers are waited for right before their values are read.
-
-[Note: how many reductions may be in flight]
-zero3 and fsdp launch a gradient reduction asynchronously as soon as its input is complete,
-so it overlaps the backward of earlier units, and must keep that input alive until the
-reduction completes: bounding what is in flight bounds the backward peak. Each bounds it by
-what its reductions are made of, and the two choices answer each other:
-- fsdp reduce-scatters a unit's whole flat gradient in one collective per group, once the unit
-  is done: the thing in flight is a unit, so it counts units (MAX_UNITS_REDUCING = 1: a new
-  unit's reduce-scatter waits for the previous unit's). A byte cap set by the largest unit (a
-  GPT's embedding) would let many small blocks pile up; a count of units holds the peak to one
-  unit's gradient in flight whatever the sizes (fsdp.py's Note has the measurements).
-- zero3 reduces each owner's piece of a unit as soon as that owner's tensors are in: a unit
-  leaves as up to N reduces of very different sizes (a whole embedding owned by one rank, a
-  bias by another), launched at different moments and interleaved with the next unit's. No
-  unit is ever "in flight" as one thing, and counting pieces would let a bias-sized piece
-  stand for a unit's worth of bytes; so it counts bytes, waiting for the oldest reduce once
-  the buffers in flight exceed twice the largest unit's parameter bytes (`max_inflight_bytes`).
-  fsdp's objection applies to it: with a large root unit the cap admits several blocks'
-  gradients at once. It is kept as measured (docs/memory.md's zero3 peaks are with it); a cap
-  in bytes per block, not per largest unit, is the tighter bound it leaves open.
 """
 
 from __future__ import annotations

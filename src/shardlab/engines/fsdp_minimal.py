@@ -59,7 +59,7 @@ from shardlab.engines.api import (
     gathered_unit_traffic,
 )
 from shardlab.engines.fsdp import FSDPEngine
-from shardlab.engines.fsdp_layout import FlatEntry, shard_pieces
+from shardlab.engines.fsdp_layout import FlatEntry, slice_pieces
 from shardlab.models.init import canonical_names, parameter_bindings
 
 
@@ -240,7 +240,7 @@ class MinimalFSDPEngine(Engine):
 
     def shard_layout(self) -> list[tuple[nn.Parameter, list[ShardPiece]]]:
         """Each shard holds the parts of its group's entries that fall in its slice [r*S, (r+1)*S)."""
-        return [(g.shard, shard_pieces(g.entries, self.rank * g.shard.numel(), g.shard.numel())) for g in self.groups]
+        return [(g.shard, slice_pieces(g.entries, self.rank * g.shard.numel(), g.shard.numel())) for g in self.groups]
 
     # -- what plan and the measurements ask (engines/api.py) --------------------------------------
     planned_state = FSDPEngine.planned_state  # flat groups per unit, padded: built, not re-derived
