@@ -1,5 +1,5 @@
 """`shardlab prepare` on corpus shapes (docs/data.md): `python -m shardlab.data.bench_shapes
-[--only NAME,...] [--json results.json]`.
+[--only NAME,...] [--jsonl-mib N] [--json results.json]`.
 
 Each case prepares one generated corpus at --workers 1 and then 2, in this process one after
 the other, and reports both times and their ratio from the same run (the machine's load moves
@@ -9,7 +9,8 @@ temporary directory (random words; nothing downloaded or shipped) and removed af
   tree-1g      1 GiB in 1,600 text files, bytes
   tree-bpe     48 MiB in 1,600 text files, a byte-level BPE of vocab 4096 trained here
   one-file     one 512 MiB text file, bytes
-  jsonl        256 MiB of JSONL, bytes; then the same file compressed with zstd (one stream: one worker)
+  jsonl        256 MiB of JSONL (--jsonl-mib), bytes; then the same file compressed with zstd (one
+               stream, decompressed by prepare's parent and split for the workers: data/units.py)
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def _case(name: str, inputs: list[str], out: str, mib: float, tokenizer: str | N
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="many-small,tree-1g,tree-bpe,one-file,jsonl")
+    p.add_argument("--jsonl-mib", type=float, default=256, help="the jsonl case's size (default 256)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     only, rows = args.only.split(","), {}
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             os.remove(os.path.join(tmp, "one.txt"))
         if "jsonl" in only:
             src = os.path.join(tmp, "docs.jsonl")
-            write_jsonl(src, 256 << 20)
+            write_jsonl(src, int(args.jsonl_mib * 2**20))
             zstd_compress(src, src + ".zst")
             mib = os.path.getsize(src) / 2**20
             rows["jsonl"] = _case("jsonl", [src], out, mib)
