@@ -4,10 +4,11 @@ worker reads on its own, each yielding documents as text.
 
 [Note: pieces] A piece is a small part of one input: about PIECE_BYTES of an uncompressed text
 or JSONL file, one Parquet row group, a range of rows of a `datasets` directory, or a whole
-compressed file or JSON array (a stream that cannot be entered in the middle). Pieces are
-planned from sizes and metadata alone, so planning reads no text, and they depend only on the
-inputs: the same corpus gives the same pieces, hence the same tokens, for any --workers and
---shard-mb. A file's nominal piece boundary b moves to just after the first newline at or
+compressed file or JSON array (a stream that cannot be entered in the middle; a compressed
+JSONL larger than a unit is cut by prepare's process as it decompresses it instead, into pieces
+that carry their bytes: data/units.py). Pieces are planned from sizes and metadata alone, so
+planning reads no text, and they depend only on the inputs: the same corpus gives the same
+pieces, hence the same tokens, for any --workers and --shard-mb. A file's nominal piece boundary b moves to just after the first newline at or
 after b (a JSONL record is never cut); in a text file without a newline within CUT_WINDOW of
 b it moves back to the start of the UTF-8 character at b. Both pieces that share a boundary
 compute the same cut, so they cover the file exactly once.

@@ -8,7 +8,8 @@ manifest are in data/shards.py; training maps the result with `data.source=token
 data.path=DATA_DIR`.
 
 How the work is split: the inputs are cut into pieces of about 1 MiB (data/inputs.py), and
-consecutive pieces are grouped into units of about --shard-mb MiB of output. A worker process
+consecutive pieces are grouped into units of about --shard-mb MiB of output (data/units.py, where
+a large compressed JSONL is decompressed here and cut for the workers). A worker process
 turns one unit into one training shard: it reads its pieces, encodes them with the tokenizer
 (`tokenizers`' batch encoding, in Rust), writes the shard and its document index, hashes both
 and returns the held-out validation documents, which this process writes as the val shards.
