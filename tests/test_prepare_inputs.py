@@ -225,6 +225,11 @@ def test_one_compressed_jsonl_is_split_and_equals_one_worker(tmp_path, kind):
     assert m["inputs"][0]["sha256"] == hashlib.sha256(open(packed, "rb").read()).hexdigest()
     with pytest.raises(DataError, match=rf"{packed}:901: not a JSON line"):
         prepare([packed], str(tmp_path / "strict"), workers=2, on_bad_record="fail", **kw)
+    cut = tmp_path / f"cut.jsonl.{kind}"  # an interrupted download: refused, split or read whole
+    cut.write_bytes(open(packed, "rb").read()[:os.path.getsize(packed) // 2])
+    for shard_mb in (0.1, 64):
+        with pytest.raises(DataError, match=r"cut.jsonl.* damaged or truncated"):
+            prepare([str(cut)], str(tmp_path / f"cut{shard_mb}"), shard_mb=shard_mb)
 
     inputs, _ = ins.scan_inputs([packed])
     pieces = ins.plan_pieces(inputs, "text")
@@ -238,3 +243,14 @@ def test_one_compressed_jsonl_is_split_and_equals_one_worker(tmp_path, kind):
     assert [p.line for p in flat] == list(itertools.accumulate([1] + [p.data.count(b"\n") for p in flat[:-1]]))
     assert sum(p.bytes for p in flat) == os.path.getsize(packed)
     assert [p.sha256 is not None for p in flat] == [False] * (len(flat) - 1) + [True]
+
+
+def test_the_shapes_benchmark_runs_small(tmp_path):
+    """`python -m shardlab.data.bench_shapes --only jsonl` (docs/data.md's figures) at 1 MiB."""
+    from shardlab.data import bench_shapes
+
+    rows = tmp_path / "rows.json"
+    assert bench_shapes.main(["--only", "jsonl", "--jsonl-mib", "1", "--json", str(rows)]) == 0
+    got = json.loads(rows.read_text())
+    assert all(got[k]["secs_1"] > 0 and got[k]["secs_2"] > 0 for k in ("jsonl", "jsonl.zst"))
+    assert got["zst/plain speed, 2 worker(s)"] > 0

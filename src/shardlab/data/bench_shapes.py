@@ -66,20 +66,22 @@ def zstd_compress(src: str, dst: str) -> None:
         zstandard.ZstdCompressor(level=3).copy_stream(fi, fo)
 
 
-def timed_prepare(inputs: list[str], out: str, workers: int, tokenizer: str | None = None) -> float:
+def timed_prepare(inputs: list[str], out: str, workers: int, tokenizer: str | None = None,
+                  shard_mb: float = 64.0) -> float:
     from shardlab.data.prepare import prepare
 
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
-    prepare(inputs, out, tokenizer=tokenizer, workers=workers, val_fraction=0.0, progress=False)
+    prepare(inputs, out, tokenizer=tokenizer, workers=workers, val_fraction=0.0, progress=False, shard_mb=shard_mb)
     secs = time.perf_counter() - t0
     shutil.rmtree(out, ignore_errors=True)
     return secs
 
 
-def _case(name: str, inputs: list[str], out: str, mib: float, tokenizer: str | None = None) -> dict:
-    one = timed_prepare(inputs, out, 1, tokenizer)
-    two = timed_prepare(inputs, out, 2, tokenizer)
+def _case(name: str, inputs: list[str], out: str, mib: float, tokenizer: str | None = None,
+          shard_mb: float = 64.0) -> dict:
+    one = timed_prepare(inputs, out, 1, tokenizer, shard_mb)
+    two = timed_prepare(inputs, out, 2, tokenizer, shard_mb)
     row = {"input_mib": mib, "secs_1": one, "secs_2": two, "speedup_2_over_1": one / two,
            "mib_s_1": mib / one, "mib_s_2": mib / two, "load": os.getloadavg()[0]}
     print(f"{name}: {mib:.0f} MiB, 1 worker {one:.2f} s ({mib / one:.1f} MiB/s), 2 workers {two:.2f} s "
@@ -118,8 +120,11 @@ def main(argv: list[str] | None = None) -> int:
             write_jsonl(src, int(args.jsonl_mib * 2**20))
             zstd_compress(src, src + ".zst")
             mib = os.path.getsize(src) / 2**20
-            rows["jsonl"] = _case("jsonl", [src], out, mib)
-            rows["jsonl.zst"] = _case("jsonl.zst", [src + ".zst"], out, mib)
+            # units of a sixteenth of the file, as the plain file gets by default: at 256 MiB the
+            # default --shard-mb gives the same units, and a small run splits the .zst too
+            shard_mb = min(64.0, mib / 16)
+            rows["jsonl"] = _case("jsonl", [src], out, mib, shard_mb=shard_mb)
+            rows["jsonl.zst"] = _case("jsonl.zst", [src + ".zst"], out, mib, shard_mb=shard_mb)
             for w in ("1", "2"):
                 rows[f"zst/plain speed, {w} worker(s)"] = rows["jsonl"][f"secs_{w}"] / rows["jsonl.zst"][f"secs_{w}"]
                 print(f"jsonl.zst / jsonl speed at {w} worker(s): {rows[f'zst/plain speed, {w} worker(s)']:.2f}x")

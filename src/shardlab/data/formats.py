@@ -76,8 +76,42 @@ def open_stream(path: str, compression: str | None, raw=None):
     except ImportError:
         raise DataError(f"{path}: zstd-compressed input needs the zstandard package: pip install "
                         "'shardlab[data]'") from None
-    reader = zstandard.ZstdDecompressor().stream_reader(raw or open(path, "rb"), read_across_frames=True, closefd=True)
-    return io.BufferedReader(reader, buffer_size=1 << 20)
+    return io.BufferedReader(_ZstdFrames(raw or open(path, "rb"), zstandard, close=raw is None), buffer_size=1 << 20)
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The frames of a zstd file one after another (as pzstd writes them), refusing a file that
+    ends inside a frame: zstandard's stream_reader ends there without a word, so an interrupted
+    download would be prepared as a shorter corpus (gzip, bzip2 and xz raise EOFError)."""
+
+    def __init__(self, raw, zstandard, close: bool):
+        self.raw, self.zstandard, self.close_raw = raw, zstandard, close
+        self.frame = None  # the decompressor of the frame being read
+        self.out, self.at, self.rest = b"", 0, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while self.at == len(self.out):
+            data = self.rest or self.raw.read(1 << 15)  # small: a chunk's output is held whole
+            if not data:
+                if self.frame is not None:
+                    raise self.zstandard.ZstdError("it ends inside a zstd frame")
+                return 0
+            self.frame = self.frame or self.zstandard.ZstdDecompressor().decompressobj()
+            self.out, self.at, self.rest = self.frame.decompress(data), 0, b""
+            if self.frame.eof:  # the next frame, if any, starts in what this one left
+                self.frame, self.rest = None, self.frame.unused_data
+        n = min(len(b), len(self.out) - self.at)
+        b[:n] = self.out[self.at:self.at + n]
+        self.at += n
+        return n
+
+    def close(self) -> None:
+        if self.close_raw:
+            self.raw.close()
+        super().close()
 
 
 def read_errors() -> tuple[type[BaseException], ...]:
