@@ -1,5 +1,5 @@
 """`shardlab prepare` on corpus shapes (docs/data.md): `python -m shardlab.data.bench_shapes
-[--only NAME,...] [--jsonl-mib N] [--json results.json]`.
+[--only NAME,...] [--jsonl-mib N] [--bpe-mib N] [--json results.json]`.
 
 Each case prepares one generated corpus at --workers 1 and then 2, in this process one after
 the other, and reports both times and their ratio from the same run (the machine's load moves
@@ -7,7 +7,7 @@ absolute figures; a ratio taken seconds apart moves less). Everything is generat
 temporary directory (random words; nothing downloaded or shipped) and removed afterwards:
   many-small   20,000 text files of 4 KiB, bytes
   tree-1g      1 GiB in 1,600 text files, bytes
-  tree-bpe     48 MiB in 1,600 text files, a byte-level BPE of vocab 4096 trained here
+  tree-bpe     48 MiB (--bpe-mib) in 1,600 text files, a byte-level BPE of vocab 4096 trained here
   one-file     one 512 MiB text file, bytes
   jsonl        256 MiB of JSONL (--jsonl-mib), bytes; then the same file compressed with zstd (one
                stream, decompressed by prepare's parent and split for the workers: data/units.py)
@@ -92,6 +92,7 @@ def _case(name: str, inputs: list[str], out: str, mib: float, tokenizer: str | N
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="many-small,tree-1g,tree-bpe,one-file,jsonl")
+    p.add_argument("--bpe-mib", type=float, default=48, help="the tree-bpe case's size (default 48)")
     p.add_argument("--jsonl-mib", type=float, default=256, help="the jsonl case's size (default 256)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -109,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         if "tree-bpe" in only:
             write_corpus(os.path.join(tmp, "sample.txt"), 8 << 20, seed=2)
             bpe = train_bpe(os.path.join(tmp, "sample.txt"), os.path.join(tmp, "bpe"))
-            write_tree(os.path.join(tmp, "bpetree"), 1600, (48 << 20) // 1600)
-            rows["tree-bpe"] = _case("tree-bpe", [os.path.join(tmp, "bpetree")], out, 48, bpe)
+            write_tree(os.path.join(tmp, "bpetree"), 1600, int(args.bpe_mib * 2**20) // 1600)
+            rows["tree-bpe"] = _case("tree-bpe", [os.path.join(tmp, "bpetree")], out, args.bpe_mib, bpe)
         if "one-file" in only:
             write_corpus(os.path.join(tmp, "one.txt"), 512 << 20, seed=1)
             rows["one-file"] = _case("one-file", [os.path.join(tmp, "one.txt")], out, 512)
