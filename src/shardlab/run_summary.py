@@ -12,7 +12,7 @@ from shardlab.engines import is_sharded
 
 def summarize(run: Any, timer: M.StepTimer, per_rank: list[dict], val_losses: dict, wall: float) -> dict[str, Any]:
     """metrics.json: throughput counts only the steps this process trained (a resumed run's
-    earlier steps are in `losses` but not in its timings)."""
+    earlier steps are in `losses` but not in its timings). val_losses: step -> evaluate.Evaluation."""
     cfg, rt, state = run.cfg, run.rt, run.state
     steps_run = len(timer.times)
     train_seconds = sum(timer.times)
@@ -49,8 +49,11 @@ def summarize(run: Any, timer: M.StepTimer, per_rank: list[dict], val_losses: di
         "data_wait_fraction": sum(waits) / train_seconds if train_seconds else None,
         "final_loss": state.losses[-1] if state.losses else None,
         "losses": state.losses,
-        "val_loss": val_losses[state.step],
-        "val_losses": val_losses,
+        "val_loss": val_losses[state.step].loss,
+        "val_losses": {step: v.loss for step, v in val_losses.items()},
+        # a mixture's corpora (data.mix): each one's validation loss at the end, and at each evaluation
+        **{f"val_loss/{name}": loss for name, loss in val_losses[state.step].by_source.items()},
+        "val_losses_by_source": {step: v.by_source for step, v in val_losses.items() if v.by_source} or None,
         "restart_count": rt.restart_count,
         # train.compile: seconds compiling (slowest rank; in the first step and samples/s, not the median step)
         "compile_s": max(r["compile"][0] for r in per_rank) if cfg.train.compile else None,
@@ -86,6 +89,8 @@ def print_summary(result: dict[str, Any], out_dir: str) -> None:
         row("final loss", f"{result['final_loss']:.4f}")
     if result.get("val_loss") is not None:
         row("validation loss", f"{result['val_loss']:.4f}")
+    for key in (k for k in result if k.startswith("val_loss/")):
+        row(f"validation loss, {key[len('val_loss/'):]}", f"{result[key]:.4f}")
     if result["steps_this_run"]:
         row("samples/s", f"{result['samples_per_s']:.1f}")
         if result.get("tokens_per_s"):

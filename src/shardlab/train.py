@@ -40,7 +40,7 @@ from shardlab.doctor import RECORDER
 from shardlab.doctor import worker as doctor
 from shardlab.engines import Engine, collectives, engine_class, engine_of, optimizer_state_bytes
 from shardlab.engines.compile import CompileClock
-from shardlab.evaluate import evaluate
+from shardlab.evaluate import Evaluation, evaluate_sources
 from shardlab.loss import token_weights
 from shardlab.models import build_model, count_parameters
 from shardlab.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionGuard
@@ -386,9 +386,12 @@ class StepLogger:
             self.bar.set_postfix(post)
             self.bar.update(1)
 
-    def scalar(self, tag: str, value: float | None, step: int) -> None:
-        if self.writer is not None and value is not None:
-            self.writer.add_scalar(tag, value, step)
+    def validation(self, v: Evaluation, step: int) -> None:
+        """val/loss, and a mixture's val/loss/<corpus> beside it."""
+        if self.writer is not None and v.loss is not None:
+            self.writer.add_scalar("val/loss", v.loss, step)
+            for name, loss in v.by_source.items():
+                self.writer.add_scalar(f"val/loss/{name}", loss, step)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -417,7 +420,7 @@ def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str,
     logger = StepLogger(run)
     state, t = run.state, cfg.train
     timer = M.StepTimer(warmup=1)
-    val_losses: dict[int, float | None] = {}
+    val_losses: dict[int, Evaluation] = {}
     state_bytes = None
     run.model.train()
     comm_before_loop = run.engine.comm_stats()  # wrap-time broadcasts and resume are not step traffic
@@ -458,13 +461,14 @@ def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str,
             logger.log(r, timer.times[-1])
             if t.eval_every and state.step % t.eval_every == 0 and state.step < t.steps:
                 with memory.phase_range("eval"):
-                    val_losses[state.step] = evaluate(run.model, run.data.val, cfg, rt)
-                logger.scalar("val/loss", val_losses[state.step], state.step)
+                    val_losses[state.step] = evaluate_sources(run.model, run.data.val, cfg, rt)
+                logger.validation(val_losses[state.step], state.step)
             run.save_if_due()
         train_comm = _comm_since(comm_before_loop, run.engine.comm_stats())  # before the final eval's traffic
         run.save_if_due(final=True)
         with memory.phase_range("eval"):
-            val_losses[state.step] = evaluate(run.model, run.data.val, cfg, rt)
+            val_losses[state.step] = evaluate_sources(run.model, run.data.val, cfg, rt)
+        logger.validation(val_losses[state.step], state.step)
         if cfg.export.format == "hf":  # every rank gathers, rank 0 writes (export_hf.py)
             from shardlab.export_hf import export_at_end
 
