@@ -19,6 +19,7 @@ from torch import nn
 import shardlab
 from shardlab.engines import engine_of, optimizer_state_bytes
 from shardlab.testing import run_workers
+from tests.engine_internals import gathered_bytes
 from tests.parity import (
     CASES,
     DTYPE,
@@ -103,14 +104,10 @@ def _comm_delta(before: dict, after: dict) -> dict:
 
 
 def engine_info(engine) -> dict:
-    info = {}
+    info = {"gathered_bytes": gathered_bytes(engine)}
     for name in ("owned_bytes", "unit_param_bytes"):
         if hasattr(engine, name):
             info[name] = getattr(engine, name)
-    if hasattr(engine, "ownership_imbalance"):
-        info["imbalance"] = engine.ownership_imbalance()
-    if hasattr(engine, "gathered_bytes"):
-        info["gathered_bytes"] = engine.gathered_bytes()
     return info
 
 

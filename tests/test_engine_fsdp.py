@@ -18,6 +18,7 @@ from shardlab.engines import engine_of, optimizer_state_bytes
 from shardlab.models import count_parameters
 from shardlab.models.init import INIT_STD_ATTR, init_parameters_
 from shardlab.testing import run_workers
+from tests.engine_internals import gathered_bytes
 from tests.parity import (
     ALL_CASES,
     CASES,
@@ -114,7 +115,7 @@ def train_custom(rank: int, world: int, case: str, strategy: str, opt_name: str,
                 out["evals"].append(model(_batch(case, 99)[0]))
             engine = engine_of(model)
             if strategy == "fsdp":
-                out["gathered_after_eval"].append(engine.gathered_bytes())
+                out["gathered_after_eval"].append(gathered_bytes(engine))
                 out["armed_after_eval"].append(engine._backward_end.queued or any(
                     u.needs_backward or u.tracked_views or u.state.value != "sharded" for u in engine.flat_units))
     out["state"] = shardlab.full_state_dict(model)
@@ -132,7 +133,7 @@ def _resharding(rank: int, world: int) -> dict:
         loss = model(x, y)
         after_fwd = [sum(g.full_data.untyped_storage().nbytes() for g in u.groups) for u in engine.wrap_units]
         loss.backward()
-        after_bwd = engine.gathered_bytes()
+        after_bwd = gathered_bytes(engine)
         out[raf] = (after_fwd, [sum(g.full.numel() * g.full.element_size() for g in u.groups)
                                 for u in engine.wrap_units], after_bwd)
     return out
@@ -188,7 +189,7 @@ def _frozen_release(rank: int, world: int) -> dict:
     x, y = _batch("frozen", 0)
     model(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]).backward()
     shards = {name: (p.requires_grad, p.grad is None) for name, p in model.named_parameters()}
-    return {"states": seen["states"], "after_backward": engine.gathered_bytes(), "shards": shards}
+    return {"states": seen["states"], "after_backward": gathered_bytes(engine), "shards": shards}
 
 
 def _layouts(rank: int, world: int) -> dict:

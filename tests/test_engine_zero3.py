@@ -21,6 +21,7 @@ from torch import nn
 import shardlab
 from shardlab.engines import engine_of
 from shardlab.testing import run_workers
+from tests.engine_internals import gathered_bytes
 from tests.parity import (
     CASES,
     DTYPE,
@@ -128,7 +129,7 @@ def frozen_release(rank: int, world: int) -> dict:
     seen: dict = {}
 
     def record(_leaf):
-        seen["gathered"] = [engine.gathered_bytes(b) for b in model.blocks]
+        seen["gathered"] = [gathered_bytes(engine, b) for b in model.blocks]
 
     def hook_fc2(_module, _args, _kwargs):  # runs after the engine's pre-hook, which gathered and bound
         pos = next(i for i, s in enumerate(blocks[0].slots) if s.name == "blocks.0.fc2.weight")
@@ -138,7 +139,7 @@ def frozen_release(rank: int, world: int) -> dict:
     b = GLOBAL_BATCH // world
     x, y = batch("frozen", 0)
     model(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]).backward()
-    return {"at_block0_grad": seen["gathered"], "after_backward": engine.gathered_bytes()}
+    return {"at_block0_grad": seen["gathered"], "after_backward": gathered_bytes(engine)}
 
 
 def _zero3_cases(rank: int, world: int) -> dict:
@@ -277,9 +278,8 @@ def test_zero3_matches_single(world):
     owned = info["owned_bytes"]
     largest = max(v.numel() * v.element_size() for v in train_reference("gpt", "sgd")[1].values())
     assert max(owned) - min(owned) <= largest, owned
-    assert info["imbalance"] == pytest.approx(max(owned) / (sum(owned) / world))
     print(f"\nzero3 N={world}: gpt model-state bytes per rank {per_rank} vs ddp {ddp_bytes}; "
-          f"owned param bytes {owned}, imbalance {info['imbalance']:.3f}")
+          f"owned param bytes {owned}, imbalance {max(owned) / (sum(owned) / world):.3f}")
     for z in zero3:  # a forward without backward left nothing gathered
         assert z["engine_info"]["gathered_bytes"] == 0, z["engine_info"]
 

@@ -130,26 +130,16 @@ import torch
 from torch import nn
 
 from shardlab.engines import _hooks, collectives
-from shardlab.engines.api import (
-    Collective,
-    CPUOffload,
-    Engine,
-    LocalTensor,
-    MemoryTracking,
-    MixedPrecision,
-    ModelTraffic,
-    ShardPiece,
-    gathered_unit_traffic,
-    is_meta,
-)
+from shardlab.engines.api import CPUOffload, Engine, MixedPrecision, ShardPiece, is_meta
 from shardlab.engines.fsdp_layout import FlatGroup, FlatUnit, ShardSpec, UnitState, build_flat_units
+from shardlab.engines.measuring import Measurable, MemoryTracking
+from shardlab.engines.planning import Collective, LocalTensor, ModelTraffic, Plannable, gathered_unit_traffic
 from shardlab.models.init import canonical_names
 
 MAX_UNITS_REDUCING = 1  # see [Note: how many reduce-scatters may be in flight]
 
 
-class FSDPEngine(Engine):
-    strategy = "fsdp"
+class FSDPEngine(Engine, Plannable, Measurable):
     grads_sharded = True
     options = ("reshard_after_forward", "mixed_precision", "prefetch", "shard_size", "offload")
 
@@ -499,7 +489,7 @@ class FSDPEngine(Engine):
             g.full.grad = None
         self._forward_order.clear()
 
-    # -- the contract ---------------------------------------------------------------------------
+    # -- the training contract (engines/api.py) ----------------------------------------------------
     @torch.no_grad()
     def _gather_shards(self, g: FlatGroup) -> torch.Tensor:
         """The whole flat buffer in the shard's own dtype (not the compute dtype)."""
@@ -544,12 +534,7 @@ class FSDPEngine(Engine):
             layout.append((g.shard, pieces))
         return layout
 
-    def comm_counters(self) -> list[collectives.CommCounter]:
-        """All-gathers and reduce-scatters over the shard group (and the wrap-time broadcasts over
-        the whole group); all-reduces over the replica group."""
-        return [self.counter, self.replica_counter]
-
-    # -- what the tools ask (engines/api.py) ----------------------------------------------------
+    # -- Plannable (engines/planning.py) -----------------------------------------------------------
     @classmethod
     def planned_state(cls, params: list[nn.Parameter], world: int, options: Mapping[str, Any]
                       ) -> list[list[LocalTensor]] | None:
@@ -568,6 +553,12 @@ class FSDPEngine(Engine):
         group = options.get("shard_size") or model.world
         return gathered_unit_traffic(model, "all_gather", "reduce_scatter", group, root_kept=True)
 
+    # -- Measurable (engines/measuring.py) ---------------------------------------------------------
+    def comm_counters(self) -> list[collectives.CommCounter]:
+        """All-gathers and reduce-scatters over the shard group (and the wrap-time broadcasts over
+        the whole group); all-reduces over the replica group."""
+        return [self.counter, self.replica_counter]
+
     def memory_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         for g in self.groups:
             yield "gathered_params", g.full_data       # resized to 0 when sharded
@@ -582,12 +573,3 @@ class FSDPEngine(Engine):
     def hook_memory_tracker(self, tracker: MemoryTracking) -> None:
         for g in self.groups:  # each group's flat buffer is one leaf for the whole step
             tracker.hook_incoming(g.full, "unsharded_grads")
-
-    def comm_stats_by_group(self) -> dict[str, dict[str, dict[str, int]]]:
-        """The same, split by the group each collective ran over: "shard" (also the wrap-time
-        broadcast of buffers, over the whole group) and "replicate" (HSDP only)."""
-        return {"shard": self.counter.snapshot(), "replicate": self.replica_counter.snapshot()}
-
-    def gathered_bytes(self) -> int:
-        """Bytes of gathered (full) parameter storage held right now, over all groups."""
-        return sum(g.full_data.untyped_storage().nbytes() for g in self.groups)

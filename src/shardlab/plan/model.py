@@ -1,7 +1,7 @@
 """The model as plan sees it, and each engine's exact model state per rank.
 
 The model is built on the meta device (no memory); what each engine keeps between steps comes
-from the engine itself (`Engine.planned_state`, engines/api.py): by its rule where it has one,
+from the engine itself (`Plannable.planned_state`, engines/planning.py): by its rule where it has one,
 else by building it for real on the meta device on a fake process group of N ranks
 (`torch.testing._internal.distributed.fake_pg`), in a child process, so its padding and
 ownership are its own. Parameters + buffers, gradients and optimizer state (AdamW: two moments
@@ -23,7 +23,7 @@ import shardlab
 from shardlab.config import config_from_dict, engine_options, strategies_taking
 from shardlab.data import DATA_SOURCES
 from shardlab.engines import engine_class
-from shardlab.engines.api import LocalTensor
+from shardlab.engines.planning import LocalTensor
 from shardlab.models import MODELS, build_model, count_parameters
 
 
@@ -131,7 +131,7 @@ def model_state(cfg, engine: str, nproc: int) -> dict[str, int]:
 
 
 def state_by_rule(cfg, engine: str, nproc: int) -> dict[str, int] | None:
-    """model_state by the engine's rule (`Engine.planned_state`); None when only building it tells."""
+    """model_state by the engine's rule (`Plannable.planned_state`); None when only building it tells."""
     model = meta_model(cfg)
     params = list({id(p): p for p in model.parameters()}.values())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())

@@ -1,6 +1,6 @@
 """Step time: compute from FLOPs (or the probe's measured CPU step) and communication from an
 alpha-beta model per collective kind, over the collectives each engine says a step issues
-(`Engine.step_traffic`, engines/api.py)."""
+(`Plannable.step_traffic`, engines/planning.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import torch
 
 from shardlab.config import engine_options
 from shardlab.engines import engine_class
-from shardlab.engines.api import Collective, MixedPrecision, ModelTraffic
+from shardlab.engines.api import MixedPrecision
 from shardlab.engines.compile import Checkpointing
+from shardlab.engines.planning import Collective, ModelTraffic
 from shardlab.models import MODELS, repeated_blocks
 from shardlab.plan.catalogue import GPU, MFU, Link
 from shardlab.plan.model import meta_model, n_layer, param_count
@@ -58,7 +59,7 @@ def model_traffic(cfg, world: int, mixed_precision: MixedPrecision | None = None
 
 def comm_plan(cfg, engine: str, world: int) -> list[Collective]:
     """(kind, full bytes per call, calls per step, ranks in the group) of an engine's training
-    collectives, as its design says (`Engine.step_traffic`); groups of one rank send nothing."""
+    collectives, as its design says (`Plannable.step_traffic`); groups of one rank send nothing."""
     if world == 1:
         return []
     c = copy.deepcopy(cfg)
