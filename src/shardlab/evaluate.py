@@ -6,33 +6,33 @@ import torch
 from torch import nn
 
 from shardlab.amp import autocast
-from shardlab.config import Config
+from shardlab.config import TrainConfig
 from shardlab.data import collate
 from shardlab.engines import collectives
 from shardlab.loss import count_targets
 from shardlab.runtime import Runtime
 
 
-def eval_rows(dataset, cfg: Config) -> int:
+def eval_rows(dataset, t: TrainConfig) -> int:
     """How many validation rows are evaluated: the first train.eval_batches global batches' worth,
     or every row when there are fewer."""
     if dataset is None:
         return 0
-    return min(len(dataset), cfg.train.eval_batches * cfg.train.global_batch_size)
+    return min(len(dataset), t.eval_batches * t.global_batch_size)
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset, cfg: Config, rt: Runtime) -> float | None:
+def evaluate(model: nn.Module, dataset, t: TrainConfig, rt: Runtime) -> float | None:
     """The mean loss over every target token of the first `eval_rows` validation rows (in order),
     split over the ranks: token-weighted as the training loss ([Note: token-weighted loss] in
     loss.py), so the value does not depend on the world size or the micro batch size.
     None: no validation row."""
-    rows = eval_rows(dataset, cfg)
+    rows = eval_rows(dataset, t)
     if rows == 0:
         return None
     was_training = model.training
     model.eval()
-    mb = cfg.train.micro_batch_size
+    mb = t.micro_batch_size
     lo, hi = rows * rt.rank // rt.world_size, rows * (rt.rank + 1) // rt.world_size
     # every rank runs the same number of forwards (sharded engines gather parameters in each);
     # a rank whose slice ran out repeats a row and does not count it
@@ -42,7 +42,7 @@ def evaluate(model: nn.Module, dataset, cfg: Config, rt: Runtime) -> float | Non
     for i in range(forwards):
         idx = torch.arange(lo + i * mb, min(lo + (i + 1) * mb, hi))
         x, y = collate(dataset, idx if len(idx) else torch.tensor([0]))
-        with autocast(cfg.train.precision, rt.device):
+        with autocast(t.precision, rt.device):
             loss = model(x.to(rt.device), y.to(rt.device))
         n = count_targets(y) if len(idx) else 0
         if n:

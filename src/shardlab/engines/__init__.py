@@ -84,8 +84,8 @@ def parallelize(model: nn.Module, strategy: str = "fsdp", wrap: Any = None, *,
 
     model: a plain nn.Module, possibly on the meta device (sharded engines then
         materialize only what this rank holds; the others materialize it whole).
-    wrap: the units: None (the model's repeated blocks), a set of module classes, or a
-        predicate on modules. The root is always a unit of its own.
+    wrap: the units: None (the model's repeated blocks), a set of module classes or of their
+        names, or a predicate on modules. The root is always a unit of its own.
     group: the process group (default: the world). Needs torch.distributed initialized,
         except for strategy="single".
     activation_checkpointing: "none", "full" (recompute each unit's activations in backward)

@@ -161,11 +161,19 @@ def resolve_units(model: nn.Module, wrap: WrapSpec) -> list[nn.Module]:
     """The wrap units below the root, in module (forward) order.
 
     wrap=None: the model's repeated blocks (children of every nn.ModuleList, ResNet stages).
-    A set/tuple/list of module classes: every module of those classes (outermost only).
+    A set/tuple/list of module classes, or of class names (parallel.wrap_classes): every module
+    of those classes (outermost only); a name no module has is an error.
     A callable: every module for which wrap(module) is true (outermost only).
     """
     if wrap is None:
         return repeated_blocks(model)
+    if isinstance(wrap, (set, frozenset, tuple, list)) and wrap and all(isinstance(c, str) for c in wrap):
+        found = {type(m).__name__ for m in model.modules()}
+        missing = sorted(set(wrap) - found)
+        if missing:
+            raise ValueError(f"wrap (parallel.wrap_classes): no module of class {missing} in the model; its classes "
+                             f"include {sorted(found)[:12]}")
+        return outermost_modules(model, lambda m: type(m).__name__ in wrap)
     if isinstance(wrap, (set, frozenset, tuple, list)):
         classes = tuple(wrap)
         if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
