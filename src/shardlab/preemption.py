@@ -131,7 +131,7 @@ class PreemptionGuard:
             "unix_time": time.time(),
         }
         if rt.is_main:
-            from shardlab.metrics import write_json_atomic
+            from shardlab.atomic import write_json_atomic
 
             os.makedirs(run.out_dir, exist_ok=True)
             write_json_atomic(os.path.join(run.out_dir, PREEMPTED_FILE), record)

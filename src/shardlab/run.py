@@ -23,6 +23,7 @@ import shardlab
 from shardlab import memory
 from shardlab import metrics as M
 from shardlab.amp import make_loss_scaler
+from shardlab.atomic import write_json_atomic
 from shardlab.config import (
     Config,
     OutputConfig,
@@ -238,7 +239,7 @@ def write_start(run: Run) -> None:
     describe = getattr(run.engine.unwrapped(), "attention_record", None)  # models/hf.py: implementation, packing
     attention = describe(cfg.data.packing) if describe is not None else None
     os.makedirs(run.out_dir, exist_ok=True)
-    M.write_json_atomic(os.path.join(run.out_dir, "run_args.json"), M.run_args(
+    write_json_atomic(os.path.join(run.out_dir, "run_args.json"), M.run_args(
         cfg.to_dict(), rt.world_size, hosts,
         {"num_parameters": run.num_parameters, "num_trainable_parameters": run.num_trainable,
          "accumulation_steps": run.accumulation, "data": run.data.info,

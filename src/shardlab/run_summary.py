@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from shardlab import metrics as M
+from shardlab.atomic import write_json_atomic
 from shardlab.data.mixture import MixtureSampler, source_counts
 from shardlab.engines import is_sharded
 from shardlab.runtime import all_gather_object
@@ -76,7 +77,7 @@ def summarize(run: Any, timer: M.StepTimer, mine: dict, val_losses: dict, wall: 
         result["data_sources"] = source_counts(run.sampler, state.step - steps_run, state.step,
                                                run.data.tokens_per_sample)
     if rt.is_main:
-        M.write_json_atomic(os.path.join(run.out_dir, "metrics.json"), result, default=str)
+        write_json_atomic(os.path.join(run.out_dir, "metrics.json"), result, default=str)
     return result
 
 
