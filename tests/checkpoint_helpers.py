@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import torch
 
+from shardlab import run as R
 from shardlab import train as T
 from shardlab.checkpoint import CheckpointManager, read_tensors
-from shardlab.config import load_config
+from shardlab.config import engine_options, load_config
+from shardlab.models import build_model
 from shardlab.runtime import Runtime
+from shardlab.schedule import make_optimizer, make_schedule
 
 K = 3          # steps before the interruption
 TOTAL = 2 * K  # steps of the whole run
@@ -147,10 +150,11 @@ def load_and_resave(rank: int, world: int, strategy: str, source: str, dest_root
 
     cfg = make_cfg(strategy, out, "unused", *extra)
     rt = runtime(rank, world, strategy)
-    model = shardlab.parallelize(T.build_model_for(cfg, 256, "meta"), strategy, device="cpu", **T.engine_options(cfg))
-    opt = T.make_optimizer(cfg, model.parameters())
-    sched = T.make_schedule(cfg, opt)
-    state = T.TrainState()
+    model = shardlab.parallelize(build_model(cfg.model, seed=cfg.seed, vocab_size=256, device="meta"), strategy,
+                                 device="cpu", **engine_options(cfg.parallel))
+    opt = make_optimizer(cfg.train, model.parameters())
+    sched = make_schedule(cfg.train, opt)
+    state = R.TrainState()
     manager = CheckpointManager(dest_root, rt, config=cfg)
     manager.load(source, model, opt, sched, state)
     return manager.save(model, opt, sched, state)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import shardlab
 from shardlab.engines import engine_of, optimizer_state_bytes
+from tests.engine_internals import gathered_bytes
 from tests.parity import (
     ALL_CASES,
     F64_RTOL,
@@ -147,8 +148,6 @@ def engine_info(engine) -> dict:
     for name in ("owned_bytes", "unit_param_bytes"):
         if hasattr(engine, name):
             info[name] = getattr(engine, name)
-    if hasattr(engine, "ownership_imbalance"):
-        info["imbalance"] = engine.ownership_imbalance()
-    if hasattr(engine, "gathered_bytes"):
-        info["gathered_bytes"] = engine.gathered_bytes()
+    if engine.grads_sharded:
+        info["gathered_bytes"] = gathered_bytes(engine)
     return info

@@ -18,6 +18,7 @@ from shardlab.engines import engine_of, optimizer_state_bytes
 from shardlab.models import count_parameters
 from shardlab.models.init import INIT_STD_ATTR, init_parameters_
 from tests.custom_train import check_custom, reference_custom, train_custom
+from tests.engine_internals import gathered_bytes
 from tests.minimal_cases import check_minimal, minimal_runs
 from tests.parity import (
     CASES,
@@ -85,7 +86,7 @@ def _batch(case: str, step: int, dtype: torch.dtype = DTYPE):
 
 def _idle(engine) -> dict:
     """What fsdp holds after a no-grad forward: nothing should stay gathered or armed for a backward."""
-    return {"gathered": engine.gathered_bytes(),
+    return {"gathered": gathered_bytes(engine),
             "armed": engine._backward_end.queued or any(
                 not u.state.idle or u.storage.value != "sharded" for u in engine.flat_units)}
 
@@ -110,7 +111,7 @@ def _resharding(rank: int, world: int) -> dict:
         loss = model(x, y)
         after_fwd = [sum(g.full_data.untyped_storage().nbytes() for g in u.groups) for u in engine.wrap_units]
         loss.backward()
-        after_bwd = engine.gathered_bytes()
+        after_bwd = gathered_bytes(engine)
         out[raf] = (after_fwd, [sum(g.full.numel() * g.full.element_size() for g in u.groups)
                                 for u in engine.wrap_units], after_bwd)
     return out
@@ -166,7 +167,7 @@ def _frozen_release(rank: int, world: int) -> dict:
     x, y = _batch("frozen", 0)
     model(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]).backward()
     shards = {name: (p.requires_grad, p.grad is None) for name, p in model.named_parameters()}
-    return {"states": seen["states"], "after_backward": engine.gathered_bytes(), "shards": shards}
+    return {"states": seen["states"], "after_backward": gathered_bytes(engine), "shards": shards}
 
 
 def _layouts(rank: int, world: int) -> dict:

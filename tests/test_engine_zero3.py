@@ -22,6 +22,7 @@ from torch import nn
 import shardlab
 from shardlab.engines import engine_of
 from tests.custom_train import check_custom, reference_custom, train_custom
+from tests.engine_internals import gathered_bytes
 from tests.minimal_cases import PARITY, check_minimal, minimal_runs
 from tests.parity import (
     CASES,
@@ -120,7 +121,7 @@ def frozen_release(rank: int, world: int) -> dict:
     seen: dict = {}
 
     def record(_leaf):
-        seen["gathered"] = [engine.gathered_bytes(b) for b in model.blocks]
+        seen["gathered"] = [gathered_bytes(engine, b) for b in model.blocks]
 
     def hook_fc2(_module, _args, _kwargs):  # runs after the engine's pre-hook, which gathered and bound
         pos = next(i for i, s in enumerate(blocks[0].slots) if s.name == "blocks.0.fc2.weight")
@@ -130,7 +131,7 @@ def frozen_release(rank: int, world: int) -> dict:
     b = GLOBAL_BATCH // world
     x, y = batch("frozen", 0)
     model(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]).backward()
-    return {"at_block0_grad": seen["gathered"], "after_backward": engine.gathered_bytes()}
+    return {"at_block0_grad": seen["gathered"], "after_backward": gathered_bytes(engine)}
 
 
 def _zero3_plan(world: int) -> dict:
@@ -267,7 +268,6 @@ def test_zero3_holds_one_nth_of_ddps_model_state(spawned, world):
     owned = info["owned_bytes"]
     largest = max(v.numel() * v.element_size() for v in train_reference("gpt", "sgd")[1].values())
     assert max(owned) - min(owned) <= largest, owned
-    assert info["imbalance"] == pytest.approx(max(owned) / (sum(owned) / world))
 
 
 def test_zero3_rejects_unknown_option():

@@ -110,3 +110,18 @@ def test_engine_names_only_inside_engines():
              for i, line in enumerate(p.read_text().splitlines(), 1) for m in literal.finditer(line)]
     assert not [where for file, name, where in found if (file, name) not in ENGINE_NAMES_OUTSIDE], found
     assert len(found) == len(ENGINE_NAMES_OUTSIDE), found  # once each
+
+
+def test_engine_classes_have_no_method_only_tests_call():
+    """A public method of a class in engines/ is named in src/ besides its definition: what only the
+    tests read of an engine is a helper in tests/ that takes the engine (tests/engine_internals.py)."""
+    text = "\n".join(p.read_text() for p in _files())
+    only_defined = []
+    for p in sorted((SRC / "shardlab" / "engines").glob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ClassDef):
+                for f in node.body:
+                    if isinstance(f, ast.FunctionDef) and not f.name.startswith("_") and \
+                            len(re.findall(rf"(?<!def )\b{re.escape(f.name)}\b", text)) == 0:
+                        only_defined.append(f"{p.relative_to(SRC)}:{f.lineno} {node.name}.{f.name}")
+    assert not only_defined, only_defined

@@ -37,6 +37,7 @@ pytest.importorskip("transformers")
 import shardlab  # noqa: E402
 from shardlab import train as T  # noqa: E402
 from shardlab.config import load_config  # noqa: E402
+from shardlab.run import build_run  # noqa: E402
 from shardlab.testing import run_workers  # noqa: E402
 from tests.checkpoint_helpers import runtime  # noqa: E402
 from tests.parity import F64_ATOL, F64_RTOL, assert_parity  # noqa: E402
@@ -93,13 +94,13 @@ def _run_layouts(rank: int, world: int, d: str) -> dict:
     out = {}
     for strategy, micro in LAYOUTS[world]:
         cfg = load_config(None, _overrides(d, strategy, micro))
-        run = T.build_run(cfg, runtime(rank, world, strategy))
+        run = build_run(cfg, runtime(rank, world, strategy))
         losses = []
         for _ in range(STEPS):
             losses.append(T.train_step(run).loss)
             run.opt.zero_grad(set_to_none=True)
             run.state.step += 1
-        val = evaluate(run.model, run.data.val, cfg, run.rt)
+        val = evaluate(run.model, run.data.val, cfg.train, run.rt)
         out[(strategy, world, micro)] = (losses + [val], shardlab.full_state_dict(run.model))
     if world == 2:
         out["pretraining"] = _pretraining_old_and_new(rank, world, ("ddp", "fsdp"))
@@ -212,13 +213,13 @@ def _pretraining_old_and_new(rank: int, world: int, strategies) -> dict:
             "output.run_name=unused"])
         result = {}
         for name, step in (("new", lambda run: T.train_step(run).loss), ("old", _old_train_step)):
-            run = T.build_run(cfg, runtime(rank, world, strategy))
+            run = build_run(cfg, runtime(rank, world, strategy))
             losses = []
             for _ in range(3):
                 losses.append(step(run))
                 run.opt.zero_grad(set_to_none=True)
                 run.state.step += 1
-            val = evaluate(run.model, run.data.val, cfg, run.rt)
+            val = evaluate(run.model, run.data.val, cfg.train, run.rt)
             old_val = _old_evaluate(run.model, run.data.val, cfg, run.rt)
             result[name] = (losses, val, old_val, shardlab.full_state_dict(run.model))
         out[strategy] = result
@@ -262,5 +263,5 @@ def test_validation_smaller_than_a_global_batch_is_evaluated(sft_files, monkeypa
     x, y = collate(data.val, torch.arange(len(data.val)))
     with torch.no_grad():
         want = model(x, y).item()  # the mean over every target token of the split
-    got = evaluate(model, data.val, cfg, Runtime(0, 0, 1, torch.device("cpu"), None))
+    got = evaluate(model, data.val, cfg.train, Runtime(0, 0, 1, torch.device("cpu"), None))
     assert got == pytest.approx(want, rel=1e-12)

@@ -62,7 +62,8 @@ def _train(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    from shardlab.train import default_run_name, worker_main
+    from shardlab.run import default_run_name
+    from shardlab.train import worker_main
 
     if args.nproc is None and in_launched_worker():
         return worker_main(cfg)  # one of N: the workers prepare the data together (local rank 0 first)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from shardlab.amp import autocast
-from shardlab.config import Config
+from shardlab.config import TrainConfig
 from shardlab.data import collate
 from shardlab.engines import collectives
 from shardlab.loss import count_targets
@@ -22,12 +22,12 @@ class Evaluation:
     by_source: dict[str, float] = field(default_factory=dict)  # a mixture's corpora, by name: each one's own
 
 
-def eval_rows(dataset, cfg: Config) -> int:
+def eval_rows(dataset, t: TrainConfig) -> int:
     """How many validation rows are evaluated: the first train.eval_batches global batches' worth,
     or every row when there are fewer."""
     if dataset is None:
         return 0
-    return min(len(dataset), cfg.train.eval_batches * cfg.train.global_batch_size)
+    return min(len(dataset), t.eval_batches * t.global_batch_size)
 
 
 def _micro_batches(lo: int, hi: int, bounds: list[int], mb: int) -> list[tuple[int, int, int]]:
@@ -41,20 +41,20 @@ def _micro_batches(lo: int, hi: int, bounds: list[int], mb: int) -> list[tuple[i
 
 
 @torch.no_grad()
-def evaluate_sources(model: nn.Module, dataset, cfg: Config, rt: Runtime) -> Evaluation:
+def evaluate_sources(model: nn.Module, dataset, t: TrainConfig, rt: Runtime) -> Evaluation:
     """The mean loss over every target token of the first `eval_rows` validation rows (in order),
     split over the ranks: token-weighted as the training loss ([Note: token-weighted loss] in
     loss.py), so the value does not depend on the world size or the micro batch size. A dataset
     of several sources side by side (`offsets` and `names`: data/mixture.py's MixtureWindows)
     also gives each source's own mean: a micro batch never mixes two sources."""
-    rows = eval_rows(dataset, cfg)
+    rows = eval_rows(dataset, t)
     if rows == 0:
         return Evaluation(None)
     names = getattr(dataset, "names", None)
     bounds = [min(b, rows) for b in dataset.offsets] if names is not None else [0, rows]
     was_training = model.training
     model.eval()
-    mb, world = cfg.train.micro_batch_size, rt.world_size
+    mb, world = t.micro_batch_size, rt.world_size
     slices = [_micro_batches(rows * r // world, rows * (r + 1) // world, bounds, mb) for r in range(world)]
     # every rank runs the same number of forwards (sharded engines gather parameters in each);
     # a rank whose slice ran out repeats a row and does not count it
@@ -64,7 +64,7 @@ def evaluate_sources(model: nn.Module, dataset, cfg: Config, rt: Runtime) -> Eva
     for i in range(forwards):
         j, a, b = mine[i] if i < len(mine) else (0, 0, 1)
         x, y = collate(dataset, torch.arange(a, b))
-        with autocast(cfg.train.precision, rt.device):
+        with autocast(t.precision, rt.device):
             loss = model(x.to(rt.device), y.to(rt.device))
         n = count_targets(y) if i < len(mine) else 0
         if n:
@@ -78,6 +78,6 @@ def evaluate_sources(model: nn.Module, dataset, cfg: Config, rt: Runtime) -> Eva
     return Evaluation((overall[0] / overall[1]).item() if overall[1] > 0 else None, by_source)
 
 
-def evaluate(model: nn.Module, dataset, cfg: Config, rt: Runtime) -> float | None:
+def evaluate(model: nn.Module, dataset, t: TrainConfig, rt: Runtime) -> float | None:
     """evaluate_sources' loss over the whole validation set (None: no validation row)."""
-    return evaluate_sources(model, dataset, cfg, rt).loss
+    return evaluate_sources(model, dataset, t, rt).loss

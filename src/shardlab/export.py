@@ -113,7 +113,7 @@ def evaluate_model(model: nn.Module, cfg, batches: int | None = None) -> float |
         cfg.train.eval_batches = batches
     data = build_datasets(cfg)
     rt = Runtime(0, 0, 1, torch.device("cpu"), None)
-    return evaluate(model, data.val, cfg, rt)
+    return evaluate(model, data.val, cfg.train, rt)
 
 
 # ---------------------------------------------------------------------------------------- commands

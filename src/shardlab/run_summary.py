@@ -1,19 +1,25 @@
-"""What a training run reports at its end: `summarize` (the metrics.json of train.py's loop)
-and `print_summary` (the table rank 0 prints). `run` is train.Run."""
+"""What a training run reports at its end: `summarize` (metrics.json, from every rank's
+measurements: measurements.py) and `print_summary` (the table rank 0 prints). `run` is run.Run."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from shardlab import metrics as M
+from shardlab.atomic import write_json_atomic
 from shardlab.data.mixture import MixtureSampler, source_counts
 from shardlab.engines import is_sharded
+from shardlab.runtime import all_gather_object
 
 
-def summarize(run: Any, timer: M.StepTimer, per_rank: list[dict], val_losses: dict, wall: float) -> dict[str, Any]:
-    """metrics.json: throughput counts only the steps this process trained (a resumed run's
-    earlier steps are in `losses` but not in its timings). val_losses: step -> evaluate.Evaluation."""
+def summarize(run: Any, timer: M.StepTimer, mine: dict, val_losses: dict, wall: float) -> dict[str, Any]:
+    """metrics.json, written by rank 0 and returned on every rank: `mine` (this rank's peak
+    memory, model state, traffic, live-memory breakdown, compile time) gathered from every rank.
+    Throughput counts only the steps this process trained (a resumed run's earlier steps are in
+    `losses` but not in its timings). val_losses: step -> evaluate.Evaluation."""
     cfg, rt, state = run.cfg, run.rt, run.state
+    per_rank = all_gather_object(mine, rt)
     steps_run = len(timer.times)
     train_seconds = sum(timer.times)
     samples = steps_run * cfg.train.global_batch_size
@@ -73,6 +79,8 @@ def summarize(run: Any, timer: M.StepTimer, per_rank: list[dict], val_losses: di
     if isinstance(run.sampler, MixtureSampler):  # data.mix: samples and tokens per corpus, exact
         result["data_sources"] = source_counts(run.sampler, state.step - steps_run, state.step,
                                                run.data.tokens_per_sample)
+    if rt.is_main:
+        write_json_atomic(os.path.join(run.out_dir, "metrics.json"), result, default=str)
     return result
 
 

@@ -16,7 +16,7 @@ What an engine built is public and read-only to everyone else: its layout (units
 slots, owners, shards), its policies (offload, dtypes) and its counters. What changes while a
 step runs (gathers alive, collectives in flight, the end-of-backward callback, gradients kept
 under no_sync or on their way to the host) is private, read by no other module: the tools
-get it through the contract (`Engine.memory_buffers`, engines/api.py).
+get it through the contract (`Measurable.memory_buffers`, engines/measuring.py).
 """
 
 from __future__ import annotations

@@ -53,8 +53,8 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 @dataclass
 class CommCounter:
     """Per-kind totals: {"all_gather": {"calls": n, "payload_bytes": b, "bus_bytes": w}, ...},
-    and per-kind seconds apart (`seconds_snapshot()`), so the byte counts stay exact integers
-    that tests compare across engines."""
+    and per-kind seconds apart (`seconds`: the module docstring says what is timed), so the
+    byte counts stay exact integers that tests compare across engines."""
 
     totals: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
@@ -68,17 +68,6 @@ class CommCounter:
 
     def add_seconds(self, kind: str, seconds: float) -> None:
         self.seconds[kind] += seconds
-
-    def snapshot(self) -> dict[str, dict[str, int]]:
-        return {k: dict(v) for k, v in self.totals.items()}
-
-    def seconds_snapshot(self) -> dict[str, float]:
-        """Seconds per kind since the counter was made: see the module docstring for what is timed."""
-        return dict(self.seconds)
-
-    def reset(self) -> None:
-        self.totals.clear()
-        self.seconds.clear()
 
 
 def merged_totals(counters: list[CommCounter]) -> dict[str, dict[str, int]]:

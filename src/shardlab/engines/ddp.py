@@ -28,14 +28,9 @@ from torch import nn
 
 from shardlab.engines import _hooks
 from shardlab.engines import collectives as C
-from shardlab.engines.api import (
-    Collective,
-    Engine,
-    MixedPrecision,
-    ModelTraffic,
-    bucketed_all_reduce,
-    materialize_whole_,
-)
+from shardlab.engines.api import Engine, MixedPrecision, materialize_whole_
+from shardlab.engines.measuring import Measurable
+from shardlab.engines.planning import Collective, ModelTraffic, Plannable, bucketed_all_reduce
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
@@ -56,13 +51,12 @@ class _Bucket:
         return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()].view(p.shape)
 
 
-class DDPEngine(Engine):
+class DDPEngine(Engine, Plannable, Measurable):
     """bucket_size_bytes: target bucket size (default 25 MiB, as PyTorch's DDP).
     mixed_precision: only its `reduce_dtype` applies: gradients are communicated in that dtype
     and cast back. Parameters, compute and gradients stay in their own dtype (a low-precision
     compute copy is what `zero3`/`fsdp` offer; use torch.autocast for DDP)."""
 
-    strategy = "ddp"
     grads_sharded = False
     options = ("bucket_size_bytes", "mixed_precision")
 
@@ -192,7 +186,7 @@ class DDPEngine(Engine):
     # fresh tensor when the optimizer set grads to None (copied into the bucket when ready,
     # freed at zero_grad), or accumulates into the view itself otherwise (then nothing to copy).
 
-    # -- the rest of the contract ---------------------------------------------------------------
+    # -- Measurable (engines/measuring.py) ---------------------------------------------------------
     def comm_counters(self) -> list[C.CommCounter]:
         return [self.counter]
 

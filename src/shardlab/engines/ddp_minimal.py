@@ -41,11 +41,12 @@ from torch import nn
 
 from shardlab.engines import _hooks
 from shardlab.engines import collectives as C
-from shardlab.engines.api import Collective, Engine, ModelTraffic
+from shardlab.engines.api import Engine
+from shardlab.engines.measuring import Measurable
+from shardlab.engines.planning import Collective, ModelTraffic, Plannable
 
 
-class MinimalDDPEngine(Engine):
-    strategy = "ddp-minimal"
+class MinimalDDPEngine(Engine, Plannable, Measurable):
     grads_sharded = False
 
     def __init__(self, module: nn.Module, **kw: Any):

@@ -27,18 +27,7 @@ import torch
 from torch import nn
 
 from shardlab.engines import _hooks, collectives
-from shardlab.engines.api import (
-    Collective,
-    CPUOffload,
-    Engine,
-    LocalTensor,
-    MemoryTracking,
-    MixedPrecision,
-    ModelTraffic,
-    ShardPiece,
-    gathered_unit_traffic,
-    is_meta,
-)
+from shardlab.engines.api import CPUOffload, Engine, MixedPrecision, ShardPiece, is_meta
 from shardlab.engines.fsdp_layout import (
     FlatGroup,
     FlatUnit,
@@ -47,12 +36,14 @@ from shardlab.engines.fsdp_layout import (
     build_flat_units,
     slice_pieces,
 )
+from shardlab.engines.measuring import Measurable, MemoryTracking
+from shardlab.engines.planning import Collective, LocalTensor, ModelTraffic, Plannable, gathered_unit_traffic
 from shardlab.models.init import canonical_names
 
 MAX_UNITS_REDUCING = 1  # see [Note: how many reduce-scatters may be in flight]
 
 
-class FSDPEngine(Engine):
+class FSDPEngine(Engine, Plannable, Measurable):
     """reshard_after_forward: free each unit after its forward (False: keep it gathered until its
     backward, one all-gather less per step for the whole model's parameters in memory).
     mixed_precision: gather and compute in `param_dtype`, reduce-scatter in `reduce_dtype`;
@@ -62,7 +53,6 @@ class FSDPEngine(Engine):
     offload: CPUOffload keeps the shards, their gradients and so the optimizer state in host
     memory ([Note: CPU offload])."""
 
-    strategy = "fsdp"
     grads_sharded = True
     options = ("reshard_after_forward", "mixed_precision", "prefetch", "shard_size", "offload")
 
@@ -397,7 +387,7 @@ class FSDPEngine(Engine):
             g.full.grad = None
         self._forward_order.clear()
 
-    # -- the contract ---------------------------------------------------------------------------
+    # -- the training contract (engines/api.py) ----------------------------------------------------
     @torch.no_grad()
     def _gather_shards(self, g: FlatGroup) -> torch.Tensor:
         """The whole flat buffer in the shard's own dtype (not the compute dtype)."""
@@ -434,12 +424,7 @@ class FSDPEngine(Engine):
         Under HSDP the R replicas of a shard describe the same pieces: DCP writes one of them."""
         return [(g.shard, self._pieces(g)) for g in self.groups]
 
-    def comm_counters(self) -> list[collectives.CommCounter]:
-        """All-gathers and reduce-scatters over the shard group (and the wrap-time broadcasts over
-        the whole group); all-reduces over the replica group."""
-        return [self.counter, self.replica_counter]
-
-    # -- what the tools ask (engines/api.py) ----------------------------------------------------
+    # -- Plannable (engines/planning.py) -----------------------------------------------------------
     @classmethod
     def planned_state(cls, params: list[nn.Parameter], world: int, options: Mapping[str, Any]
                       ) -> list[list[LocalTensor]] | None:
@@ -458,6 +443,12 @@ class FSDPEngine(Engine):
         group = options.get("shard_size") or model.world
         return gathered_unit_traffic(model, "all_gather", "reduce_scatter", group, root_kept=True)
 
+    # -- Measurable (engines/measuring.py) ---------------------------------------------------------
+    def comm_counters(self) -> list[collectives.CommCounter]:
+        """All-gathers and reduce-scatters over the shard group (and the wrap-time broadcasts over
+        the whole group); all-reduces over the replica group."""
+        return [self.counter, self.replica_counter]
+
     def memory_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         for g in self.groups:
             yield "gathered_params", g.full_data       # resized to 0 when sharded
@@ -472,16 +463,6 @@ class FSDPEngine(Engine):
     def hook_memory_tracker(self, tracker: MemoryTracking) -> None:
         for g in self.groups:  # each group's flat buffer is one leaf for the whole step
             tracker.hook_incoming(g.full, "unsharded_grads")
-
-    def comm_stats_by_group(self) -> dict[str, dict[str, dict[str, int]]]:
-        """The same, split by the group each collective ran over: "shard" (also the wrap-time
-        broadcast of buffers, over the whole group) and "replicate" (HSDP only)."""
-        return {"shard": self.counter.snapshot(), "replicate": self.replica_counter.snapshot()}
-
-    def gathered_bytes(self) -> int:
-        """Bytes of gathered (full) parameter storage held right now, over all groups."""
-        return sum(g.full_data.untyped_storage().nbytes() for g in self.groups)
-
 
 # [Note: hybrid sharding]
 # With shard_size=S < N (HSDP) the N ranks form R = N/S shard groups of S consecutive ranks

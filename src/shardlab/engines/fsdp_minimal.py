@@ -51,15 +51,11 @@ from torch import nn
 
 from shardlab.engines import _hooks
 from shardlab.engines import collectives as C
-from shardlab.engines.api import (
-    Collective,
-    Engine,
-    ModelTraffic,
-    ShardPiece,
-    gathered_unit_traffic,
-)
+from shardlab.engines.api import Engine, ShardPiece
 from shardlab.engines.fsdp import FSDPEngine
 from shardlab.engines.fsdp_layout import FlatEntry, slice_pieces
+from shardlab.engines.measuring import Measurable
+from shardlab.engines.planning import Collective, ModelTraffic, Plannable, gathered_unit_traffic
 from shardlab.models.init import canonical_names, parameter_bindings
 
 
@@ -83,8 +79,7 @@ class Unit:
     arrived: int = 0                             # groups whose gradient came in this backward
 
 
-class MinimalFSDPEngine(Engine):
-    strategy = "fsdp-minimal"
+class MinimalFSDPEngine(Engine, Plannable, Measurable):
     grads_sharded = True
 
     def __init__(self, module: nn.Module, **kw: Any):

@@ -32,18 +32,9 @@ from torch import nn
 
 from shardlab.engines import _hooks
 from shardlab.engines import collectives as C
-from shardlab.engines.api import (
-    Collective,
-    CPUOffload,
-    Engine,
-    LocalTensor,
-    MemoryTracking,
-    MixedPrecision,
-    ModelTraffic,
-    ShardPiece,
-    gathered_unit_traffic,
-    is_meta,
-)
+from shardlab.engines.api import CPUOffload, Engine, MixedPrecision, ShardPiece, is_meta
+from shardlab.engines.measuring import Measurable, MemoryTracking
+from shardlab.engines.planning import Collective, LocalTensor, ModelTraffic, Plannable, gathered_unit_traffic
 from shardlab.engines.zero3_layout import (
     Slot,
     SlotGroup,
@@ -83,7 +74,7 @@ class Gather:
     reduced: set[int] = field(default_factory=set)      # group indices already reduced
 
 
-class Zero3Engine(Engine):
+class Zero3Engine(Engine, Plannable, Measurable):
     """reshard_after_forward: free each unit's full parameters after its forward (False: keep
     them until its backward, one broadcast less for the whole model's parameters in memory).
     mixed_precision: gather and compute in `param_dtype`, reduce gradients in `reduce_dtype`;
@@ -94,7 +85,6 @@ class Zero3Engine(Engine):
     host memory (pinned where CUDA exists): the owner copies them to the device when it
     broadcasts, and a reduced gradient goes back to the host (`_hooks.ReducedGrads`)."""
 
-    strategy = "zero3"
     grads_sharded = True
     options = ("reshard_after_forward", "mixed_precision", "offload")
 
@@ -412,7 +402,7 @@ class Zero3Engine(Engine):
         self._in_backward_of.clear()
         self._grads.flush()
 
-    # -- the rest of the contract ---------------------------------------------------------------
+    # -- the training contract (engines/api.py) ----------------------------------------------------
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         full: dict[Slot, torch.Tensor] = {}
@@ -437,21 +427,7 @@ class Zero3Engine(Engine):
         """Every owned Parameter is one whole original parameter."""
         return [(s.param, [ShardPiece(s.name, s.shape, 0, 0, s.numel)]) for s in self.slots if s.param is not None]
 
-    def ownership_imbalance(self) -> float:
-        """max/mean of the parameter bytes each rank owns (1.0 is perfect balance)."""
-        mean = sum(self.owned_bytes) / len(self.owned_bytes)
-        return max(self.owned_bytes) / mean if mean else 1.0
-
-    def gathered_bytes(self, module: nn.Module | None = None) -> int:
-        """Bytes of full parameters gathered right now (0 between steps when resharding), of the
-        unit whose module is `module` when given."""
-        return sum(b.untyped_storage().nbytes() for g in self._live if module is None or g.unit.module is module
-                   for b in g.buffers)
-
-    def comm_counters(self) -> list[C.CommCounter]:
-        return [self.counter]
-
-    # -- what the tools ask (engines/api.py) ----------------------------------------------------
+    # -- Plannable (engines/planning.py) -----------------------------------------------------------
     @classmethod
     def planned_state(cls, params: list[nn.Parameter], world: int, options: Mapping[str, Any]
                       ) -> list[list[LocalTensor]] | None:
@@ -471,6 +447,10 @@ class Zero3Engine(Engine):
         """Every unit broadcast in forward and again in backward (the root too), gradients reduced
         to their owners once per step, over all ranks."""
         return gathered_unit_traffic(model, "broadcast", "reduce", model.world, root_kept=False)
+
+    # -- Measurable (engines/measuring.py) ---------------------------------------------------------
+    def comm_counters(self) -> list[C.CommCounter]:
+        return [self.counter]
 
     def memory_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         for gather in self._live:

@@ -48,13 +48,9 @@ from torch import nn
 
 from shardlab.engines import _hooks
 from shardlab.engines import collectives as C
-from shardlab.engines.api import (
-    Collective,
-    Engine,
-    LocalTensor,
-    ModelTraffic,
-    ShardPiece,
-)
+from shardlab.engines.api import Engine, ShardPiece
+from shardlab.engines.measuring import Measurable
+from shardlab.engines.planning import Collective, LocalTensor, ModelTraffic, Plannable
 from shardlab.engines.zero3 import Zero3Engine
 from shardlab.engines.zero3_layout import assign_owners
 from shardlab.models.init import canonical_names
@@ -89,8 +85,7 @@ class Gather:
     waiting: int                     # trainable tensors whose gradient has not arrived in this backward
 
 
-class MinimalZero3Engine(Engine):
-    strategy = "zero3-minimal"
+class MinimalZero3Engine(Engine, Plannable, Measurable):
     grads_sharded = True
 
     def __init__(self, module: nn.Module, **kw: Any):
