@@ -164,10 +164,10 @@ def test_what_a_step_trains_on_depends_on_seed_batch_and_step_only(corpora, mixe
 def test_validation_loss_per_corpus(corpora, tmp_path, capsys):
     """evaluate_sources gives each corpus of the mixture the loss of its own rows evaluated alone,
     the overall loss their token-weighted mean; a run reports both (the summary table too)."""
-    from shardlab import train as TR
-    from shardlab.evaluate import evaluate, evaluate_sources
-    from shardlab.run_summary import print_summary
-    from shardlab.runtime import Runtime
+    from shardlab.loop import train as TR
+    from shardlab.loop.evaluate import evaluate, evaluate_sources
+    from shardlab.loop.run_summary import print_summary
+    from shardlab.loop.runtime import Runtime
 
     a, b = corpora
     cfg = mix_cfg({a: 0.7, b: 0.3}, "model.preset=gpt-nano", "train.steps=1", "train.eval_batches=1",

@@ -11,9 +11,9 @@ import os
 import pytest
 import torch
 
-from shardlab import train as T
 from shardlab.checkpoint import read_tensors
 from shardlab.data import build_datasets, make_sampler
+from shardlab.loop import train as T
 from shardlab.testing import run_workers
 from tests.checkpoint_helpers import (
     TOTAL,

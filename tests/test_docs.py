@@ -17,7 +17,7 @@ rule:
   (`shardlab.x.y`, `module.attr`, `Class.method`), a `CamelCase` or `_private` name, a snake_case
   name (`no_sync`), or an ALL_CAPS name with an underscore. It must be defined in src/ or tests/
   (`def name`, `class name`, `name =`, an attribute or argument of that name), or be reached by
-  importing (`shardlab.train.train_step`, `train.train_step`, `Engine.shard_layout`,
+  importing (`shardlab.loop.train.train_step`, `train.train_step`, `Engine.shard_layout`,
   `torch.distributed.all_reduce`); a bare third-party name is looked up in THIRD_PARTY_HOMES, and a
   dotted name rooted at one of VARIABLES (`model.parameters()`) on the class it stands for. A bare
   snake_case or ALL_CAPS name that is not a call may also be one the project writes without
