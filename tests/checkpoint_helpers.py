@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from shardlab import run as R
-from shardlab import train as T
 from shardlab.checkpoint import CheckpointManager, read_tensors
 from shardlab.config import engine_options, load_config
+from shardlab.loop import run as R
+from shardlab.loop import train as T
+from shardlab.loop.runtime import Runtime
+from shardlab.loop.schedule import make_optimizer, make_schedule
 from shardlab.models import build_model
-from shardlab.runtime import Runtime
-from shardlab.schedule import make_optimizer, make_schedule
 
 K = 3          # steps before the interruption
 TOTAL = 2 * K  # steps of the whole run

@@ -55,7 +55,7 @@ def register_desync_model(rank: int, forward_number: int) -> None:
 
 # ---------------------------------------------------------------------------------------- raise
 def plant_raise(rank: int, step: int) -> None:
-    from shardlab import train as T
+    from shardlab.loop import train as T
 
     original = T.train_step
 
@@ -85,7 +85,7 @@ class SleepyDataset(torch.utils.data.Dataset):
 
 
 def plant_data_stall(rank: int, step: int) -> None:
-    from shardlab import run as R
+    from shardlab.loop import run as R
 
     original = R.build_datasets
 

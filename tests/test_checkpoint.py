@@ -11,8 +11,6 @@ import pytest
 import torch
 
 import shardlab
-from shardlab import run as R
-from shardlab import train as T
 from shardlab.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -23,8 +21,10 @@ from shardlab.checkpoint import (
 )
 from shardlab.cli import main as cli_main
 from shardlab.export import export_checkpoint, load_exported
+from shardlab.loop import run as R
+from shardlab.loop import train as T
+from shardlab.loop.schedule import make_optimizer, make_schedule
 from shardlab.models import build_model
-from shardlab.schedule import make_optimizer, make_schedule
 from tests.checkpoint_helpers import TOTAL, K, assert_same_tensors, make_cfg, runtime, straight_and_resumed
 
 CKPT = "checkpoints/step_{:08d}"

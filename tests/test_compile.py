@@ -221,7 +221,7 @@ def test_selective_recomputes_every_other_linear_product():
 
 # -- the training loop: compile time reported, checkpoint/resume, export, checkpointing memory ---
 def _loop_runs(rank: int, world: int, out: str) -> dict:
-    from shardlab import train as T
+    from shardlab.loop import train as T
     from tests.checkpoint_helpers import make_cfg, runtime, straight_and_resumed
 
     result = {}

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-import shardlab.launcher
+import shardlab.loop.launcher
 from shardlab import cli
 from shardlab.config import ConfigError, dump_config, load_config
 
@@ -15,7 +15,7 @@ def no_workers(monkeypatch):
     """Fail the test if the launcher is ever reached."""
     def forbidden(*a, **k):
         raise AssertionError("a worker was started despite bad input")
-    monkeypatch.setattr(shardlab.launcher, "launch_local", forbidden)
+    monkeypatch.setattr(shardlab.loop.launcher, "launch_local", forbidden)
 
 
 def _yaml(tmp_path, text, name="c.yaml"):

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardlab import train as T
 from shardlab.checkpoint import read_tensors
 from shardlab.data import build_datasets, make_sampler
+from shardlab.loop import train as T
 from shardlab.testing import run_workers
 from tests.checkpoint_helpers import TOTAL, K, assert_same_tensors, make_cfg, runtime, train_until_crash
 from tests.test_data_mix import corpora  # noqa: F401 (a fixture)

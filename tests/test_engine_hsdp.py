@@ -21,9 +21,9 @@ import torch
 
 import shardlab
 from shardlab import cli
-from shardlab import train as T
 from shardlab.config import ConfigError, load_config, validate_for_world
 from shardlab.engines import engine_of, optimizer_state_bytes
+from shardlab.loop import train as T
 from shardlab.testing import run_workers
 from tests.checkpoint_helpers import assert_same_tensors, load_and_resave, make_cfg, runtime
 from tests.engine_internals import comm_stats_by_group
@@ -286,9 +286,9 @@ def test_hsdp_checkpoint_writes_each_piece_once(four):
     (["parallel.offload=gpu"], 2, ["parallel.offload: unknown value 'gpu'", "none, cpu"]),
 ])
 def test_bad_shard_size_or_offload_fails_before_workers(overrides, world, fragments, monkeypatch, capsys):
-    import shardlab.launcher
+    import shardlab.loop.launcher
 
-    monkeypatch.setattr(shardlab.launcher, "launch_local",
+    monkeypatch.setattr(shardlab.loop.launcher, "launch_local",
                         lambda *a, **k: (_ for _ in ()).throw(AssertionError("a worker was started")))
     code = cli.main(["train", "--nproc", str(world), "train.global_batch_size=16", "train.micro_batch_size=1",
                      *overrides])

@@ -113,8 +113,8 @@ def _write_config(tmp_path) -> str:
 
 def _train_toy_and_ddp(rank: int, world: int, config: str) -> dict:
     from shardlab.config import load_config
-    from shardlab.runtime import Runtime
-    from shardlab.train import train
+    from shardlab.loop.runtime import Runtime
+    from shardlab.loop.train import train
 
     out = {}
     for strategy in ("toy", "ddp"):

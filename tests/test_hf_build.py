@@ -140,8 +140,8 @@ def _transformers_loss(path: str, rows, dtype: torch.dtype) -> tuple[float, floa
 
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
 def test_gemma2_step_one_loss_is_transformers(gemma2, packing, capsys, monkeypatch):
-    from shardlab import train as T
     from shardlab.data import build_datasets
+    from shardlab.loop import train as T
     from tests.checkpoint_helpers import runtime
 
     monkeypatch.setenv("SHARDLAB_CACHE", str(gemma2 / "cache"))

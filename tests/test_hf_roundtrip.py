@@ -87,7 +87,7 @@ def test_exported_model_answers_as_shardlab_generate(tmp_path, monkeypatch, kind
 
     from shardlab.cli import main
     from shardlab.config import load_config
-    from shardlab.train import train
+    from shardlab.loop.train import train
     from tests.checkpoint_helpers import runtime
 
     monkeypatch.setenv("SHARDLAB_CACHE", str(tmp_path / "cache"))

@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from shardlab import train as T
 from shardlab.checkpoint import CheckpointError, read_tensors
 from shardlab.data.prepare import prepare
+from shardlab.loop import train as T
 from shardlab.testing import run_workers
 from tests.checkpoint_helpers import TOTAL, K, assert_same_tensors, make_cfg, runtime, train_until_crash
 from tests.test_prepare import DOCS, as_text_files

@@ -222,7 +222,7 @@ def test_train_then_export_cli_equal_logits(tmp_path, monkeypatch):
     from shardlab.cli import main
     from shardlab.config import load_config
     from shardlab.export import load_model
-    from shardlab.train import train
+    from shardlab.loop.train import train
     from tests.checkpoint_helpers import runtime
 
     monkeypatch.setenv("SHARDLAB_CACHE", str(tmp_path / "cache"))

@@ -1,4 +1,4 @@
-"""The token-weighted loss ([Note: token-weighted loss] in shardlab/loss.py), through the real
+"""The token-weighted loss ([Note: token-weighted loss] in shardlab/loop/loss.py), through the real
 `build_run`/`train_step`/`evaluate`:
 
 - SFT rows with very different numbers of target tokens (2 to 29 per row), in float64: every
@@ -35,9 +35,9 @@ import torch
 pytest.importorskip("transformers")
 
 import shardlab  # noqa: E402
-from shardlab import train as T  # noqa: E402
 from shardlab.config import load_config  # noqa: E402
-from shardlab.run import build_run  # noqa: E402
+from shardlab.loop import train as T  # noqa: E402
+from shardlab.loop.run import build_run  # noqa: E402
 from shardlab.testing import run_workers  # noqa: E402
 from tests.checkpoint_helpers import runtime  # noqa: E402
 from tests.parity import F64_ATOL, F64_RTOL, assert_parity  # noqa: E402
@@ -88,7 +88,7 @@ def _run_layouts(rank: int, world: int, d: str) -> dict:
     """Every layout of LAYOUTS[world] through build_run/train_step/evaluate (one spawn)."""
     import os
 
-    from shardlab.evaluate import evaluate
+    from shardlab.loop.evaluate import evaluate
 
     os.environ["SHARDLAB_CACHE"] = os.path.join(d, "cache")
     out = {}
@@ -141,7 +141,7 @@ def test_variable_rows_make_the_mean_of_means_differ(sft_files, monkeypatch):
     differs from the token mean by far more than the tolerance (in one process, float64)."""
     monkeypatch.setenv("SHARDLAB_CACHE", f"{sft_files}/cache")
     from shardlab.data import build_datasets
-    from shardlab.loss import count_targets
+    from shardlab.loop.loss import count_targets
     from shardlab.models import build_model
 
     cfg = load_config(None, _overrides(sft_files, "single", GLOBAL))
@@ -208,7 +208,7 @@ def _old_evaluate(model, dataset, cfg, rt) -> float:
 
 def _pretraining_old_and_new(rank: int, world: int, strategies) -> dict:
     """gpt-nano on the embedded corpus, 3 steps of 4 micro batches, the new and the old step."""
-    from shardlab.evaluate import evaluate
+    from shardlab.loop.evaluate import evaluate
 
     out = {}
     for strategy in strategies:
@@ -258,9 +258,9 @@ def test_validation_smaller_than_a_global_batch_is_evaluated(sft_files, monkeypa
     (before, it was silently None)."""
     monkeypatch.setenv("SHARDLAB_CACHE", f"{sft_files}/cache")
     from shardlab.data import build_datasets, collate
-    from shardlab.evaluate import evaluate
+    from shardlab.loop.evaluate import evaluate
+    from shardlab.loop.runtime import Runtime
     from shardlab.models import build_model
-    from shardlab.runtime import Runtime
 
     cfg = load_config(None, _overrides(sft_files, "single", 2))
     data = build_datasets(cfg)

@@ -106,8 +106,8 @@ def load_model(source: str, step: int | None = None) -> tuple[nn.Module, dict[st
 
 def evaluate_model(model: nn.Module, cfg, batches: int | None = None) -> float | None:
     from shardlab.data import build_datasets
-    from shardlab.evaluate import evaluate
-    from shardlab.runtime import Runtime
+    from shardlab.loop.evaluate import evaluate
+    from shardlab.loop.runtime import Runtime
 
     if batches is not None:
         cfg.train.eval_batches = batches

@@ -52,10 +52,10 @@ from shardlab import memory
 from shardlab.config import Config, TrainConfig, config_from_dict
 from shardlab.data import build_datasets, collate
 from shardlab.engines import engine_class
+from shardlab.loop.runtime import Runtime
 from shardlab.models import MODELS
 from shardlab.plan.fake_ddp import ddp_on_fake_tensors
 from shardlab.plan.model import cut_depth, init_fake_group, vocab_size
-from shardlab.runtime import Runtime
 
 #: Blocks of the model the probes run with (GPT's n_layer, an HF decoder's num_hidden_layers;
 #: other models run whole).
@@ -245,10 +245,10 @@ class _HostBatches:
 
 def _probe_once(cfg: Config, rt, fake: bool) -> dict:
     """One engine at one depth: the tracked step's peak and breakdown, and the forward peak's."""
-    # deferred: shardlab.train costs about 1 s to import (torch.distributed.checkpoint and the
+    # deferred: shardlab.loop.train costs about 1 s to import (torch.distributed.checkpoint and the
     # loop's dependencies); the probes run in a child, and `shardlab --help` need not pay it
-    from shardlab.run import build_run
-    from shardlab.train import train_step
+    from shardlab.loop.run import build_run
+    from shardlab.loop.train import train_step
 
     data = build_datasets(cfg)  # real tensors, outside any fake mode
     with fake_tensors() if fake else contextlib.nullcontext():
@@ -278,7 +278,7 @@ def _probe_once(cfg: Config, rt, fake: bool) -> dict:
 
 
 def _forward_peak(run, rt, fake: bool) -> dict:
-    from shardlab.amp import autocast  # deferred: torch.distributed.fsdp costs 0.7 s to import
+    from shardlab.loop.amp import autocast  # deferred: torch.distributed.fsdp costs 0.7 s to import
 
     t = run.cfg.train
     with unset_fake_temporarily():

@@ -40,10 +40,10 @@ from shardlab.config import config_from_dict
 from shardlab.data import build_datasets, collate
 from shardlab.data.loader import StepBatches
 from shardlab.engines import ONE_PROCESS
-from shardlab.loss import count_targets
-from shardlab.run import build_run
-from shardlab.runtime import Runtime
-from shardlab.train import train_step
+from shardlab.loop.loss import count_targets
+from shardlab.loop.run import build_run
+from shardlab.loop.runtime import Runtime
+from shardlab.loop.train import train_step
 from shardlab.verify.float64 import Float64Everywhere
 
 # How long the ranks not running a one-process reference wait for it (a cut 7B in float64

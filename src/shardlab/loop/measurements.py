@@ -15,11 +15,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from shardlab import memory
-from shardlab import metrics as M
 from shardlab.config import OutputConfig, TrainConfig
 from shardlab.engines import optimizer_state_bytes
 from shardlab.engines.compile import CompileClock
-from shardlab.run_summary import summarize
+from shardlab.loop import metrics as M
+from shardlab.loop.run_summary import summarize
 
 
 class StepLogger:

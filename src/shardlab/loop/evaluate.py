@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardlab.amp import autocast
 from shardlab.config import TrainConfig
 from shardlab.data import collate
 from shardlab.engines import collectives
-from shardlab.loss import count_targets
-from shardlab.runtime import Runtime
+from shardlab.loop.amp import autocast
+from shardlab.loop.loss import count_targets
+from shardlab.loop.runtime import Runtime
 
 
 def eval_rows(dataset, t: TrainConfig) -> int:

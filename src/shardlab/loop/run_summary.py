@@ -6,11 +6,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from shardlab import metrics as M
 from shardlab.atomic import write_json_atomic
 from shardlab.data.mixture import MixtureSampler, source_counts
 from shardlab.engines import is_sharded
-from shardlab.runtime import all_gather_object
+from shardlab.loop import metrics as M
+from shardlab.loop.runtime import all_gather_object
 
 
 def summarize(run: Any, timer: M.StepTimer, mine: dict, val_losses: dict, wall: float) -> dict[str, Any]:

@@ -21,8 +21,6 @@ from torch import nn
 
 import shardlab
 from shardlab import memory
-from shardlab import metrics as M
-from shardlab.amp import make_loss_scaler
 from shardlab.atomic import write_json_atomic
 from shardlab.config import (
     Config,
@@ -37,10 +35,12 @@ from shardlab.data.loader import StepBatches
 from shardlab.data.text import copy_tokenizer_files
 from shardlab.doctor import worker as doctor
 from shardlab.engines import Engine, engine_class, engine_of
-from shardlab.evaluate import evaluate
+from shardlab.loop import metrics as M
+from shardlab.loop.amp import make_loss_scaler
+from shardlab.loop.evaluate import evaluate
+from shardlab.loop.runtime import Runtime, all_gather_object, hostname, init_runtime, seed_everything
+from shardlab.loop.schedule import make_optimizer, make_schedule, schedule_note
 from shardlab.models import build_model, count_parameters
-from shardlab.runtime import Runtime, all_gather_object, hostname, init_runtime, seed_everything
-from shardlab.schedule import make_optimizer, make_schedule, schedule_note
 from shardlab.sync_batchnorm import convert_sync_batchnorm
 
 

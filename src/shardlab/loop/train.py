@@ -25,16 +25,16 @@ import torch
 
 import shardlab
 from shardlab import memory
-from shardlab.amp import autocast
 from shardlab.config import Config
 from shardlab.doctor import RECORDER
 from shardlab.doctor import worker as doctor
-from shardlab.loss import mean_over_ranks, token_weights
-from shardlab.measurements import RunMeasurements
-from shardlab.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionGuard
-from shardlab.run import Run, default_run_name, run_dir, start_run, start_runtime
-from shardlab.run_summary import print_summary
-from shardlab.runtime import Runtime, shutdown
+from shardlab.loop.amp import autocast
+from shardlab.loop.loss import mean_over_ranks, token_weights
+from shardlab.loop.measurements import RunMeasurements
+from shardlab.loop.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionGuard
+from shardlab.loop.run import Run, default_run_name, run_dir, start_run, start_runtime
+from shardlab.loop.run_summary import print_summary
+from shardlab.loop.runtime import Runtime, shutdown
 
 
 # -- one step ---------------------------------------------------------------------------------------
@@ -80,7 +80,7 @@ def train_step(run: Run, tracker: memory.LiveMemoryTracker | None = None,
         skipped = False
         if scaler is not None:
             scale = scaler.get_scale()
-            scaler.step(opt)      # skipped when any rank found an inf/nan (one verdict: shardlab.amp)
+            scaler.step(opt)      # skipped when any rank found an inf/nan (one verdict: shardlab.loop.amp)
             scaler.update()
             skipped = scaler.get_scale() < scale
         else:
