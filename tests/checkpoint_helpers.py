@@ -79,7 +79,7 @@ def in_float64() -> None:
     (build_run's adapt_model: the engines materialize the meta model in its dtype), so that two
     runs that sum the same samples in another grouping differ by float64 rounding only
     (tests/parity.py's [Note: why the harness runs in float64]). For spawned workers."""
-    build = T.build_run
+    build = R.build_run
     if getattr(build, "float64", False):
         return
 
@@ -87,7 +87,7 @@ def in_float64() -> None:
         return build(cfg, rt, adapt_model=lambda model: model.to(torch.float64), **kw)
 
     build_run.float64 = True
-    T.build_run = build_run
+    R.build_run = build_run
 
 
 class SampleLog:

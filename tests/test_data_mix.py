@@ -166,6 +166,7 @@ def test_validation_loss_per_corpus(corpora, tmp_path, capsys):
     the overall loss their token-weighted mean; a run reports both (the summary table too)."""
     from shardlab.loop import train as TR
     from shardlab.loop.evaluate import evaluate, evaluate_sources
+    from shardlab.loop.run import build_run
     from shardlab.loop.run_summary import print_summary
     from shardlab.loop.runtime import Runtime
 
@@ -174,15 +175,15 @@ def test_validation_loss_per_corpus(corpora, tmp_path, capsys):
                   "parallel.strategy=single", f"output.dir={tmp_path}", "output.run_name=r", "output.progress=false",
                   "output.tensorboard=false", "checkpoint.resume=none", "train.memory_tracking=none")
     rt = Runtime(0, 0, 1, torch.device("cpu"), None)
-    run = TR.build_run(cfg, rt)
+    run = build_run(cfg, rt)
     val = run.data.val
-    got = evaluate_sources(run.model, val, cfg, rt)
+    got = evaluate_sources(run.model, val, cfg.train, rt)
     assert val.names == ["a-data", "b-data"] and set(got.by_source) == set(val.names)
-    alone = [evaluate(run.model, part, cfg, rt) for part in val.parts]
+    alone = [evaluate(run.model, part, cfg.train, rt) for part in val.parts]
     assert [got.by_source[n] for n in val.names] == alone  # the same rows in the same micro batches
     rows = [len(p) for p in val.parts]  # every target counts: T tokens a row
     assert got.loss == pytest.approx(sum(x * n for x, n in zip(alone, rows)) / sum(rows), rel=1e-12)
-    assert got.loss == evaluate(run.model, val, cfg, rt)
+    assert got.loss == evaluate(run.model, val, cfg.train, rt)
     result = TR.train(cfg, rt)
     assert {k for k in result if k.startswith("val_loss/")} == {"val_loss/a-data", "val_loss/b-data"}
     assert [s["name"] for s in result["data_sources"]] == ["a-data", "b-data"]

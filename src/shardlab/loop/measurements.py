@@ -156,10 +156,9 @@ class RunMeasurements:
             self.logger.validation(v, step)
 
     def training_done(self) -> None:
-        """The last step is done: what the steps' collectives sent (before the final evaluation's),
-        and the end of the progress bar and the scalars."""
+        """The last step is done: what the steps' collectives sent (before the final evaluation's,
+        whose loss still goes to the scalars: the logger closes in `close`)."""
         self.train_comm = _comm_since(self.comm_at_start, self.run.engine.comm_stats())
-        self._close_logger()
 
     def close(self) -> None:
         self._close_logger()
