@@ -21,7 +21,7 @@ import torch
 
 import shardlab
 from shardlab.engines import engine_class, engine_of
-from shardlab.engines.api import ModelTraffic
+from shardlab.engines.planning import ModelTraffic
 from shardlab.models import repeated_blocks
 from tests.parity import GLOBAL_BATCH, assert_parity, batch, build, set_mode, train_engine, train_reference
 
