@@ -106,10 +106,10 @@ def _planned_traffic(strategy: str, case: str, world: int) -> dict:
 
 
 def check_minimal(results: list[dict], world: int, full: str, full_runs: dict) -> None:
-    """`results`: each rank's worker output with `minimal_runs` under "minimal"; `full_runs`:
-    (case, optimizer) -> the full engine's (losses, state) of the same parity run, rank 0's."""
+    """`results`: each rank's `minimal_runs` output, rank by rank; `full_runs`: (case, optimizer) ->
+    the full engine's (losses, state) of the same parity run, rank 0's."""
     s = MINIMAL[full]
-    got = results[0]["minimal"]
+    got = results[0]
     for key, run in got.items():
         if key in ("layout", "traffic"):
             continue
@@ -117,20 +117,20 @@ def check_minimal(results: list[dict], world: int, full: str, full_runs: dict) -
         ref = _reference(case, opt, CLIP if kind == "clip" else None)
         assert_parity(ref, run, f"{s}/{kind}/{case}/{opt}/N={world}")
         for r in range(1, world):
-            assert_parity(run, results[r]["minimal"][key], f"{s}/{key}/N={world} rank {r} vs 0", rtol=0, atol=0)
+            assert_parity(run, results[r][key], f"{s}/{key}/N={world} rank {r} vs 0", rtol=0, atol=0)
     for case, opt in PARITY:
         assert_parity(full_runs[(case, opt)], got[("parity", case, opt)], f"{s} vs {full}/{case}/{opt}/N={world}")
     copies = 1 if engine_class(s).grads_sharded else world  # a replicated engine: every rank holds everything
     for case in got["layout"]:
         covered = {n: torch.zeros(p.numel(), dtype=torch.int32) for n, p in build(case, "meta").named_parameters()}
         for r in range(world):
-            mine = results[r]["minimal"]["layout"][case]
+            mine = results[r]["layout"][case]
             assert mine["holds"] and mine["loads_back"], f"{s}/{case}/N={world}: rank {r}'s layout {mine}"
             for name, offset, numel in mine["pieces"]:
                 covered[name][offset:offset + numel] += 1
         for name, counts in covered.items():
             assert bool((counts == copies).all()), f"{s}/{case}/N={world}: {name} not held {copies} time(s)"
-    _check_traffic(s, world, [r["minimal"]["traffic"] for r in results])
+    _check_traffic(s, world, [r["traffic"] for r in results])
 
 
 def _check_traffic(strategy: str, world: int, counted: list[dict]) -> None:

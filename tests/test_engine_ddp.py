@@ -164,5 +164,5 @@ def test_ddp_matches_single(spawned, world, key):
 def test_ddp_minimal_matches_single_and_ddp(spawned, world):
     """ddp-minimal in the same spawned workers: equal to `single` and to ddp (tests/minimal_cases.py)."""
     results = spawned(run_plan, world, plan=_ddp_plan)
-    check_minimal([{"minimal": r[("minimal",)]} for r in results], world, "ddp",
+    check_minimal([r[("minimal",)] for r in results], world, "ddp",
                   {(c, o): results[0][("parity", c, o)] for c, o in PARITY})

@@ -378,5 +378,6 @@ def test_fsdp_reshard_after_forward(spawned):
 def test_fsdp_minimal_matches_single_and_fsdp(spawned, world):
     """fsdp-minimal in the same spawned workers: equal to `single` and to fsdp (tests/minimal_cases.py)."""
     results = spawned(_run_plan, world)
-    check_minimal(results, world, "fsdp", {(case, opt): results[0][i] for i, (kind, case, opt, options)
-                                           in enumerate(_plan(world)) if kind == "parity" and not options})
+    full_runs = {(case, opt): results[0][i] for i, (kind, case, opt, options) in enumerate(_plan(world))
+                 if kind == "parity" and not options}
+    check_minimal([r["minimal"] for r in results], world, "fsdp", full_runs)

@@ -350,5 +350,5 @@ def test_ranks_without_trainable_tensors_are_named_when_built():
 def test_zero3_minimal_matches_single_and_zero3(spawned, world):
     """zero3-minimal in the same spawned workers: equal to `single` and to zero3 (tests/minimal_cases.py)."""
     results = spawned(run_plan, world, plan=_zero3_plan)
-    check_minimal([{"minimal": r[("minimal",)]} for r in results], world, "zero3",
+    check_minimal([r[("minimal",)] for r in results], world, "zero3",
                   {(c, o): results[0][("parity", c, o)] for c, o in PARITY})

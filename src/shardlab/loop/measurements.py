@@ -161,14 +161,11 @@ class RunMeasurements:
         self.train_comm = _comm_since(self.comm_at_start, self.run.engine.comm_stats())
 
     def close(self) -> None:
-        self._close_logger()
-        if self.profiler is not None:
-            self.profiler.close()
-
-    def _close_logger(self) -> None:
         if self.logger is not None:
             self.logger.close()
             self.logger = None
+        if self.profiler is not None:
+            self.profiler.close()
 
     def summary(self) -> dict[str, Any]:
         """metrics.json (run_summary.py): every rank's figures; every rank returns them."""
