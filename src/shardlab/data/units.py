@@ -7,15 +7,17 @@ so read by one worker it is one unit, and a corpus that is one big `.jsonl.zst` 
 by one worker whatever --workers said (measured at 2 workers: 0.55x the speed of the same JSONL
 uncompressed). A compressed JSONL input larger than a unit is therefore *split*: this process
 (prepare's parent) decompresses it once, front to back, and cuts the decompressed bytes into
-pieces as an uncompressed file is cut: PIECE_BYTES, then on to the end of the line that holds
-the last of them, so no record is cut. Each piece carries its bytes, its decompressed offset and
-the number of its first line (messages name the true line). Consecutive pieces make units of a
-shard's worth of input (--shard-mb), but at most STREAM_UNIT_BYTES, of decompressed bytes (the
-file's decompressed size is not known before it is read, so the sixteenth of the corpus that
-bounds other units cannot bound these). They are handed to the worker pool as they are cut:
-the pool's task thread asks this generator for the next unit only after its previous one was
-written to the workers' pipe, a write that blocks until an idle worker reads it, so about
---workers + 2 units are in memory whatever the file's size. The pieces depend on the file
+pieces as an uncompressed file is cut (data/inputs.py): at every multiple of PIECE_BYTES, moved
+on to just after the first newline at or after it, so no record is cut. Each piece carries its
+bytes, its decompressed offset and the number of its first line (messages name the true line).
+A unit is the pieces that start in the same window of the stream, a shard's worth of input
+(--shard-mb) but at most STREAM_UNIT_BYTES of decompressed bytes (the file's decompressed size
+is not known before it is read, so the sixteenth of the corpus that bounds other units cannot
+bound these). Units are cut as the workers take them: the pool's task thread asks this
+generator for the next unit only after its previous one went into the workers' pipe, a write
+that blocks until an idle worker reads it, so about --workers + 2 units are in memory whatever
+the file's size (measured in docs/data.md: the parent's peak memory is the same for 256 MiB and
+1 GiB of JSONL). The pieces depend on the file
 alone, the units on the file, --shard-mb and these constants: --workers changes neither, so
 the output is the same byte for byte (tested against one worker). The file's SHA-256 (as
 stored, for the manifest) comes from the compressed bytes as they are read and travels with
@@ -109,14 +111,13 @@ def unit_tasks(inputs: list[Input], layout: list[list[Piece] | Split]) -> Iterat
 
 
 def stream_units(inp: Input, split: Split) -> Iterator[list[Piece]]:
+    """The pieces of a split input in units: those that start in the same unit_bytes of the stream."""
     unit: list[Piece] = []
-    size = 0
     for p in stream_pieces(inp, split.input):
-        if unit and size + len(p.data) > split.unit_bytes:
+        if unit and p.start // split.unit_bytes != unit[0].start // split.unit_bytes:
             yield unit
-            unit, size = [], 0
+            unit = []
         unit.append(p)
-        size += len(p.data)
     if unit:
         yield unit
 
@@ -149,10 +150,9 @@ def stream_pieces(inp: Input, index: int) -> Iterator[Piece]:
     at, line, counted = 0, 1, 0
     try:
         with _HashingReader(inp.path) as raw, open_stream(inp.path, inp.compression, raw) as f:
-            while True:
-                data = f.read(PIECE_BYTES)
-                if data and not data.endswith(b"\n"):
-                    data += f.readline()  # to the end of the line: a record is never cut
+            while True:  # to the next multiple of PIECE_BYTES, then to the end of its line
+                data = f.read((at // PIECE_BYTES + 1) * PIECE_BYTES - at)
+                data += f.readline()  # a record is never cut
                 last = not f.peek(1)
                 if last:
                     while raw.read(1 << 20):  # what follows the compressed data, if anything: hashed too
