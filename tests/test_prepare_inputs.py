@@ -236,13 +236,14 @@ def test_one_compressed_jsonl_is_split_and_equals_one_worker(tmp_path, kind):
     layout = un.plan_units(inputs, pieces, un.unit_target(pieces, 1 << 17), 1 << 17)
     assert layout == [un.Split(0, 1 << 17)]
     tasks = un.unit_tasks(inputs, layout)
-    kind_, (n, first, held) = next(tasks)  # no hash task: the parent hashes what it decompresses
+    assert next(tasks) == ("hash", (0, inputs[0]))  # the file as stored, by a task of its own
+    kind_, (n, first, held) = next(tasks)
     assert (kind_, n, set(held)) == ("unit", 0, {0}) and first[0].bytes < os.path.getsize(packed)  # not all read
     flat = first + [p for _, arg in tasks for p in arg[1]]
     assert b"".join(p.data for p in flat) == open(plain, "rb").read()
     assert [p.line for p in flat] == list(itertools.accumulate([1] + [p.data.count(b"\n") for p in flat[:-1]]))
     assert sum(p.bytes for p in flat) == os.path.getsize(packed)
-    assert [p.sha256 is not None for p in flat] == [False] * (len(flat) - 1) + [True]
+    assert [p.last for p in flat] == [False] * (len(flat) - 1) + [True]
 
 
 def test_the_shapes_benchmark_runs_small(tmp_path):

@@ -17,11 +17,10 @@ bound these). Units are cut as the workers take them: the pool's task thread ask
 generator for the next unit only after its previous one went into the workers' pipe, a write
 that blocks until an idle worker reads it, so about --workers + 2 units are in memory whatever
 the file's size (measured in docs/data.md: the parent's peak memory is the same for 256 MiB and
-1 GiB of JSONL). The pieces depend on the file
-alone, the units on the file, --shard-mb and these constants: --workers changes neither, so
-the output is the same byte for byte (tested against one worker). The file's SHA-256 (as
-stored, for the manifest) comes from the compressed bytes as they are read and travels with
-the last piece.
+1 GiB of JSONL). The pieces depend on the file alone, the units on the file, --shard-mb and
+these constants: --workers changes neither, so the output is the same byte for byte (tested
+against one worker). The file's SHA-256 (as stored, for the manifest) is a task of its own, as
+for any input cut across units.
 A compressed file no larger than a unit stays one piece that a worker decompresses itself, so a
 corpus of many compressed files (how The Pile and RedPajama ship) decompresses on every worker;
 a corpus of several large ones is decompressed by this one process, one file after the other
@@ -31,7 +30,6 @@ one value: neither is split.
 
 from __future__ import annotations
 
-import hashlib
 import io
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -97,11 +95,10 @@ def plan_units(inputs: list[Input], pieces: list[Piece], target: int,
 
 def unit_tasks(inputs: list[Input], layout: list[list[Piece] | Split]) -> Iterator[tuple[str, Any]]:
     """The worker tasks, made as they are asked for: ("hash", (index, Input)) for an input cut
-    across units (a split one is hashed as it is read), then ("unit", (number, pieces, the
+    across units (a split one too), then ("unit", (number, pieces, the
     unit's own inputs)) in corpus order. A task carries only its own inputs."""
     units = [u for u in layout if not isinstance(u, Split)]
     whole = {i for u in units for i in ({p.input for p in u if p.first} & {p.input for p in u if p.last})}
-    whole |= {u.input for u in layout if isinstance(u, Split)}
     yield from (("hash", (i, inp)) for i, inp in enumerate(inputs) if i not in whole)
     n = 0
     for u in layout:
@@ -122,12 +119,11 @@ def stream_units(inp: Input, split: Split) -> Iterator[list[Piece]]:
         yield unit
 
 
-class _HashingReader(io.RawIOBase):
-    """The compressed file as its decompressor reads it, hashed and counted on the way."""
+class _CountingReader(io.RawIOBase):
+    """The compressed file as its decompressor reads it, counted on the way."""
 
     def __init__(self, path: str):
         self.f = open(path, "rb")
-        self.sha256 = hashlib.sha256()
         self.count = 0
 
     def readable(self) -> bool:
@@ -135,7 +131,6 @@ class _HashingReader(io.RawIOBase):
 
     def readinto(self, b) -> int:
         n = self.f.readinto(b)
-        self.sha256.update(memoryview(b)[:n])
         self.count += n
         return n
 
@@ -149,16 +144,13 @@ def stream_pieces(inp: Input, index: int) -> Iterator[Piece]:
     compressed bytes read for it, so the pieces' sum is the file's size."""
     at, line, counted = 0, 1, 0
     try:
-        with _HashingReader(inp.path) as raw, open_stream(inp.path, inp.compression, raw) as f:
+        with _CountingReader(inp.path) as raw, open_stream(inp.path, inp.compression, raw) as f:
             while True:  # to the next multiple of PIECE_BYTES, then to the end of its line
                 data = f.read((at // PIECE_BYTES + 1) * PIECE_BYTES - at)
                 data += f.readline()  # a record is never cut
                 last = not f.peek(1)
-                if last:
-                    while raw.read(1 << 20):  # what follows the compressed data, if anything: hashed too
-                        pass
-                yield Piece(index, at, at + len(data), raw.count - counted, at == 0, last, data, line,
-                            raw.sha256.hexdigest() if last else None)
+                yield Piece(index, at, at + len(data), (inp.bytes if last else raw.count) - counted, at == 0, last,
+                            data, line)
                 if last:
                     return
                 at, counted = at + len(data), raw.count
