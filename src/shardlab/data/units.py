@@ -5,7 +5,8 @@ bytes, and a large compressed JSONL file cut while it is decompressed.
 [Note: one compressed stream in parallel] A compressed file cannot be entered in the middle,
 so read by one worker it is one unit, and a corpus that is one big `.jsonl.zst` was prepared
 by one worker whatever --workers said (measured at 2 workers: 0.55x the speed of the same JSONL
-uncompressed). A compressed JSONL input larger than a unit is therefore *split*: this process
+uncompressed; split as below, 0.84x: docs/data.md). A compressed JSONL input larger than a unit is
+therefore *split*: this process
 (prepare's parent) decompresses it once, front to back, and cuts the decompressed bytes into
 pieces as an uncompressed file is cut (data/inputs.py): at every multiple of PIECE_BYTES, moved
 on to just after the first newline at or after it, so no record is cut. Each piece carries its
