@@ -5,22 +5,23 @@ bytes, and a large compressed JSONL file cut while it is decompressed.
 [Note: one compressed stream in parallel] A compressed file cannot be entered in the middle, so
 read by one worker it is one unit, and a corpus that is one big `.jsonl.zst` was prepared by one
 worker whatever --workers said (measured at 2 workers: 0.55x the speed of the same JSONL
-uncompressed; split as below, 0.84x: docs/data.md). A compressed JSONL input larger than a unit
-is therefore *split*: this process (prepare's parent) decompresses it once, front to back, and
-cuts the decompressed bytes into pieces as an uncompressed file is cut (data/inputs.py): at
-every multiple of PIECE_BYTES, moved on to just after the first newline at or after it, so no
-record is cut. Each piece carries its bytes, its decompressed offset and the number of its first
-line (messages name the true line). A unit is the pieces that start in the same window of the
-stream, a shard's worth of input (--shard-mb) but at most STREAM_UNIT_BYTES of decompressed
-bytes (the file's decompressed size is not known before it is read, so the sixteenth of the
-corpus that bounds other units cannot bound these). Units are cut as the workers take them: the
-pool's task thread asks this generator for the next unit only after its previous one went into
-the workers' pipe, a write that blocks until an idle worker reads it, so about --workers + 2
-units are in memory whatever the file's size (measured in docs/data.md: the parent's peak memory
-is the same for 256 MiB and 1 GiB of JSONL). The pieces depend on the file alone, the units on
-the file, --shard-mb and these constants: --workers changes neither, so the output is the same
-byte for byte (tested against one worker). The file's SHA-256 (as stored, for the manifest) is a
-task of its own, as for any input cut across units.
+uncompressed; split as below, 0.82x, a median over runs from 0.74x to 0.91x: docs/data.md). A
+compressed JSONL input larger than a unit is therefore *split*: this process (prepare's parent)
+decompresses it once, front to back, and cuts the decompressed bytes into pieces as an
+uncompressed file is cut (data/inputs.py): at every multiple of PIECE_BYTES, moved on to just
+after the first newline at or after it, so no record is cut. Each piece carries its bytes, its
+decompressed offset and the number of its first line (messages name the true line). A unit is
+the pieces that start in the same window of the stream, a shard's worth of input (--shard-mb)
+but at most STREAM_UNIT_BYTES of decompressed bytes (the file's decompressed size is not known
+before it is read, so the sixteenth of the corpus that bounds other units cannot bound these).
+Units are cut as the workers take them: the pool's task thread asks this generator for the next
+unit only after its previous one went into the workers' pipe, a write that blocks until an idle
+worker reads it, so about --workers + 2 units are in memory whatever the file's size (measured
+in docs/data.md: the parent's peak memory is the same for 256 MiB and 1 GiB of JSONL). The
+pieces depend on the file alone, the units on the file, --shard-mb and these constants:
+--workers changes neither, so the output is the same byte for byte (tested against one worker).
+The file's SHA-256 (as stored, for the manifest) is a task of its own, as for any input cut
+across units.
 A compressed file no larger than a unit stays one piece that a worker decompresses itself, so a
 corpus of many compressed files (how The Pile and RedPajama ship) decompresses on every worker;
 a corpus of several large ones is decompressed by this one process, one file after the other
