@@ -198,17 +198,16 @@ def _big_jsonl(tmp_path) -> tuple[str, list[str]]:
     return str(path), lines
 
 
-@pytest.mark.parametrize("kind", ["zst", "gz"])
-def test_one_compressed_jsonl_is_split_and_equals_one_worker(tmp_path, kind):
+def test_one_compressed_jsonl_is_split_and_equals_one_worker(tmp_path):
     """A compressed JSONL larger than a unit is decompressed once by the parent and cut into units
     for the workers (data/units.py): at 2 workers the output is the one of 1 worker byte for byte,
     with the documents, bad records (their true lines), duplicates and held-out split of the same
-    file uncompressed; reading it is lazy (the first unit is cut before the file is read)."""
+    file uncompressed (zstd; gzip too); a truncated file is refused; reading it is lazy."""
     from shardlab.data import inputs as ins
     from shardlab.data import units as un
 
     plain, lines = _big_jsonl(tmp_path)
-    packed = _compress(plain, kind)
+    packed = _compress(plain, "zst")
     kw = dict(shard_mb=0.1, val_fraction=0.2, dedup="exact")
     ref = read_manifest(prepare([plain], str(tmp_path / "plain"), **kw))
     out = [prepare([packed], str(tmp_path / f"w{w}"), workers=w, **kw) for w in (1, 2)]
@@ -216,19 +215,21 @@ def test_one_compressed_jsonl_is_split_and_equals_one_worker(tmp_path, kind):
     assert names == sorted(os.listdir(out[1])) and len([n for n in names if n.startswith("train-")]) >= 6
     for name in names:  # byte for byte, the manifest included
         assert open(os.path.join(out[0], name), "rb").read() == open(os.path.join(out[1], name), "rb").read(), name
-    m = read_manifest(out[0]).raw
-    assert stream(out[0]) == stream(ref.path) and stream(out[0], "val") == stream(ref.path, "val")
-    same = ("documents", "bad_records", "duplicates", "replaced_invalid_utf8_bytes")  # input_bytes: on disk
-    assert [m["counts"][k] for k in same] == [ref.raw["counts"][k] for k in same]
-    assert m["counts"]["duplicates"] == 1 and m["counts"]["bad_records"] == 2
-    assert [s.split(": ")[0] for s in m["counts"]["bad_records_first"]] == [f"{packed}:901", f"{packed}:2101"]
-    assert m["inputs"][0]["sha256"] == hashlib.sha256(open(packed, "rb").read()).hexdigest()
+    gz = _compress(plain, "gz")
+    for got, path in ((out[0], packed), (prepare([gz], str(tmp_path / "gz"), workers=2, **kw), gz)):
+        m = read_manifest(got).raw
+        assert stream(got) == stream(ref.path) and stream(got, "val") == stream(ref.path, "val")
+        same = ("documents", "bad_records", "duplicates", "replaced_invalid_utf8_bytes")  # input_bytes: on disk
+        assert [m["counts"][k] for k in same] == [ref.raw["counts"][k] for k in same]
+        assert m["counts"]["duplicates"] == 1 and m["counts"]["bad_records"] == 2
+        assert [s.split(": ")[0] for s in m["counts"]["bad_records_first"]] == [f"{path}:901", f"{path}:2101"]
+        assert m["inputs"][0]["sha256"] == hashlib.sha256(open(path, "rb").read()).hexdigest()
     with pytest.raises(DataError, match=rf"{packed}:901: not a JSON line"):
         prepare([packed], str(tmp_path / "strict"), workers=2, on_bad_record="fail", **kw)
-    cut = tmp_path / f"cut.jsonl.{kind}"  # an interrupted download: refused, split or read whole
+    cut = tmp_path / "cut.jsonl.zst"  # an interrupted download: refused, split or read whole
     cut.write_bytes(open(packed, "rb").read()[:os.path.getsize(packed) // 2])
     for shard_mb in (0.1, 64):
-        with pytest.raises(DataError, match=r"cut.jsonl.* damaged or truncated"):
+        with pytest.raises(DataError, match=r"cut.jsonl.zst: .* damaged or truncated"):
             prepare([str(cut)], str(tmp_path / f"cut{shard_mb}"), shard_mb=shard_mb)
 
     inputs, _ = ins.scan_inputs([packed])
@@ -236,13 +237,14 @@ def test_one_compressed_jsonl_is_split_and_equals_one_worker(tmp_path, kind):
     layout = un.plan_units(inputs, pieces, un.unit_target(pieces, 1 << 17), 1 << 17)
     assert layout == [un.Split(0, 1 << 17)]
     tasks = un.unit_tasks(inputs, layout)
-    kind_, (n, first, held) = next(tasks)  # no hash task: the parent hashes what it decompresses
+    assert next(tasks) == ("hash", (0, inputs[0]))  # the file as stored, by a task of its own
+    kind_, (n, first, held) = next(tasks)
     assert (kind_, n, set(held)) == ("unit", 0, {0}) and first[0].bytes < os.path.getsize(packed)  # not all read
     flat = first + [p for _, arg in tasks for p in arg[1]]
     assert b"".join(p.data for p in flat) == open(plain, "rb").read()
     assert [p.line for p in flat] == list(itertools.accumulate([1] + [p.data.count(b"\n") for p in flat[:-1]]))
     assert sum(p.bytes for p in flat) == os.path.getsize(packed)
-    assert [p.sha256 is not None for p in flat] == [False] * (len(flat) - 1) + [True]
+    assert [p.last for p in flat] == [False] * (len(flat) - 1) + [True]
 
 
 def test_the_shapes_benchmark_runs_small(tmp_path):

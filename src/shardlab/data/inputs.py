@@ -124,11 +124,10 @@ class Piece:
     bytes: int      # input bytes it stands for (progress, shard sizing)
     first: bool     # holds the start of the input (text: its document's first bytes)
     last: bool      # holds the end of the input (text: where its end-of-document token goes)
-    # a piece of a split compressed input (data/streams.py): its decompressed bytes, the number
-    # of its first line, and on its last piece the SHA-256 of the file as stored
+    # a piece of a split compressed input (data/units.py): its decompressed bytes and the number
+    # of its first line
     data: bytes | None = None
     line: int = 1
-    sha256: str | None = None
 
 
 def plan_pieces(inputs: list[Input], field: str) -> list[Piece]:

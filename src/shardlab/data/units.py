@@ -2,24 +2,26 @@
 (data/prepare.py runs them): consecutive pieces (data/inputs.py) up to a unit's worth of input
 bytes, and a large compressed JSONL file cut while it is decompressed.
 
-[Note: one compressed stream in parallel] A compressed file cannot be entered in the middle,
-so read by one worker it is one unit, and a corpus that is one big `.jsonl.zst` was prepared
-by one worker whatever --workers said (measured at 2 workers: 0.55x the speed of the same JSONL
-uncompressed). A compressed JSONL input larger than a unit is therefore *split*: this process
-(prepare's parent) decompresses it once, front to back, and cuts the decompressed bytes into
-pieces as an uncompressed file is cut: PIECE_BYTES, then on to the end of the line that holds
-the last of them, so no record is cut. Each piece carries its bytes, its decompressed offset and
-the number of its first line (messages name the true line). Consecutive pieces make units of a
-shard's worth of input (--shard-mb), but at most STREAM_UNIT_BYTES, of decompressed bytes (the
-file's decompressed size is not known before it is read, so the sixteenth of the corpus that
-bounds other units cannot bound these). They are handed to the worker pool as they are cut:
-the pool's task thread asks this generator for the next unit only after its previous one was
-written to the workers' pipe, a write that blocks until an idle worker reads it, so about
---workers + 2 units are in memory whatever the file's size. The pieces depend on the file
-alone, the units on the file, --shard-mb and these constants: --workers changes neither, so
-the output is the same byte for byte (tested against one worker). The file's SHA-256 (as
-stored, for the manifest) comes from the compressed bytes as they are read and travels with
-the last piece.
+[Note: one compressed stream in parallel] A compressed file cannot be entered in the middle, so
+read by one worker it is one unit, and a corpus that is one big `.jsonl.zst` was prepared by one
+worker whatever --workers said (measured at 2 workers: 0.55x the speed of the same JSONL
+uncompressed; split as below, 0.82x, a median over runs from 0.74x to 0.91x: docs/data.md). A
+compressed JSONL input larger than a unit is therefore *split*: this process (prepare's parent)
+decompresses it once, front to back, and cuts the decompressed bytes into pieces as an
+uncompressed file is cut (data/inputs.py): at every multiple of PIECE_BYTES, moved on to just
+after the first newline at or after it, so no record is cut. Each piece carries its bytes, its
+decompressed offset and the number of its first line (messages name the true line). A unit is
+the pieces that start in the same window of the stream, a shard's worth of input (--shard-mb)
+but at most STREAM_UNIT_BYTES of decompressed bytes (the file's decompressed size is not known
+before it is read, so the sixteenth of the corpus that bounds other units cannot bound these).
+Units are cut as the workers take them: the pool's task thread asks this generator for the next
+unit only after its previous one went into the workers' pipe, a write that blocks until an idle
+worker reads it, so about --workers + 2 units are in memory whatever the file's size (measured
+in docs/data.md: the parent's peak memory is the same for 256 MiB and 1 GiB of JSONL). The
+pieces depend on the file alone, the units on the file, --shard-mb and these constants:
+--workers changes neither, so the output is the same byte for byte (tested against one worker).
+The file's SHA-256 (as stored, for the manifest) is a task of its own, as for any input cut
+across units.
 A compressed file no larger than a unit stays one piece that a worker decompresses itself, so a
 corpus of many compressed files (how The Pile and RedPajama ship) decompresses on every worker;
 a corpus of several large ones is decompressed by this one process, one file after the other
@@ -29,7 +31,6 @@ one value: neither is split.
 
 from __future__ import annotations
 
-import hashlib
 import io
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -95,11 +96,10 @@ def plan_units(inputs: list[Input], pieces: list[Piece], target: int,
 
 def unit_tasks(inputs: list[Input], layout: list[list[Piece] | Split]) -> Iterator[tuple[str, Any]]:
     """The worker tasks, made as they are asked for: ("hash", (index, Input)) for an input cut
-    across units (a split one is hashed as it is read), then ("unit", (number, pieces, the
+    across units (a split one too), then ("unit", (number, pieces, the
     unit's own inputs)) in corpus order. A task carries only its own inputs."""
     units = [u for u in layout if not isinstance(u, Split)]
     whole = {i for u in units for i in ({p.input for p in u if p.first} & {p.input for p in u if p.last})}
-    whole |= {u.input for u in layout if isinstance(u, Split)}
     yield from (("hash", (i, inp)) for i, inp in enumerate(inputs) if i not in whole)
     n = 0
     for u in layout:
@@ -109,24 +109,22 @@ def unit_tasks(inputs: list[Input], layout: list[list[Piece] | Split]) -> Iterat
 
 
 def stream_units(inp: Input, split: Split) -> Iterator[list[Piece]]:
+    """The pieces of a split input in units: those that start in the same unit_bytes of the stream."""
     unit: list[Piece] = []
-    size = 0
     for p in stream_pieces(inp, split.input):
-        if unit and size + len(p.data) > split.unit_bytes:
+        if unit and p.start // split.unit_bytes != unit[0].start // split.unit_bytes:
             yield unit
-            unit, size = [], 0
+            unit = []
         unit.append(p)
-        size += len(p.data)
     if unit:
         yield unit
 
 
-class _HashingReader(io.RawIOBase):
-    """The compressed file as its decompressor reads it, hashed and counted on the way."""
+class _CountingReader(io.RawIOBase):
+    """The compressed file as its decompressor reads it, counted on the way."""
 
     def __init__(self, path: str):
         self.f = open(path, "rb")
-        self.sha256 = hashlib.sha256()
         self.count = 0
 
     def readable(self) -> bool:
@@ -134,7 +132,6 @@ class _HashingReader(io.RawIOBase):
 
     def readinto(self, b) -> int:
         n = self.f.readinto(b)
-        self.sha256.update(memoryview(b)[:n])
         self.count += n
         return n
 
@@ -148,17 +145,13 @@ def stream_pieces(inp: Input, index: int) -> Iterator[Piece]:
     compressed bytes read for it, so the pieces' sum is the file's size."""
     at, line, counted = 0, 1, 0
     try:
-        with _HashingReader(inp.path) as raw, open_stream(inp.path, inp.compression, raw) as f:
-            while True:
-                data = f.read(PIECE_BYTES)
-                if data and not data.endswith(b"\n"):
-                    data += f.readline()  # to the end of the line: a record is never cut
+        with _CountingReader(inp.path) as raw, open_stream(inp.path, inp.compression, raw) as f:
+            while True:  # to the next multiple of PIECE_BYTES, then to the end of its line
+                data = f.read((at // PIECE_BYTES + 1) * PIECE_BYTES - at)
+                data += f.readline()  # a record is never cut
                 last = not f.peek(1)
-                if last:
-                    while raw.read(1 << 20):  # what follows the compressed data, if anything: hashed too
-                        pass
-                yield Piece(index, at, at + len(data), raw.count - counted, at == 0, last, data, line,
-                            raw.sha256.hexdigest() if last else None)
+                yield Piece(index, at, at + len(data), (inp.bytes if last else raw.count) - counted, at == 0, last,
+                            data, line)
                 if last:
                     return
                 at, counted = at + len(data), raw.count
