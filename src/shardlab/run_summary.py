@@ -8,6 +8,7 @@ from typing import Any
 from shardlab import metrics as M
 from shardlab.data.mixture import MixtureSampler, source_counts
 from shardlab.engines import is_sharded
+from shardlab.observe.measure import step_tokens
 
 
 def summarize(run: Any, timer: M.StepTimer, per_rank: list[dict], val_losses: dict, wall: float) -> dict[str, Any]:
@@ -59,13 +60,8 @@ def summarize(run: Any, timer: M.StepTimer, per_rank: list[dict], val_losses: di
     if run.scaler is not None:
         result["loss_scale"] = run.scaler.get_scale()
         result["skipped_steps"] = state.skipped_steps
-    if run.data.real_tokens is not None:  # padding excluded: the samples' real tokens, step by step
-        steps = range(state.step - steps_run, state.step)
-        result["tokens_processed"] = int(sum(run.data.real_tokens[run.sampler.rank_indices(s, 0, 1)].sum()
-                                             for s in steps))
-        result["tokens_per_s"] = result["tokens_processed"] / train_seconds if train_seconds else None
-    elif run.data.tokens_per_sample:
-        result["tokens_processed"] = samples * run.data.tokens_per_sample
+    if run.data.real_tokens is not None or run.data.tokens_per_sample:  # padding excluded where the data says
+        result["tokens_processed"] = sum(step_tokens(run, s) for s in range(state.step - steps_run, state.step))
         result["tokens_per_s"] = result["tokens_processed"] / train_seconds if train_seconds else None
     if isinstance(run.sampler, MixtureSampler):  # data.mix: samples and tokens per corpus, exact
         result["data_sources"] = source_counts(run.sampler, state.step - steps_run, state.step,
@@ -91,6 +87,8 @@ def print_summary(result: dict[str, Any], out_dir: str) -> None:
         if result.get("tokens_per_s"):
             row("tokens/s", f"{result['tokens_per_s']:.0f}")
         row("median step time", f"{result['step_time_median_s'] * 1000:.1f} ms")
+        if result.get("mfu") is not None:
+            row("MFU (median step)", f"{result['mfu']:.2%} of {result['peak_flops_per_s'] / 1e9:.1f} GFLOP/s per rank")
     else:
         row("trained in this run", f"nothing: resumed at step {result['steps']}, the last")
     for source in result.get("data_sources") or []:

@@ -43,6 +43,7 @@ from shardlab.engines.compile import CompileClock
 from shardlab.evaluate import evaluate
 from shardlab.loss import token_weights
 from shardlab.models import build_model, count_parameters
+from shardlab.observe.measure import Measurements
 from shardlab.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionGuard
 from shardlab.run_summary import print_summary, summarize
 from shardlab.runtime import Runtime, all_gather_object, hostname, init_runtime, seed_everything, shutdown
@@ -343,16 +344,14 @@ def train_step(run: Run, tracker: memory.LiveMemoryTracker | None = None,
 
 # -- logging ----------------------------------------------------------------------------------------
 class StepLogger:
-    """Rank 0's progress bar and TensorBoard scalars; every rank's non-finite loss check."""
+    """Rank 0's progress bar; every rank's non-finite loss check; what each step measured goes to
+    the run's measurements (observe/measure.py: MFU, steps.jsonl, the trackers of output.trackers)."""
 
     def __init__(self, run: Run):
         cfg, rt = run.cfg, run.rt
         self.run = run
-        self.writer = self.bar = None
-        if rt.is_main and cfg.output.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(os.path.join(run.out_dir, "tensorboard"))
+        self.bar = None
+        self.measure = Measurements(run)
         if rt.is_main and cfg.output.progress:
             from tqdm import tqdm
 
@@ -363,40 +362,32 @@ class StepLogger:
                             desc=f"{cfg.parallel.strategy} x{rt.world_size}", file=out)
 
     def log(self, r: StepResult, step_time: float) -> None:
-        step, t = self.run.state.step, self.run.cfg.train
+        step = self.run.state.step
         if not math.isfinite(r.loss):
             self.close()
             raise FloatingPointError(
                 f"the loss is {r.loss} at step {step}: training stopped. Lower train.lr, "
                 "enable train.grad_clip, or check the data; the last good checkpoint (if any) is kept.")
-        samples_s = t.global_batch_size / step_time
-        if self.writer is not None and step % t.log_every == 0:
-            self.writer.add_scalar("train/loss", r.loss, step)
-            self.writer.add_scalar("train/lr", self.run.sched.get_last_lr()[0], step)
-            self.writer.add_scalar("train/grad_norm", r.grad_norm, step)
-            self.writer.add_scalar("perf/samples_per_s", samples_s, step)
-            if self.run.scaler is not None:
-                self.writer.add_scalar("train/loss_scale", self.run.scaler.get_scale(), step)
+        rec = self.measure.step(r, step_time)
         if self.bar is not None:
-            post = {"loss": f"{r.loss:.4f}", "samples/s": f"{samples_s:.1f}"}
-            if self.run.data.tokens_per_sample:
-                post["tok/s"] = f"{samples_s * self.run.data.tokens_per_sample:.0f}"
+            post = {"loss": f"{r.loss:.4f}", "samples/s": f"{rec['samples_per_s']:.1f}"}
+            if rec["tokens_per_s"]:
+                post["tok/s"] = f"{rec['tokens_per_s']:.0f}"
+            if rec["mfu"] is not None:
+                post["mfu"] = f"{rec['mfu']:.1%}"
             if r.skipped:
                 post["skipped"] = "fp16 overflow"
             self.bar.set_postfix(post)
             self.bar.update(1)
 
     def scalar(self, tag: str, value: float | None, step: int) -> None:
-        if self.writer is not None and value is not None:
-            self.writer.add_scalar(tag, value, step)
+        self.measure.scalar(tag, value, step)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        self.measure.close()
 
 
 # -- the loop ---------------------------------------------------------------------------------------
@@ -440,11 +431,10 @@ def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str,
                 profiler.before_step(state.step)
             start = time.perf_counter()
             comm_seconds_before = run.engine.comm_seconds()
-            if tracker is not None:
-                with tracker.step(state.step, active=t.memory_tracking == "all" or state.step + 1 == t.steps):
+            with logger.measure.count_flops():  # the first step of this run: its FLOPs, for MFU (rank 0)
+                with tracker.step(state.step, active=t.memory_tracking == "all" or state.step + 1 == t.steps) \
+                        if tracker is not None else contextlib.nullcontext():
                     r = train_step(run, tracker)
-            else:
-                r = train_step(run)
             step_comm_seconds.append(_seconds_since(comm_seconds_before, run.engine.comm_seconds()))
             if state.step + 1 == t.steps:  # measured while gradients and optimizer state both exist
                 state_bytes = {**run.engine.model_state_bytes(), "optimizer": optimizer_state_bytes(run.opt)}
@@ -482,7 +472,8 @@ def _train(cfg: Config, rt: Runtime | None, guard: PreemptionGuard) -> dict[str,
     per_rank = all_gather_object({"peak_memory_bytes": peak, "model_state_bytes": state_bytes,
                                   "comm": train_comm, "comm_seconds": _per_kind(step_comm_seconds),
                                   "live": live, "compile": (compile_clock.seconds(), compile_clock.graphs())}, rt)
-    result = summarize(run, timer, per_rank, val_losses, time.perf_counter() - t0)
+    result = {**summarize(run, timer, per_rank, val_losses, time.perf_counter() - t0),
+              **logger.measure.summary(timer.times)}  # + MFU (observe/measure.py)
     if rt.is_main:
         M.write_json_atomic(os.path.join(run.out_dir, "metrics.json"), result, default=str)
     return result
