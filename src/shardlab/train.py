@@ -368,6 +368,10 @@ class StepLogger:
             raise FloatingPointError(
                 f"the loss is {r.loss} at step {step}: training stopped. Lower train.lr, "
                 "enable train.grad_clip, or check the data; the last good checkpoint (if any) is kept.")
+        with memory.phase_range("log"):  # rank 0's trackers cost time the others may wait for: shown apart
+            self._log(r, step_time)
+
+    def _log(self, r: StepResult, step_time: float) -> None:
         rec = self.measure.step(r, step_time)
         if self.bar is not None:
             post = {"loss": f"{r.loss:.4f}", "samples/s": f"{rec['samples_per_s']:.1f}"}

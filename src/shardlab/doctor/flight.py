@@ -58,9 +58,10 @@ DEFAULT_CAPACITY = 4096
 #: own collectives'; the others come from torch.distributed called directly (raw_collectives.py).
 KINDS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "barrier", "all_to_all", "gather",
          "scatter", "all_gather_object", "broadcast_object", "gather_object", "scatter_object")
-#: Phases, in code order (code = index). "loop": inside the training loop between the marked
-#: phases (the step-boundary agreement, the loss all-reduce, logging).
-PHASES = ("startup", "loop", "data", "forward", "backward", "optimizer", "eval", "checkpoint", "finish")
+#: Phases, in code order (code = index; new ones are appended, so older files read the same). "loop":
+#: inside the training loop between the marked phases (the step-boundary agreement, the loss
+#: all-reduce); "log": what a step's measurements cost (steps.jsonl, trackers, progress bar).
+PHASES = ("startup", "loop", "data", "forward", "backward", "optimizer", "eval", "checkpoint", "finish", "log")
 #: Run states in the header.
 STATES = ("running", "finished", "failed", "preempted")
 

@@ -13,7 +13,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after the backend is chosen
 
-COLORS = {"data": "#e6a23c", "compute": "#409eff", "comm": "#f56c6c", "checkpoint": "#909399", "eval": "#67c23a"}
+COLORS = {"data": "#e6a23c", "compute": "#409eff", "comm": "#f56c6c", "checkpoint": "#909399", "eval": "#67c23a",
+          "log": "#b37feb"}
 STATE_COLORS = {"finished": "#67c23a", "running": "#409eff", "failed": "#f56c6c", "lost": "#f56c6c",
                 "preempted": "#e6a23c"}
 
@@ -102,7 +103,7 @@ def busy_per_step(series: dict[int, list[tuple[int, float]]]) -> str | None:
         if pts:
             ax.plot(*zip(*pts), marker=".", lw=1, label=f"rank {r}")
     ax.set_xlabel("step")
-    ax.set_ylabel("busy ms (step - exposed comm)")
+    ax.set_ylabel("busy ms (data wait + compute)")
     ax.legend(fontsize=8)
     ax.set_title("each rank's busy time per step: the highest is the one the others wait for")
     return _png(fig)

@@ -8,14 +8,16 @@ The flight record (doctor/flight.py) keeps every phase change and every new step
 for every collective, when it was issued, when this rank began to wait for it and when its wait
 returned. A step's wall time, from its mark to the next step's, splits into:
 - data wait: phase "data" (the DataLoader's batches, doctor's phase marks);
-- checkpoint and eval: those phases (with their collectives: DCP's, evaluation's sums);
+- checkpoint, eval and log: those phases (with their collectives: DCP's, evaluation's sums; log is
+  what the step's measurements cost: steps.jsonl, the trackers and the progress bar, on rank 0);
 - exposed communication: the union of the intervals in which the rank waited for a collective
   of the step's other phases, from the wait's start (its issue, for a blocking call) to its
   completion. An asynchronous collective overlapped with compute counts only from its `wait()`;
   one completed by a callback the rank never waited on (PyTorch DDP's buckets) counts nothing;
 - compute: the rest (forward, backward, optimizer and the loop's own work, outside those waits).
-The slowest rank is the one the others wait for: its busy time (the step minus its exposed
-communication) is the largest. It is named only when it is the busiest rank in at least
+The slowest rank is the one the others wait for: its busy time (data wait and compute: the step
+less its exposed communication, checkpoint and eval) is the largest (rank 0's logging is shown apart, as "log", and the others' wait for it as
+their exposed communication). It is named only when it is the busiest rank in at least
 SLOWEST_SHARE of the steps and its median busy time exceeds the other ranks' by at least
 SLOWEST_MARGIN of the median step: a margin of the step, not of the noise seen on one machine,
 so that ranks doing the same work are never told apart by scheduling jitter.
@@ -37,8 +39,8 @@ from shardlab.observe.measure import STEPS_FILE
 SLOWEST_SHARE = 0.75
 SLOWEST_MARGIN = 0.10
 #: what a step's time splits into, in report order
-PARTS = ("data", "compute", "comm", "checkpoint", "eval")
-_APART = ("data", "checkpoint", "eval")   # phases counted as themselves, their collectives included
+PARTS = ("data", "compute", "comm", "checkpoint", "eval", "log")
+_APART = ("data", "checkpoint", "eval", "log")   # phases counted as themselves, their collectives included
 
 
 class NotARun(ValueError):
@@ -96,7 +98,9 @@ class Split:
 
     @property
     def busy(self) -> float:
-        return self.total - self.parts["comm"]
+        """The rank's own work in the step: data wait and compute (not its waits for the others, nor
+        checkpoint and eval, which every rank does together, nor rank 0's logging)."""
+        return self.parts["data"] + self.parts["compute"]
 
 
 @dataclass

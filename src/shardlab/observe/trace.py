@@ -46,8 +46,10 @@ def build_trace(run_dir: str, now: float | None = None) -> dict[str, Any]:
                           "profiler_traces": run.profiles}}
 
 
-def _us(t: float, t0: float) -> float:
-    return round((t - t0) * 1e6, 1)
+def _us(t: float, t0: float) -> int:
+    """Whole microseconds since t0: integers, so that a span ending where the next begins ends
+    exactly there (a viewer takes 0.1 us of float rounding for spans that overlap)."""
+    return round((t - t0) * 1e6)
 
 
 def _rank_events(i: int, a: Attempt, flight: Flight, t0: float, now: float) -> list[dict[str, Any]]:
@@ -60,7 +62,7 @@ def _rank_events(i: int, a: Attempt, flight: Flight, t0: float, now: float) -> l
         end = nxt.time if nxt is not None else max(flight.updated, m.time)
         if end > m.time:
             out.append({"ph": "X", "name": m.phase, "cat": "phase", "pid": pid, "tid": base, "ts": _us(m.time, t0),
-                        "dur": _us(end, m.time), "args": {"step": m.step}})
+                        "dur": _us(end, t0) - _us(m.time, t0), "args": {"step": m.step}})
         if m.step != step:
             step = m.step
             out.append({"ph": "C", "name": "step", "pid": pid, "tid": base, "ts": _us(m.time, t0),
@@ -83,7 +85,7 @@ def _rank_events(i: int, a: Attempt, flight: Flight, t0: float, now: float) -> l
         if 0 <= e.unit < len(units):
             args["unit"] = units[e.unit]
         out.append({"ph": "X", "name": f"{e.kind} #{e.seq}", "cat": "collective", "pid": pid, "tid": base + 1 + lane,
-                    "ts": _us(e.issued, t0), "dur": _us(end, e.issued), "args": args})
+                    "ts": _us(e.issued, t0), "dur": _us(end, t0) - _us(e.issued, t0), "args": args})
     out.append({"ph": "i", "s": "t", "name": f"attempt {a.attempt}: {a.state(now)}", "pid": pid, "tid": base,
                 "ts": _us(max(flight.updated, flight.tick), t0)})
     return out
