@@ -58,7 +58,7 @@ def register_desync_model(rank: int, forward_number: int) -> None:
 
 # ---------------------------------------------------------------------------------------- raise
 def plant_raise(rank: int, step: int) -> None:
-    from shardlab import train as T
+    from shardlab.loop import train as T
 
     original = T.train_step
 
@@ -88,9 +88,9 @@ class SleepyDataset(torch.utils.data.Dataset):
 
 
 def plant_data_stall(rank: int, step: int) -> None:
-    from shardlab import train as T
+    from shardlab.loop import run as R
 
-    original = T.build_datasets
+    original = R.build_datasets
 
     def build_datasets(cfg):  # noqa: ANN001, ANN202
         data = original(cfg)
@@ -99,7 +99,7 @@ def plant_data_stall(rank: int, step: int) -> None:
             data.train = SleepyDataset(data.train, after=per_step * (step - 1))
         return data
 
-    T.build_datasets = build_datasets
+    R.build_datasets = build_datasets
 
 
 # ------------------------------------------------------------------------------ straggler, kill
@@ -120,9 +120,9 @@ class SlowDataset(torch.utils.data.Dataset):
 
 
 def plant_data_slow(rank: int, ms: int) -> None:
-    from shardlab import train as T
+    from shardlab.loop import run as R
 
-    original = T.build_datasets
+    original = R.build_datasets
 
     def build_datasets(cfg):  # noqa: ANN001, ANN202
         data = original(cfg)
@@ -131,13 +131,13 @@ def plant_data_slow(rank: int, ms: int) -> None:
             data.train = SlowDataset(data.train, per_step, ms / 1000)
         return data
 
-    T.build_datasets = build_datasets
+    R.build_datasets = build_datasets
 
 
 def plant_kill(rank: int, step: int) -> None:
     import signal
 
-    from shardlab import train as T
+    from shardlab.loop import train as T
 
     original = T.train_step
 

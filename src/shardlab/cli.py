@@ -43,7 +43,7 @@ A hung or failed run: `shardlab doctor <run dir>` (with --live while it runs) na
 
 def _train(args: argparse.Namespace) -> int:
     from shardlab.config import ConfigError, dump_config, load_config, validate_for_world
-    from shardlab.runtime import env_world, in_launched_worker
+    from shardlab.loop.runtime import env_world, in_launched_worker
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -63,7 +63,8 @@ def _train(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    from shardlab.train import default_run_name, worker_main
+    from shardlab.loop.run import default_run_name
+    from shardlab.loop.train import worker_main
 
     if args.nproc is None and in_launched_worker():
         return worker_main(cfg)  # one of N: the workers prepare the data together (local rank 0 first)
@@ -77,7 +78,7 @@ def _train(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.nproc is not None:
-        from shardlab.launcher import launch_local
+        from shardlab.loop.launcher import launch_local
 
         return launch_local(cfg, args.nproc, args.max_restarts, verbose=args.verbose)
     return worker_main(cfg)

@@ -526,10 +526,9 @@ def _validate_checkpoint_and_preemption(cfg: Config) -> None:
            f"doctor.record_size must be between 16 and {2**20} collectives, got {cfg.doctor.record_size}")
 
 
-def engine_options(cfg: Config) -> dict[str, Any]:
+def engine_options(p: ParallelConfig) -> dict[str, Any]:
     """The `parallel.*` keys as the options of the engine they configure, those it takes
     (its class's `options`): what `shardlab.parallelize` gets."""
-    p = cfg.parallel
     offered = {
         "reshard_after_forward": p.reshard_after_forward,
         "mixed_precision": MixedPrecision.from_names(p.mixed_precision, p.reduce_dtype),

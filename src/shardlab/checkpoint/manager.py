@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
+from shardlab.atomic import write_json_atomic
 from shardlab.checkpoint.format import (
     DCP_METADATA,
     FORMAT,
@@ -47,9 +48,7 @@ from shardlab.checkpoint.reader import (
 )
 from shardlab.checkpoint.rng import capture_rng, restore_rng
 from shardlab.engines.api import engine_of
-from shardlab.metrics import write_json_atomic
 from shardlab.models import model_record
-from shardlab.runtime import all_gather_object
 
 log = logging.getLogger("shardlab.checkpoint")
 
@@ -106,7 +105,11 @@ class CheckpointManager:
         return dist.is_available() and dist.is_initialized() and self.rt.world_size > 1
 
     def _all_gather(self, obj: Any) -> list[Any]:
-        return all_gather_object(obj, self.rt)
+        if not self._distributed:
+            return [obj]
+        out: list[Any] = [None] * self.rt.world_size
+        dist.all_gather_object(out, obj)
+        return out
 
     def _broadcast(self, obj: Any) -> Any:
         if not self._distributed:

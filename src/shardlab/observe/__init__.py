@@ -3,8 +3,9 @@
 - flops.py: FLOPs as torch's formulas count them (`CountFlops`: plan's probes and the loop's
   first step use the same class) and the device's peak (`device_peak`: plan's catalogue for a
   known GPU, else this machine's measured matmul peak, cached).
-- measure.py: the loop's one measurements object: MFU per step, the per-step record
-  (`steps.jsonl`) and the trackers it feeds (trackers.py: TensorBoard, wandb, MLflow).
+- trackers.py: the experiment trackers of `output.trackers` (TensorBoard, wandb, MLflow), fed
+  with the per-step record (`steps.jsonl`) and MFU by the loop's measurements
+  (loop/measurements.py: `StepLogger`, `StepFlops`).
 - runs.py: a run directory read back (metrics.json, steps.jsonl, the flight records of every
   attempt): attempts, per rank and step the time split into data wait, compute, exposed
   communication and checkpoint, the slowest rank.

@@ -2,7 +2,7 @@
 
 `CountFlops` counts what a step executes, by torch's own formulas: plan's probes count their
 step with it (plan/probe.py), and the training loop counts the first step of each run with it
-(measure.py), so a run's FLOPs per token and plan's are the same count of the same step.
+(loop/measurements.py, `StepFlops`), so a run's FLOPs per token and plan's are the same count of the same step.
 
 `device_peak`: the FLOP/s MFU divides by. A GPU in plan's catalogue: its dense bf16/fp16
 peak (plan/catalogue.py, with its source). Any other device, the CPU included: this machine's

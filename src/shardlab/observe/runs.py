@@ -34,7 +34,9 @@ from typing import Any
 
 from shardlab.doctor.analysis import NOT_RUNNING_AFTER_S
 from shardlab.doctor.flight import Flight, read_flight
-from shardlab.observe.measure import STEPS_FILE
+
+#: rank 0's per-step records, one JSON object a line (loop/measurements.py's `StepLogger` writes it)
+STEPS_FILE = "steps.jsonl"
 
 SLOWEST_SHARE = 0.75
 SLOWEST_MARGIN = 0.10

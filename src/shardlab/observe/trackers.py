@@ -1,5 +1,5 @@
 """Experiment trackers: the same scalars and the resolved config to each one a run names in
-`output.trackers` (docs/observability.md). Rank 0 writes; `measure.py` feeds them.
+`output.trackers` (docs/observability.md). Rank 0 writes; loop/measurements.py's `StepLogger` feeds them.
 
 - tensorboard: `<run dir>/tensorboard/` (torch's SummaryWriter), the default;
 - wandb: a run under `<run dir>/wandb/`, offline unless `WANDB_MODE` says otherwise (`wandb sync`

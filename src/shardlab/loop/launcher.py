@@ -32,10 +32,10 @@ import signal
 import sys
 import uuid
 
-from shardlab import preemption
 from shardlab.config import Config, dump_config
 from shardlab.doctor import agent as doctor
-from shardlab.runtime import free_port
+from shardlab.loop import preemption
+from shardlab.loop.runtime import free_port
 
 _AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 
