@@ -11,6 +11,7 @@
   shardlab submit {slurm,k8s} CONFIG.yaml ...               render and submit it
   shardlab export RUN_DIR | generate RUN_DIR | eval RUN_DIR  use a trained checkpoint
   shardlab doctor RUN_DIR [--live]                          which rank is stuck, and where every rank waits
+  shardlab report RUN_DIR [--out FILE.html] | trace RUN_DIR [--out FILE.json]  where the time and memory went
 Each command's --help lists its options.
 """
 
@@ -174,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_submit_parser(sub)
     add_export_parsers(sub)
     add_doctor_parser(sub)
+    from shardlab.observe import report, trace
+
+    _add_module_command(sub, "report", "one HTML file on where a run's time and memory went (needs shardlab[plot])",
+                        report)
+    _add_module_command(sub, "trace", "every rank's phases and collectives as one Chrome trace (Perfetto)", trace)
     return parser
 
 

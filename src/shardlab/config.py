@@ -26,6 +26,7 @@ from shardlab.engines.collectives import resolve_shard_size
 from shardlab.engines.compile import AC_MODES, COMPILE_MODES
 from shardlab.errors import ConfigError
 from shardlab.models import MODELS
+from shardlab.observe.trackers import resolve_trackers
 from shardlab.shipped import config_path, shipped_configs
 
 
@@ -142,7 +143,8 @@ class DoctorConfig:
 class OutputConfig:
     dir: str = "runs"
     run_name: Optional[str] = None         # null = <model>-<strategy>-<timestamp>
-    tensorboard: bool = True
+    tensorboard: bool = True               # kept for older configs: with trackers unset, [tensorboard] or none
+    trackers: Optional[list[str]] = None   # tensorboard | wandb | mlflow (observe/trackers.py); null: see above
     progress: bool = True
 
 
@@ -404,6 +406,7 @@ def validate(cfg: Config) -> None:
     _validate_parallel(cfg.parallel)
     _validate_export(cfg)
     _validate_checkpoint_and_preemption(cfg)
+    resolve_trackers(cfg.output)  # known and installed, else the extra to install
 
 
 def _validate_data(cfg: Config, spec: Any) -> None:

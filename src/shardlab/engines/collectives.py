@@ -101,6 +101,8 @@ class TimedWork(dist.Work):
         self.timed = False
 
     def wait(self, timeout=None):  # noqa: ANN001 - torch's signature
+        if not self.timed:  # from here the rank is blocked: the collective's exposed time (observe/)
+            _flight.waiting(self.entry)
         done = self.inner.wait() if timeout is None else self.inner.wait(timeout)
         if not self.timed:
             self.timed = True
@@ -140,8 +142,9 @@ def issue(counter: CommCounter | None, kind: str, size: int, world: int, group) 
 
 
 def complete(entry: int) -> None:
-    """Mark flight entry `entry` (from `issue`) completed: for hooks that see the end themselves."""
-    _flight.complete(entry)
+    """Mark flight entry `entry` (from `issue`) completed: for hooks that see the end themselves
+    (a future's callback, which this rank's main thread did not wait on: not exposed time)."""
+    _flight.complete(entry, waited=False)
 
 
 def timed(counter: CommCounter | None, kind: str, issued: float, work: dist.Work | None, entry: int = 0):

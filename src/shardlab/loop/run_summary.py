@@ -13,11 +13,23 @@ from shardlab.loop import metrics as M
 from shardlab.loop.runtime import all_gather_object
 
 
-def summarize(run: Any, timer: M.StepTimer, mine: dict, val_losses: dict, wall: float) -> dict[str, Any]:
+def step_tokens(run: Any, step_index: int) -> int | None:
+    """Tokens of the global batch of step `step_index` (0-based): its samples' real tokens where
+    the data says (padding excluded), else samples x tokens per sample; None for other data."""
+    if run.data.real_tokens is not None:
+        return int(run.data.real_tokens[run.sampler.rank_indices(step_index, 0, 1)].sum())
+    if run.data.tokens_per_sample:
+        return run.cfg.train.global_batch_size * run.data.tokens_per_sample
+    return None
+
+
+def summarize(run: Any, timer: M.StepTimer, mine: dict, val_losses: dict, wall: float,
+              extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """metrics.json, written by rank 0 and returned on every rank: `mine` (this rank's peak
     memory, model state, traffic, live-memory breakdown, compile time) gathered from every rank.
     Throughput counts only the steps this process trained (a resumed run's earlier steps are in
-    `losses` but not in its timings). val_losses: step -> evaluate.Evaluation."""
+    `losses` but not in its timings). val_losses: step -> evaluate.Evaluation. `extra`: rank 0's
+    further keys (MFU: measurements.py)."""
     cfg, rt, state = run.cfg, run.rt, run.state
     per_rank = all_gather_object(mine, rt)
     steps_run = len(timer.times)
@@ -68,17 +80,13 @@ def summarize(run: Any, timer: M.StepTimer, mine: dict, val_losses: dict, wall: 
     if run.scaler is not None:
         result["loss_scale"] = run.scaler.get_scale()
         result["skipped_steps"] = state.skipped_steps
-    if run.data.real_tokens is not None:  # padding excluded: the samples' real tokens, step by step
-        steps = range(state.step - steps_run, state.step)
-        result["tokens_processed"] = int(sum(run.data.real_tokens[run.sampler.rank_indices(s, 0, 1)].sum()
-                                             for s in steps))
-        result["tokens_per_s"] = result["tokens_processed"] / train_seconds if train_seconds else None
-    elif run.data.tokens_per_sample:
-        result["tokens_processed"] = samples * run.data.tokens_per_sample
+    if run.data.real_tokens is not None or run.data.tokens_per_sample:  # padding excluded where the data says
+        result["tokens_processed"] = sum(step_tokens(run, s) for s in range(state.step - steps_run, state.step))
         result["tokens_per_s"] = result["tokens_processed"] / train_seconds if train_seconds else None
     if isinstance(run.sampler, MixtureSampler):  # data.mix: samples and tokens per corpus, exact
         result["data_sources"] = source_counts(run.sampler, state.step - steps_run, state.step,
                                                run.data.tokens_per_sample)
+    result.update(extra or {})
     if rt.is_main:
         write_json_atomic(os.path.join(run.out_dir, "metrics.json"), result, default=str)
     return result
@@ -104,6 +112,8 @@ def print_summary(result: dict[str, Any], out_dir: str) -> None:
         if result.get("tokens_per_s"):
             row("tokens/s", f"{result['tokens_per_s']:.0f}")
         row("median step time", f"{result['step_time_median_s'] * 1000:.1f} ms")
+        if result.get("mfu") is not None:
+            row("MFU (median step)", f"{result['mfu']:.2%} of {result['peak_flops_per_s'] / 1e9:.1f} GFLOP/s per rank")
     else:
         row("trained in this run", f"nothing: resumed at step {result['steps']}, the last")
     for source in result.get("data_sources") or []:

@@ -44,7 +44,6 @@ import time
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
-from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardlab
@@ -54,6 +53,7 @@ from shardlab.data import build_datasets, collate
 from shardlab.engines import engine_class
 from shardlab.loop.runtime import Runtime
 from shardlab.models import MODELS
+from shardlab.observe.flops import CountFlops
 from shardlab.plan.fake_ddp import ddp_on_fake_tensors
 from shardlab.plan.model import cut_depth, init_fake_group, vocab_size
 
@@ -118,7 +118,7 @@ def probe_config(cfg: Config, n_layer: int | None, micro: int, seq: int, world: 
     raw["data"].update(source="synthetic", path=None, tokenizer=None, tokenizer_path=None, packing=False,
                        synthetic_samples=max(64, 4 * micro * world))
     raw["checkpoint"].update(every_steps=0, resume="none")
-    raw["output"].update(tensorboard=False, progress=False, run_name="plan-probe")
+    raw["output"].update(tensorboard=False, trackers=None, progress=False, run_name="plan-probe")
     return config_from_dict(raw)
 
 
@@ -163,43 +163,6 @@ class _ScalarReads(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
             return 1.0 if args[0].dtype.is_floating_point else 1
         return func(*args, **(kwargs or {}))
-
-
-class _CountFlops(TorchDispatchMode):
-    """FLOPs of the step as it runs: every operator torch's flop counter has a formula for
-    (matmuls, convolutions, attention), by its shapes, recomputation included (what checkpointing
-    runs again is dispatched again; what selective keeps is not). torch's FlopCounterMode is not
-    used because it also tracks modules with autograd hooks of its own, which would change what
-    the memory tracker beside it measures."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.flops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        formula = flop_counter.flop_registry.get(func._overloadpacket)
-        if formula is not None:
-            self.flops += formula(*args, **kwargs, out_val=out)
-        return out
-
-
-def _cpu_flash_attention_formulas() -> None:
-    """torch counts the CUDA attention kernels; the probes run on CPU, where SDPA is
-    `_scaled_dot_product_flash_attention_for_cpu`: the same products, counted the same way."""
-    aten = torch.ops.aten
-    pairs = ((getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None), flop_counter.sdpa_flop_count, 3),
-             (getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None),
-              flop_counter.sdpa_backward_flop_count, 4))
-    for op, count, shapes in pairs:
-        if op is None or op in flop_counter.flop_registry:
-            continue
-        flop_counter.register_flop_formula(op)(
-            lambda *a, out_shape=None, _count=count, _n=shapes, **kw: _count(*a[:_n]))
-
-
-_cpu_flash_attention_formulas()
 
 
 @contextlib.contextmanager
@@ -262,7 +225,7 @@ def _probe_once(cfg: Config, rt, fake: bool) -> dict:
         run.state.step += 1
         tracker = memory.LiveMemoryTracker(rt.device, engine=run.engine, optimizer=run.opt, fake=fake)
         t0 = time.perf_counter()
-        with tracker.step(1), _CountFlops() as counted:
+        with tracker.step(1), CountFlops() as counted:
             train_step(run, tracker)
         seconds = time.perf_counter() - t0
         full = tracker.summary()

@@ -101,7 +101,7 @@ def make_plan(cfg, args, workdir: str) -> Plan:
     raw["checkpoint"].update(every_steps=0, resume="none")
     raw["preemption"]["enabled"] = False
     raw["export"]["format"] = "none"
-    raw["output"].update(dir=workdir, run_name="verify", tensorboard=False, progress=False)
+    raw["output"].update(dir=workdir, run_name="verify", tensorboard=False, trackers=None, progress=False)
     if args.dtype == "float64":
         mp = raw["parallel"]["mixed_precision"]
         if mp in ("bf16", "fp16"):  # the engine keeps its mixed-precision path, computing in float64
