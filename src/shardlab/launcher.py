@@ -31,6 +31,7 @@ import os
 import signal
 import sys
 import uuid
+from dataclasses import dataclass
 
 from shardlab import preemption
 from shardlab.config import Config, dump_config
@@ -54,8 +55,36 @@ class _AgentNoise(logging.Filter):
         return not str(record.msg).startswith(self.dropped)
 
 
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the agents of one job meet: one agent with its own store (launch_local's default),
+    or MIN..MAX agents at a shared c10d endpoint (launch_elastic)."""
+
+    min_nodes: int = 1
+    max_nodes: int = 1
+    endpoint: str | None = None   # None: a free port on loopback
+    run_id: str | None = None     # None: a fresh id (one agent: nothing to agree on)
+
+
+# [Note: the last call] Once MIN agents have joined a rendezvous round, c10d waits this long for
+# more before it closes the round (torch's default is 30 s). A restart after a lost node waits it
+# in full whenever fewer than MAX agents are left, so it is part of the time from the loss to the
+# first step at the new size; agents starting together join well within it, and one that comes
+# later joins at the next round (a membership change: docs/elastic.md).
+LAST_CALL_S = 5
+
+
+def launch_elastic(cfg: Config, nproc: int, nodes: tuple[int, int], endpoint: str, rdzv_id: str | None,
+                   max_restarts: int, verbose: bool = False) -> int:
+    """One agent (node) of an elastic job of MIN..MAX agents with `nproc` workers each, meeting
+    at `endpoint` (docs/elastic.md). A restart re-forms the group at whatever agents are left or
+    have joined; the workers resume from the latest checkpoint at the same global batch."""
+    return launch_local(cfg, nproc, max_restarts, verbose=verbose,
+                        rdzv=Rendezvous(nodes[0], nodes[1], endpoint, rdzv_id or cfg.output.run_name))
+
+
 def launch_local(cfg: Config, nproc: int, max_restarts: int = 0, extra_env: dict[str, str] | None = None,
-                 verbose: bool = False) -> int:
+                 verbose: bool = False, rdzv: Rendezvous = Rendezvous()) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -72,12 +101,13 @@ def launch_local(cfg: Config, nproc: int, max_restarts: int = 0, extra_env: dict
     os.environ[preemption.MARKER_ENV] = marker
     grace = preemption.grace_estimate(cfg) if cfg.preemption.enabled else None
     doctor.forget_exits(out)
-    run_id = f"shardlab-{uuid.uuid4().hex[:8]}"  # the workers' TORCHELASTIC_RUN_ID: the doctor's launch id
+    # the workers' TORCHELASTIC_RUN_ID: the doctor's launch id
+    run_id = rdzv.run_id or f"shardlab-{uuid.uuid4().hex[:8]}"
     launch = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+        min_nodes=rdzv.min_nodes, max_nodes=rdzv.max_nodes, nproc_per_node=nproc,
         run_id=run_id,
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        rdzv_configs={"timeout": int(cfg.parallel.timeout_s)},
+        rdzv_backend="c10d", rdzv_endpoint=rdzv.endpoint or f"127.0.0.1:{free_port()}",
+        rdzv_configs={"timeout": int(cfg.parallel.timeout_s), "last_call_timeout": LAST_CALL_S},
         max_restarts=max_restarts, monitor_interval=0.2,
         # the agent forwards these to the workers; on one it waits shutdown_timeout, then SIGKILL
         signals_to_handle=preemption.AGENT_SIGNALS if grace else "SIGTERM,SIGINT,SIGHUP,SIGQUIT",

@@ -38,6 +38,7 @@ from shardlab.data.loader import StepBatches
 from shardlab.data.text import copy_tokenizer_files
 from shardlab.doctor import RECORDER
 from shardlab.doctor import worker as doctor
+from shardlab.elastic import layout_for
 from shardlab.engines import Engine, collectives, engine_class, engine_of, optimizer_state_bytes
 from shardlab.engines.compile import CompileClock
 from shardlab.evaluate import evaluate
@@ -222,8 +223,11 @@ def build_run(cfg: Config, rt: Runtime, *, data: Any = None,
         scaler.load_state_dict(state.loss_scaler)
     _check_same_corpus(state, data.manifest_sha256, manager)
     sampler = make_sampler(data, t.global_batch_size, cfg.seed, cfg.data.shuffle)
-    accumulation = t.global_batch_size // (rt.world_size * t.micro_batch_size)
-    batches = StepBatches(data.train, sampler, rt.rank, rt.world_size, t.micro_batch_size, t.steps, rt.device,
+    layout = layout_for(t.global_batch_size, t.micro_batch_size, rt.world_size)  # elastic.py: any world size
+    if layout.lowered and rt.is_main:
+        print(layout.note(t.global_batch_size), flush=True)
+    accumulation = layout.accumulation
+    batches = StepBatches(data.train, sampler, rt.rank, rt.world_size, layout.micro, t.steps, rt.device,
                           cfg.data.num_workers)
     return Run(cfg, rt, out_dir, data, model, engine, opt, sched, scaler, sampler, manager, state,
                accumulation, n_params, n_trainable, resumed_from, batches)
