@@ -53,3 +53,42 @@ def test_bad_node_range_fails_before_workers(args, fragment, no_workers, capsys)
     assert code == 2
     err = capsys.readouterr().err
     assert fragment in err and err.count("\n") == 1, err
+
+
+def _tiny(tmp_path, name, *overrides):
+    from shardlab.config import load_config
+
+    return load_config("configs/gpt-tiny.yaml", ["parallel.strategy=single", "model.preset=gpt-nano",
+                                                 "data.seq_len=32", "train.steps=4", "output.progress=false",
+                                                 "output.tensorboard=false", "train.memory_tracking=none",
+                                                 f"output.dir={tmp_path}", f"output.run_name={name}", *overrides])
+
+
+@pytest.mark.parametrize("overrides,steps", [
+    (["checkpoint.every_steps=2"], [2, 4]),
+    # every_seconds tiny: due at every step boundary; async: committed in the background, reported later
+    (["checkpoint.every_seconds=1e-9", "checkpoint.async=true"], [1, 2, 3, 4]),
+])
+def test_every_checkpoint_on_the_record(tmp_path, capsys, overrides, steps):
+    import torch
+
+    from shardlab.runtime import Runtime
+    from shardlab.train import train
+
+    result = train(_tiny(tmp_path, "run", *overrides), Runtime(0, 0, 1, torch.device("cpu"), None))
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("shardlab: checkpoint step")]
+    assert [int(ln.split()[3].rstrip(":")) for ln in lines] == steps, lines
+    saves = result["checkpoint_saves"]
+    assert [s["step"] for s in saves] == steps
+    for s, ln in zip(saves, lines):
+        assert s["bytes"] > 100_000 and 0 < s["blocking_s"] and 0 < s["write_s"]  # gpt-nano + AdamW state
+        assert s["gb_s"] == pytest.approx(s["bytes"] / s["write_s"] / 1e9)
+        assert f"{s['bytes'] / 2**20:.1f} MiB" in ln
+    assert result["checkpoint_blocking_s"] == [s["blocking_s"] for s in saves]
+    assert result["checkpoint_write_s"] == [s["write_s"] for s in saves]
+    assert 0 < result["checkpoint_blocking_fraction"] < 1
+
+
+def test_every_seconds_must_be_positive(no_workers, capsys):  # noqa: F811
+    assert cli.main(["train", "--nproc", "2", "checkpoint.every_seconds=0"]) == 2
+    assert "checkpoint.every_seconds must be > 0" in capsys.readouterr().err

@@ -113,6 +113,7 @@ class ParallelConfig:
 @dataclass
 class CheckpointConfig:
     every_steps: int = 0                   # 0 = off
+    every_seconds: Optional[float] = None  # also save when this many seconds passed since the last save
     final: bool = True                     # save the last step's state when training ends (export, eval)
     keep_last: int = 2
     dir: Optional[str] = None              # null = <run dir>/checkpoints
@@ -509,6 +510,8 @@ def _validate_export(cfg: Config) -> None:
 def _validate_checkpoint_and_preemption(cfg: Config) -> None:
     c = cfg.checkpoint
     _check(c.every_steps >= 0, f"checkpoint.every_steps must be >= 0 (0 = off), got {c.every_steps}")
+    _check(c.every_seconds is None or c.every_seconds > 0,
+           f"checkpoint.every_seconds must be > 0 (or null: off), got {c.every_seconds}")
     _check(c.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {c.keep_last}")
     _check(c.resume in ("auto", "none") or os.path.exists(c.resume),
            f"checkpoint.resume must be auto, none or an existing checkpoint path; {c.resume!r} does not exist")

@@ -33,7 +33,7 @@ import sys
 import uuid
 from dataclasses import dataclass
 
-from shardlab import preemption
+from shardlab import elastic, preemption
 from shardlab.config import Config, dump_config
 from shardlab.doctor import agent as doctor
 from shardlab.runtime import free_port
@@ -79,7 +79,7 @@ def launch_elastic(cfg: Config, nproc: int, nodes: tuple[int, int], endpoint: st
     """One agent (node) of an elastic job of MIN..MAX agents with `nproc` workers each, meeting
     at `endpoint` (docs/elastic.md). A restart re-forms the group at whatever agents are left or
     have joined; the workers resume from the latest checkpoint at the same global batch."""
-    return launch_local(cfg, nproc, max_restarts, verbose=verbose,
+    return launch_local(cfg, nproc, max_restarts, {elastic.ENV: "1"}, verbose=verbose,
                         rdzv=Rendezvous(nodes[0], nodes[1], endpoint, rdzv_id or cfg.output.run_name))
 
 

@@ -29,16 +29,17 @@ import torch.distributed as dist
 from torch import nn
 
 import shardlab
-from shardlab import memory
+from shardlab import elastic, memory
 from shardlab import metrics as M
 from shardlab.amp import autocast, make_loss_scaler
+from shardlab.checkpoint.cost import CheckpointCost
 from shardlab.config import Config, dump_config, engine_options, validate_for_world
 from shardlab.data import GlobalBatchSampler, build_datasets, make_sampler
 from shardlab.data.loader import StepBatches
 from shardlab.data.text import copy_tokenizer_files
 from shardlab.doctor import RECORDER
 from shardlab.doctor import worker as doctor
-from shardlab.elastic import layout_for
+from shardlab.elastic import Layout, layout_for
 from shardlab.engines import Engine, collectives, engine_class, engine_of, optimizer_state_bytes
 from shardlab.engines.compile import CompileClock
 from shardlab.evaluate import evaluate
@@ -154,17 +155,29 @@ class Run:
     num_trainable: int                # parameters with requires_grad (LoRA: the adapters)
     resumed_from: str | None = None   # the checkpoint this run resumed from
     batches: StepBatches | None = None  # this rank's micro batches, step by step (data/loader.py)
+    cost: CheckpointCost | None = None  # when saves are due and what each cost (checkpoint/cost.py)
+    layout: Layout | None = None      # micro batch and accumulation at this world size (elastic.py)
+    change: elastic.Change | None = None  # an elastic group's change since the last start (its line: StepLogger)
 
     def save_if_due(self, final: bool = False) -> None:
-        if self.manager is None:
+        """A checkpoint when one is due (every_steps, every_seconds), timed: checkpoint/cost.py."""
+        m, step = self.manager, self.state.step
+        if m is None:
             return
         if self.scaler is not None:
             self.state.loss_scaler = self.scaler.state_dict()
         with memory.phase_range("checkpoint"):
-            if final:
-                self.manager.finalize(self.model, self.opt, self.sched, self.state)
-            else:
-                self.manager.maybe_save(self.model, self.opt, self.sched, self.state)
+            args = (self.model, self.opt, self.sched, self.state)
+            if final and (m.final or m.every_steps > 0) and step != m.last_saved_step:
+                self.cost.timed(step, lambda: m.finalize(*args))
+            elif final:
+                m.finalize(*args)
+            elif m.every_steps > 0 and step % m.every_steps == 0 and step != m.last_saved_step:
+                self.cost.timed(step, lambda: m.maybe_save(*args))
+            elif self.cost.due(step, m.last_saved_step):  # every_seconds
+                m.refuse_non_finite(self.model, step)
+                self.cost.timed(step, lambda: m.save(*args))
+            self.cost.report()  # an async save committed since
 
     def save_now(self) -> str:
         """A synchronous checkpoint of the current step (a preemption's), unless that step is
@@ -175,8 +188,10 @@ class Run:
         with memory.phase_range("checkpoint"):
             if m.last_saved_step != self.state.step:
                 m.refuse_non_finite(self.model, self.state.step)
-                m.save(self.model, self.opt, self.sched, self.state, blocking=True)
+                self.cost.timed(self.state.step, lambda: m.save(self.model, self.opt, self.sched, self.state,
+                                                                blocking=True))
             m.wait()
+            self.cost.report()
         from shardlab.checkpoint import step_dir_name
 
         return os.path.join(m.root, step_dir_name(self.state.step))
@@ -213,7 +228,7 @@ def build_run(cfg: Config, rt: Runtime, *, data: Any = None,
     out_dir = run_dir(cfg)
     manager = resumed_from = None
     c = cfg.checkpoint
-    if c.every_steps > 0 or c.final or c.resume != "none" or cfg.preemption.enabled:
+    if c.every_steps > 0 or c.every_seconds or c.final or c.resume != "none" or cfg.preemption.enabled:
         # sharded save and exact resume: docs/checkpointing.md
         from shardlab.checkpoint import CheckpointManager
 
@@ -229,8 +244,9 @@ def build_run(cfg: Config, rt: Runtime, *, data: Any = None,
     accumulation = layout.accumulation
     batches = StepBatches(data.train, sampler, rt.rank, rt.world_size, layout.micro, t.steps, rt.device,
                           cfg.data.num_workers)
+    cost = CheckpointCost(manager.root, rt, c.every_steps, c.every_seconds) if manager is not None else None
     return Run(cfg, rt, out_dir, data, model, engine, opt, sched, scaler, sampler, manager, state,
-               accumulation, n_params, n_trainable, resumed_from, batches)
+               accumulation, n_params, n_trainable, resumed_from, batches, cost, layout)
 
 
 def _check_same_corpus(state: TrainState, manifest_sha256: str | None, manager) -> None:
@@ -248,7 +264,11 @@ def _check_same_corpus(state: TrainState, manifest_sha256: str | None, manager) 
 
 def write_run_args(run: Run) -> None:
     cfg, rt = run.cfg, run.rt
-    hosts = all_gather_object(hostname(), rt)
+    nodes = all_gather_object((hostname(), elastic.node_id()), rt)
+    hosts = [host for host, _ in nodes]
+    if elastic.launched():  # an elastic job whose group changed: one line after the first step (elastic.py)
+        run.change = elastic.membership(run.out_dir, [node for _, node in nodes], rt.is_main,
+                                        run.layout, run.state.step)
     if rt.is_main:
         os.makedirs(run.out_dir, exist_ok=True)
         M.write_json_atomic(os.path.join(run.out_dir, "run_args.json"), M.run_args(
@@ -374,6 +394,9 @@ class StepLogger:
                 f"the loss is {r.loss} at step {step}: training stopped. Lower train.lr, "
                 "enable train.grad_clip, or check the data; the last good checkpoint (if any) is kept.")
         samples_s = t.global_batch_size / step_time
+        if self.run.change is not None:  # the first step of an elastic group that changed (elastic.py)
+            print(self.run.change.line(time.time()), flush=True)
+            self.run.change = None
         if self.writer is not None and step % t.log_every == 0:
             self.writer.add_scalar("train/loss", r.loss, step)
             self.writer.add_scalar("train/lr", self.run.sched.get_last_lr()[0], step)
@@ -520,11 +543,14 @@ def worker_main(cfg: Config) -> int:
         clean = True
         return 0
     except Preempted as p:
+        elastic.note_end(run_dir(cfg), rt.rank, RECORDER.step - 1, "stopped")  # an agent's stop, if elastic
         if rt.is_main:
             print(f"shardlab: {p}; exit code {PREEMPTED_EXIT_CODE}. The same command (checkpoint.resume=auto) "
                   "continues from it.", flush=True)
         return PREEMPTED_EXIT_CODE
     except BaseException as e:
+        if doctor.is_peer_failure(e):  # elastic: the next group says what was lost (elastic.py)
+            elastic.note_end(run_dir(cfg), rt.rank, RECORDER.step - 1, "lost")
         # says "lost contact" if a peer died or hung; the exit record and others' stacks in <run dir>/debug
         doctor.worker_failed(e, rt.rank, rt.distributed, cfg.parallel.timeout_s)
         _record_for_agent(e)

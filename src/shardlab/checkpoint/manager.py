@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
+from shardlab.checkpoint.cost import stage_copy, staged
 from shardlab.checkpoint.format import (
     DCP_METADATA,
     FORMAT,
@@ -179,7 +180,7 @@ class CheckpointManager:
     def _collect(self, model: nn.Module, opt, state, stage: bool):
         """(plain entries, flat pieces, description) of what this rank saves. stage=True copies
         everything, so training may modify the live tensors while a background save writes."""
-        copy = (lambda t: t.detach().clone()) if stage else (lambda t: t.detach())
+        copy = stage_copy(self.rt.device) if stage else (lambda t: t.detach())  # pinned on CUDA: cost.py
         layout = checkpoint_layout(model)
         shapes = self._param_shapes(layout)
         plain: dict[str, torch.Tensor] = {}
@@ -209,6 +210,8 @@ class CheckpointManager:
         for name, b in buffers.items():
             plain[f"model/{name}"] = copy(b)
         plain.update(capture_rng(self.rt.rank))
+        if stage:
+            staged(self.rt.device)
         desc = {"params": shapes, "buffers": {k: list(b.shape) for k, b in buffers.items()},
                 "optim_tensor_keys": sorted(tensor_keys), "optim_scalar_keys": sorted(scalar_keys)}
         return plain, pieces, desc
