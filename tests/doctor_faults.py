@@ -55,7 +55,7 @@ def register_desync_model(rank: int, forward_number: int) -> None:
 
 # ---------------------------------------------------------------------------------------- raise
 def plant_raise(rank: int, step: int) -> None:
-    from shardlab import train as T
+    from shardlab.loop import train as T
 
     original = T.train_step
 
@@ -85,9 +85,9 @@ class SleepyDataset(torch.utils.data.Dataset):
 
 
 def plant_data_stall(rank: int, step: int) -> None:
-    from shardlab import train as T
+    from shardlab.loop import run as R
 
-    original = T.build_datasets
+    original = R.build_datasets
 
     def build_datasets(cfg):  # noqa: ANN001, ANN202
         data = original(cfg)
@@ -96,7 +96,7 @@ def plant_data_stall(rank: int, step: int) -> None:
             data.train = SleepyDataset(data.train, after=per_step * (step - 1))
         return data
 
-    T.build_datasets = build_datasets
+    R.build_datasets = build_datasets
 
 
 def plant(spec: str) -> None:

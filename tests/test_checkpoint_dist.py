@@ -18,8 +18,8 @@ import time
 import pytest
 import torch
 
-from shardlab import train as T
 from shardlab.checkpoint import list_checkpoints, read_tensors
+from shardlab.loop import train as T
 from shardlab.testing import WorkerError, run_workers
 from tests.checkpoint_helpers import (
     TOTAL,

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-import shardlab.launcher
+import shardlab.loop.launcher
 from shardlab import cli
 from shardlab.config import ConfigError, dump_config, load_config
 
@@ -15,8 +15,8 @@ def no_workers(monkeypatch):
     """Fail the test if the launcher is ever reached."""
     def forbidden(*a, **k):
         raise AssertionError("a worker was started despite bad input")
-    monkeypatch.setattr(shardlab.launcher, "launch_local", forbidden)
-    monkeypatch.setattr(shardlab.launcher, "launch_elastic", forbidden)
+    monkeypatch.setattr(shardlab.loop.launcher, "launch_local", forbidden)
+    monkeypatch.setattr(shardlab.loop.launcher, "launch_elastic", forbidden)
 
 
 def _yaml(tmp_path, text, name="c.yaml"):
@@ -36,7 +36,8 @@ CASES = [
     (["train.steps=0"], ["train.steps must be >= 1"]),
     (["train.lr=-1"], ["train.lr must be > 0"]),
     (["model.dropout=1.5"], ["model.dropout must be in [0, 1)"]),
-    (["parallel.strategy=zero4"], ["parallel.strategy: unknown value 'zero4'", "single, ddp, zero3, fsdp, torch-ddp, torch-fsdp"]),
+    (["parallel.strategy=zero4"], ["parallel.strategy: unknown value 'zero4'",
+                                   "single, ddp, zero3, fsdp, ddp-minimal, zero3-minimal, fsdp-minimal, torch-ddp, torch-fsdp"]),
     (["model.name=vit"], ["model.name: unknown value 'vit'", "gpt, resnet, mlp"]),
     (["model.preset=gpt-huge"], ["model.preset: unknown value 'gpt-huge'", "gpt-tiny"]),
     (["data.source=hub"], ["data.source: unknown value 'hub'", "builtin, text, tokens, sft, cifar10, synthetic"]),

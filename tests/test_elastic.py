@@ -1,11 +1,12 @@
-"""Elastic training: the batch layout at any world size (elastic.py), the node range checked
+"""Elastic training: the batch layout at any world size (data/layout.py), the node range (loop/elastic.py) checked
 before any worker starts."""
 
 import pytest
 
 from shardlab import cli
-from shardlab.elastic import layout_for, parse_nnodes
+from shardlab.data.layout import layout_for
 from shardlab.errors import ConfigError
+from shardlab.loop.elastic import parse_nnodes
 from tests.test_config import no_workers  # noqa: F401 - the fixture
 
 
@@ -72,8 +73,8 @@ def _tiny(tmp_path, name, *overrides):
 def test_every_checkpoint_on_the_record(tmp_path, capsys, overrides, steps):
     import torch
 
-    from shardlab.runtime import Runtime
-    from shardlab.train import train
+    from shardlab.loop.runtime import Runtime
+    from shardlab.loop.train import train
 
     result = train(_tiny(tmp_path, "run", *overrides), Runtime(0, 0, 1, torch.device("cpu"), None))
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("shardlab: checkpoint step")]

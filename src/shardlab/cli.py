@@ -45,7 +45,7 @@ A hung or failed run: `shardlab doctor <run dir>` (with --live while it runs) na
 
 def _train(args: argparse.Namespace) -> int:
     from shardlab.config import ConfigError, dump_config, load_config, validate_for_world
-    from shardlab.runtime import env_world, in_launched_worker
+    from shardlab.loop.runtime import env_world, in_launched_worker
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -60,8 +60,8 @@ def _train(args: argparse.Namespace) -> int:
                                   "(RANK/WORLD_SIZE are set); drop --nproc under torchrun/srun")
             if args.nnodes is None:
                 validate_for_world(cfg, args.nproc)
-            else:  # elastic: every world size MIN..MAX may happen (elastic.py)
-                from shardlab.elastic import check_node_range, parse_nnodes
+            else:  # elastic: every world size MIN..MAX may happen (loop/elastic.py)
+                from shardlab.loop.elastic import check_node_range, parse_nnodes
 
                 args.node_range = parse_nnodes(args.nnodes)
                 check_node_range(lambda world: validate_for_world(cfg, world), args.nproc, *args.node_range)
@@ -73,7 +73,8 @@ def _train(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    from shardlab.train import default_run_name, worker_main
+    from shardlab.loop.run import default_run_name
+    from shardlab.loop.train import worker_main
 
     if args.nproc is None and in_launched_worker():
         return worker_main(cfg)  # one of N: the workers prepare the data together (local rank 0 first)
@@ -87,10 +88,10 @@ def _train(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.nproc is not None:
-        from shardlab.launcher import launch_local
+        from shardlab.loop.launcher import launch_local
 
         if args.nnodes is not None:
-            from shardlab.launcher import launch_elastic
+            from shardlab.loop.launcher import launch_elastic
 
             restarts = ELASTIC_RESTARTS if args.max_restarts is None else args.max_restarts
             return launch_elastic(cfg, args.nproc, args.node_range, args.rdzv_endpoint, args.rdzv_id,

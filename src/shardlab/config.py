@@ -20,7 +20,7 @@ from typing import Any, Optional
 import yaml
 
 from shardlab.data import DATA_SOURCES
-from shardlab.elastic import layout_for
+from shardlab.data.layout import layout_for
 from shardlab.engines import STRATEGIES, engine_class
 from shardlab.engines.api import CPUOffload, MixedPrecision
 from shardlab.engines.collectives import resolve_shard_size
@@ -524,10 +524,9 @@ def _validate_checkpoint_and_preemption(cfg: Config) -> None:
            f"doctor.record_size must be between 16 and {2**20} collectives, got {cfg.doctor.record_size}")
 
 
-def engine_options(cfg: Config) -> dict[str, Any]:
+def engine_options(p: ParallelConfig) -> dict[str, Any]:
     """The `parallel.*` keys as the options of the engine they configure, those it takes
     (its class's `options`): what `shardlab.parallelize` gets."""
-    p = cfg.parallel
     offered = {
         "reshard_after_forward": p.reshard_after_forward,
         "mixed_precision": MixedPrecision.from_names(p.mixed_precision, p.reduce_dtype),
@@ -554,4 +553,4 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
             resolve_shard_size(cfg.parallel.shard_size, world_size)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    layout_for(t.global_batch_size, t.micro_batch_size, world_size)  # the rule: elastic.py
+    layout_for(t.global_batch_size, t.micro_batch_size, world_size)  # the rule: data/layout.py

@@ -49,13 +49,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardlab
 from shardlab import memory
-from shardlab.config import config_from_dict
+from shardlab.config import Config, TrainConfig, config_from_dict
 from shardlab.data import build_datasets, collate
 from shardlab.engines import engine_class
+from shardlab.loop.runtime import Runtime
 from shardlab.models import MODELS
 from shardlab.plan.fake_ddp import ddp_on_fake_tensors
 from shardlab.plan.model import cut_depth, init_fake_group, vocab_size
-from shardlab.runtime import Runtime
 
 #: Blocks of the model the probes run with (GPT's n_layer, an HF decoder's num_hidden_layers;
 #: other models run whole).
@@ -73,19 +73,19 @@ PROBE_MAX_BYTES = int(float(os.environ.get("SHARDLAB_PLAN_PROBE_MAX_GIB", "6")) 
 PROBE_TIMEOUT_S = float(os.environ.get("SHARDLAB_PLAN_PROBE_TIMEOUT_S", "1800"))
 
 
-def probe_layers(cfg, depth: int | None) -> list[int | None]:
+def probe_layers(t: TrainConfig, depth: int | None) -> list[int | None]:
     """The depths the probes run at: PROBE_LAYERS, or with train.ac_every=K (checkpointing every K-th
     block) two depths K apart, so that the blocks added between them hold the mix of checkpointed and
     plain blocks the real model has (the scaling takes the mean per block). None: the model runs whole."""
     if depth is None:
         return [None]
     lo, hi = PROBE_LAYERS
-    if cfg.train.activation_checkpointing != "none" and cfg.train.ac_every > 1:
-        hi = lo + cfg.train.ac_every
+    if t.activation_checkpointing != "none" and t.ac_every > 1:
+        hi = lo + t.ac_every
     return sorted({min(lo, depth), min(hi, depth)})
 
 
-def probe_shape(cfg, fake: bool = False) -> tuple[int, int, float]:
+def probe_shape(cfg: Config, fake: bool = False) -> tuple[int, int, float]:
     """(micro batch, seq) the probe runs at and the factor activations scale by: a fake probe
     runs at the real shape; a real one at most `PROBE_TOKENS` tokens."""
     b, seq = cfg.train.micro_batch_size, cfg.data.seq_len
@@ -99,7 +99,7 @@ def probe_shape(cfg, fake: bool = False) -> tuple[int, int, float]:
     return pb, ps, (b * seq) / (pb * ps)
 
 
-def probe_config(cfg, n_layer: int | None, micro: int, seq: int, world: int, steps: int, accumulation: int,
+def probe_config(cfg: Config, n_layer: int | None, micro: int, seq: int, world: int, steps: int, accumulation: int,
                  tmpdir: str):
     raw = cfg.to_dict()
     if n_layer is not None:
@@ -243,11 +243,12 @@ class _HostBatches:
             return self.inner.next(step)
 
 
-def _probe_once(cfg, rt, fake: bool) -> dict:
+def _probe_once(cfg: Config, rt, fake: bool) -> dict:
     """One engine at one depth: the tracked step's peak and breakdown, and the forward peak's."""
-    # deferred: shardlab.train costs about 1 s to import (torch.distributed.checkpoint and the
+    # deferred: shardlab.loop.train costs about 1 s to import (torch.distributed.checkpoint and the
     # loop's dependencies); the probes run in a child, and `shardlab --help` need not pay it
-    from shardlab.train import build_run, train_step
+    from shardlab.loop.run import build_run
+    from shardlab.loop.train import train_step
 
     data = build_datasets(cfg)  # real tensors, outside any fake mode
     with fake_tensors() if fake else contextlib.nullcontext():
@@ -277,7 +278,7 @@ def _probe_once(cfg, rt, fake: bool) -> dict:
 
 
 def _forward_peak(run, rt, fake: bool) -> dict:
-    from shardlab.amp import autocast  # deferred: torch.distributed.fsdp costs 0.7 s to import
+    from shardlab.loop.amp import autocast  # deferred: torch.distributed.fsdp costs 0.7 s to import
 
     t = run.cfg.train
     with unset_fake_temporarily():

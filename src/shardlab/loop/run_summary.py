@@ -1,19 +1,25 @@
-"""What a training run reports at its end: `summarize` (the metrics.json of train.py's loop)
-and `print_summary` (the table rank 0 prints). `run` is train.Run."""
+"""What a training run reports at its end: `summarize` (metrics.json, from every rank's
+measurements: measurements.py) and `print_summary` (the table rank 0 prints). `run` is run.Run."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from shardlab import metrics as M
+from shardlab.atomic import write_json_atomic
 from shardlab.data.mixture import MixtureSampler, source_counts
 from shardlab.engines import is_sharded
+from shardlab.loop import metrics as M
+from shardlab.loop.runtime import all_gather_object
 
 
-def summarize(run: Any, timer: M.StepTimer, per_rank: list[dict], val_losses: dict, wall: float) -> dict[str, Any]:
-    """metrics.json: throughput counts only the steps this process trained (a resumed run's
-    earlier steps are in `losses` but not in its timings)."""
+def summarize(run: Any, timer: M.StepTimer, mine: dict, val_losses: dict, wall: float) -> dict[str, Any]:
+    """metrics.json, written by rank 0 and returned on every rank: `mine` (this rank's peak
+    memory, model state, traffic, live-memory breakdown, compile time) gathered from every rank.
+    Throughput counts only the steps this process trained (a resumed run's earlier steps are in
+    `losses` but not in its timings). val_losses: step -> evaluate.Evaluation."""
     cfg, rt, state = run.cfg, run.rt, run.state
+    per_rank = all_gather_object(mine, rt)
     steps_run = len(timer.times)
     train_seconds = sum(timer.times)
     samples = steps_run * cfg.train.global_batch_size
@@ -49,8 +55,11 @@ def summarize(run: Any, timer: M.StepTimer, per_rank: list[dict], val_losses: di
         "data_wait_fraction": sum(waits) / train_seconds if train_seconds else None,
         "final_loss": state.losses[-1] if state.losses else None,
         "losses": state.losses,
-        "val_loss": val_losses[state.step],
-        "val_losses": val_losses,
+        "val_loss": val_losses[state.step].loss,
+        "val_losses": {step: v.loss for step, v in val_losses.items()},
+        # a mixture's corpora (data.mix): each one's validation loss at the end, and at each evaluation
+        **{f"val_loss/{name}": loss for name, loss in val_losses[state.step].by_source.items()},
+        "val_losses_by_source": {step: v.by_source for step, v in val_losses.items() if v.by_source} or None,
         "restart_count": rt.restart_count,
         # train.compile: seconds compiling (slowest rank; in the first step and samples/s, not the median step)
         "compile_s": max(r["compile"][0] for r in per_rank) if cfg.train.compile else None,
@@ -72,6 +81,8 @@ def summarize(run: Any, timer: M.StepTimer, per_rank: list[dict], val_losses: di
     if isinstance(run.sampler, MixtureSampler):  # data.mix: samples and tokens per corpus, exact
         result["data_sources"] = source_counts(run.sampler, state.step - steps_run, state.step,
                                                run.data.tokens_per_sample)
+    if rt.is_main:
+        write_json_atomic(os.path.join(run.out_dir, "metrics.json"), result, default=str)
     return result
 
 
@@ -88,6 +99,8 @@ def print_summary(result: dict[str, Any], out_dir: str) -> None:
         row("final loss", f"{result['final_loss']:.4f}")
     if result.get("val_loss") is not None:
         row("validation loss", f"{result['val_loss']:.4f}")
+    for key in (k for k in result if k.startswith("val_loss/")):
+        row(f"validation loss, {key[len('val_loss/'):]}", f"{result[key]:.4f}")
     if result["steps_this_run"]:
         row("samples/s", f"{result['samples_per_s']:.1f}")
         if result.get("tokens_per_s"):

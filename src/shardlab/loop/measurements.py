@@ -1,0 +1,214 @@
+"""What one worker measures of its run, in one object the loop calls (`RunMeasurements`): wall and
+compile time, step times, the traffic and seconds of each step's collectives, live memory by part
+and phase (shardlab.memory), the torch.profiler trace, the model state kept, the validation losses;
+and what it shows while training (`StepLogger`: rank 0's progress bar and TensorBoard scalars).
+At the end `summary` gathers every rank's figures into metrics.json (run_summary.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from shardlab import memory
+from shardlab.config import OutputConfig, TrainConfig
+from shardlab.engines import optimizer_state_bytes
+from shardlab.engines.compile import CompileClock
+from shardlab.loop import metrics as M
+from shardlab.loop.evaluate import Evaluation
+from shardlab.loop.run_summary import summarize
+
+
+class StepLogger:
+    """Rank 0's progress bar and TensorBoard scalars; every rank's non-finite loss check."""
+
+    def __init__(self, run: Any, o: OutputConfig, t: TrainConfig):
+        self.run, self.t = run, t
+        self.writer = self.bar = None
+        if run.rt.is_main and o.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(os.path.join(run.out_dir, "tensorboard"))
+        if run.rt.is_main and o.progress:
+            from tqdm import tqdm
+
+            # A worker's stderr goes to a file (launcher.py), so on a terminal the bar is drawn on
+            # stdout, which stays the terminal's; piped (CI, Slurm, tests) it stays on stderr.
+            out = sys.stdout if sys.stdout.isatty() else sys.stderr
+            self.bar = tqdm(total=t.steps, initial=run.state.step, unit="step", dynamic_ncols=True,
+                            desc=f"{run.engine.strategy} x{run.rt.world_size}", file=out)
+
+    def log(self, r: Any, step: int, step_time: float) -> None:
+        if not math.isfinite(r.loss):
+            self.close()
+            raise FloatingPointError(
+                f"the loss is {r.loss} at step {step}: training stopped. Lower train.lr, "
+                "enable train.grad_clip, or check the data; the last good checkpoint (if any) is kept.")
+        samples_s = self.t.global_batch_size / step_time
+        if self.run.change is not None:  # the first step of an elastic group that changed (loop/elastic.py)
+            print(self.run.change.line(time.time()), flush=True)
+            self.run.change = None
+        if self.writer is not None and step % self.t.log_every == 0:
+            self.writer.add_scalar("train/loss", r.loss, step)
+            self.writer.add_scalar("train/lr", self.run.sched.get_last_lr()[0], step)
+            self.writer.add_scalar("train/grad_norm", r.grad_norm, step)
+            self.writer.add_scalar("perf/samples_per_s", samples_s, step)
+            if self.run.scaler is not None:
+                self.writer.add_scalar("train/loss_scale", self.run.scaler.get_scale(), step)
+        if self.bar is not None:
+            post = {"loss": f"{r.loss:.4f}", "samples/s": f"{samples_s:.1f}"}
+            if self.run.data.tokens_per_sample:
+                post["tok/s"] = f"{samples_s * self.run.data.tokens_per_sample:.0f}"
+            if r.skipped:
+                post["skipped"] = "fp16 overflow"
+            self.bar.set_postfix(post)
+            self.bar.update(1)
+
+    def validation(self, v: Evaluation, step: int) -> None:
+        """val/loss, and a mixture's val/loss/<corpus> beside it."""
+        if self.writer is not None and v.loss is not None:
+            self.writer.add_scalar("val/loss", v.loss, step)
+            for name, loss in v.by_source.items():
+                self.writer.add_scalar(f"val/loss/{name}", loss, step)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+class RunMeasurements:
+    """Made before the run is built (its wall clock and compile time count the build), told the run
+    once built (`watch`), then called around every step; `summary` ends it."""
+
+    def __init__(self) -> None:
+        self.t: TrainConfig | None = None
+        self.started = time.perf_counter()
+        self.compile_clock = CompileClock()  # this run's share of torch.compile time
+        self.timer = M.StepTimer(warmup=1)
+        self.val_losses: dict[int, Evaluation] = {}
+        self.step_comm_seconds: list[dict[str, float] | None] = []  # per step: seconds per collective kind
+        self.state_bytes: dict[str, int] | None = None
+        self.run: Any = None
+        self.logger: StepLogger | None = None
+        self.tracker: memory.LiveMemoryTracker | None = None
+        self.profiler: memory.StepProfiler | None = None
+        self.comm_at_start: dict | None = None
+        self.train_comm: dict | None = None
+
+    def watch(self, run: Any, t: TrainConfig, o: OutputConfig) -> None:
+        """The built run: its logger, its live-memory tracker ("last" tracks only the last step: the
+        others carry none of its overhead; not under train.compile, where dynamo would stop compiling
+        for the rest of the process: docs/memory.md) and profiler (the run's first step is its
+        warm-up). What the engine sent until now (wrap-time broadcasts, a resume) is not step traffic."""
+        rt = run.rt
+        self.run, self.t = run, t
+        self.logger = StepLogger(run, o, t)
+        if t.memory_tracking != "none" and not t.compile:
+            self.tracker = memory.LiveMemoryTracker(rt.device, engine=run.engine, optimizer=run.opt)
+        if t.profile:
+            first = run.state.step + 1 if t.steps - run.state.step > 1 else run.state.step
+            self.profiler = memory.StepProfiler(run.out_dir, rt.rank, first, t.profile_steps, rt.device)
+        self.comm_at_start = run.engine.comm_stats()
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """One whole step, releasing the gradients included: its time, its collectives' seconds, its
+        place in the profiler's trace."""
+        if self.profiler is not None:
+            self.profiler.before_step(step)
+        start = time.perf_counter()
+        before = self.run.engine.comm_seconds()
+        yield
+        self.step_comm_seconds.append(_seconds_since(before, self.run.engine.comm_seconds()))
+        self.timer.add(time.perf_counter() - start)
+        if self.profiler is not None:
+            self.profiler.after_step(step)
+
+    @contextlib.contextmanager
+    def live_memory(self, step: int) -> Iterator[memory.LiveMemoryTracker | None]:
+        """The training part of a step: live memory by part and phase (the tracker `train_step` marks
+        phases in; None when not tracked), then, at the last step, the model state kept (while the
+        gradients and the optimizer state both exist)."""
+        last = step + 1 == self.t.steps
+        if self.tracker is None:
+            yield None
+        else:
+            with self.tracker.step(step, active=self.t.memory_tracking == "all" or last):
+                yield self.tracker
+        if last:
+            self.state_bytes = self._model_state()
+
+    def record(self, result: Any, step: int) -> None:
+        """A step's result, to the progress bar and TensorBoard; a non-finite loss stops the run."""
+        self.logger.log(result, step, self.timer.times[-1])
+
+    def validation(self, step: int, v: Evaluation) -> None:
+        """A validation loss (a mixture's per corpus too): into metrics.json, and to TensorBoard
+        while the steps are logged."""
+        self.val_losses[step] = v
+        if self.logger is not None:
+            self.logger.validation(v, step)
+
+    def training_done(self) -> None:
+        """The last step is done: what the steps' collectives sent (before the final evaluation's,
+        whose loss still goes to the scalars: the logger closes in `close`)."""
+        self.train_comm = _comm_since(self.comm_at_start, self.run.engine.comm_stats())
+
+    def close(self) -> None:
+        self._close_logger()
+        if self.profiler is not None:
+            self.profiler.close()
+
+    def _close_logger(self) -> None:
+        if self.logger is not None:
+            self.logger.close()
+            self.logger = None
+
+    def summary(self) -> dict[str, Any]:
+        """metrics.json (run_summary.py): every rank's figures; every rank returns them."""
+        run = self.run
+        if self.state_bytes is None:  # resumed at the last step: nothing trained in this run
+            self.state_bytes = self._model_state()
+        peak = M.peak_memory_bytes(run.rt.device)
+        tracker = self.tracker
+        if tracker is not None:  # on CUDA the tracker resets the allocator's peak between phases
+            peak = max(peak, tracker.allocator_peak_seen)
+        live = tracker.summary() if tracker is not None and tracker.steps_tracked else None
+        mine = {"peak_memory_bytes": peak, "model_state_bytes": self.state_bytes, "comm": self.train_comm,
+                "comm_seconds": _per_kind(self.step_comm_seconds), "live": live,
+                "compile": (self.compile_clock.seconds(), self.compile_clock.graphs())}
+        return summarize(run, self.timer, mine, self.val_losses, time.perf_counter() - self.started)
+
+    def _model_state(self) -> dict[str, int]:
+        return {**self.run.engine.model_state_bytes(), "optimizer": optimizer_state_bytes(self.run.opt)}
+
+
+def _seconds_since(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    if after is None:
+        return None
+    before = before or {}
+    return {kind: seconds - before.get(kind, 0.0) for kind, seconds in after.items()}
+
+
+def _per_kind(steps: list[dict[str, float] | None]) -> dict[str, list[float]] | None:
+    """[{kind: s}, ...] per step -> {kind: [s per step]} (0.0 in steps without that kind)."""
+    if not steps or any(s is None for s in steps):
+        return None
+    kinds = sorted({k for s in steps for k in s})
+    return {k: [s.get(k, 0.0) for s in steps] for k in kinds}
+
+
+def _comm_since(before: dict | None, after: dict | None) -> dict | None:
+    if after is None:
+        return None
+    before = before or {}
+    return {kind: {k: v - before.get(kind, {}).get(k, 0) for k, v in totals.items()} for kind, totals in after.items()}
