@@ -1,11 +1,12 @@
 """Files a reader never sees half written: `write_json_atomic` (run_args.json, metrics.json, a
-checkpoint's manifest, the hang doctor's records). Standard library only, so the doctor's
+checkpoint's manifest, the hang doctor's records), and `remove_tree` (a checkpoint deleted). Standard library only, so the doctor's
 reading side and the launchers use it without torch."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -22,3 +23,13 @@ def write_json_atomic(path: str, data: Any, *, default: Any = None) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def remove_tree(path: str) -> None:
+    """Rename first (atomic), so a crash mid-deletion leaves nothing that looks like a checkpoint."""
+    doomed = f"{path}.deleting-{os.getpid()}"
+    try:
+        os.rename(path, doomed)
+    except OSError:
+        doomed = path
+    shutil.rmtree(doomed, ignore_errors=True)

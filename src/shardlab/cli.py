@@ -3,6 +3,7 @@
   shardlab prepare INPUT... --out DATA_DIR [--tokenizer DIR] [--workers N]  documents to token shards
   shardlab data inspect DATA_DIR [--docs N]  what a prepared corpus holds, its first documents decoded
   shardlab train [CONFIG.yaml|NAME] [key=value ...] [--nproc N] [--max-restarts R] [--verbose] [--print-config]
+                [--nnodes MIN:MAX --rdzv-endpoint HOST:PORT --rdzv-id ID]   one agent of an elastic job
   shardlab configs [NAME]                                    the shipped example configs (NAME: print one)
   shardlab bench [CONFIG.yaml] [key=value ...] [--nproc 1,2,4]  measure every engine side by side
   shardlab plan CONFIG.yaml [key=value ...] --gpu T4 --nproc N [--nodes K]  predict peak memory and step time
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+
+ELASTIC_RESTARTS = 3  # --nnodes without --max-restarts: a node lost is a restart of the others
 
 TRAIN_EPILOG = """\
 examples:
@@ -56,7 +59,15 @@ def _train(args: argparse.Namespace) -> int:
             if in_launched_worker():
                 raise ConfigError("--nproc starts local workers, but this process already is a worker "
                                   "(RANK/WORLD_SIZE are set); drop --nproc under torchrun/srun")
-            validate_for_world(cfg, args.nproc)
+            if args.nnodes is None:
+                validate_for_world(cfg, args.nproc)
+            else:  # elastic: every world size MIN..MAX may happen (loop/elastic.py)
+                from shardlab.loop.elastic import check_node_range, parse_nnodes
+
+                args.node_range = parse_nnodes(args.nnodes)
+                check_node_range(lambda world: validate_for_world(cfg, world), args.nproc, *args.node_range)
+        elif args.nnodes is not None:
+            raise ConfigError("--nnodes MIN:MAX starts one elastic agent of --nproc N workers; add --nproc N")
         else:
             validate_for_world(cfg, env_world()[2])
     except ConfigError as e:
@@ -80,7 +91,13 @@ def _train(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         from shardlab.loop.launcher import launch_local
 
-        return launch_local(cfg, args.nproc, args.max_restarts, verbose=args.verbose)
+        if args.nnodes is not None:
+            from shardlab.loop.launcher import launch_elastic
+
+            restarts = ELASTIC_RESTARTS if args.max_restarts is None else args.max_restarts
+            return launch_elastic(cfg, args.nproc, args.node_range, args.rdzv_endpoint, args.rdzv_id,
+                                  restarts, verbose=args.verbose)
+        return launch_local(cfg, args.nproc, args.max_restarts or 0, verbose=args.verbose)
     return worker_main(cfg)
 
 
@@ -114,8 +131,16 @@ def _add_train_parser(sub, strategies) -> None:
     tr.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.steps=100")
     tr.add_argument("--nproc", type=int, default=None, metavar="N",
                     help="start N local worker processes through torchrun's elastic agent")
-    tr.add_argument("--max-restarts", type=int, default=0, metavar="R",
-                    help="with --nproc: restart the worker group up to R times when a worker fails")
+    tr.add_argument("--max-restarts", type=int, default=None, metavar="R",
+                    help="with --nproc: restart the worker group up to R times when a worker fails (default 0; "
+                         f"with --nnodes {ELASTIC_RESTARTS}: each lost node is one)")
+    tr.add_argument("--nnodes", default=None, metavar="MIN:MAX",
+                    help="with --nproc: this is one of MIN..MAX agents (nodes) of an elastic job; the job goes on "
+                         "at the same global batch when nodes leave or join (docs/elastic.md)")
+    tr.add_argument("--rdzv-endpoint", default="127.0.0.1:29400", metavar="HOST:PORT",
+                    help="with --nnodes: where the agents meet (c10d rendezvous; the first agent there hosts it)")
+    tr.add_argument("--rdzv-id", default=None, metavar="ID",
+                    help="with --nnodes: the job's name, the same for all its agents (default: the run name)")
     tr.add_argument("--verbose", action="store_true",
                     help="with --nproc: show the workers' stderr (tracebacks, warnings) as they write it, and the "
                          "hang doctor's whole report after a failure; otherwise both are in <run dir>/debug/")

@@ -76,6 +76,9 @@ class StepLogger:
             raise FloatingPointError(
                 f"the loss is {r.loss} at step {step}: training stopped. Lower train.lr, "
                 "enable train.grad_clip, or check the data; the last good checkpoint (if any) is kept.")
+        if self.run.change is not None:  # the first step of an elastic group that changed (loop/elastic.py)
+            print(self.run.change.line(time.time()), flush=True)
+            self.run.change = None
         if self.lines is None:
             return
         with memory.phase_range("log"):  # rank 0's trackers cost time the others may wait for: shown apart

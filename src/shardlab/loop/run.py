@@ -22,6 +22,7 @@ from torch import nn
 import shardlab
 from shardlab import memory
 from shardlab.atomic import write_json_atomic
+from shardlab.checkpoint.cost import CheckpointCost
 from shardlab.config import (
     Config,
     OutputConfig,
@@ -31,10 +32,12 @@ from shardlab.config import (
     validate_for_world,
 )
 from shardlab.data import GlobalBatchSampler, build_datasets, make_sampler
+from shardlab.data.layout import Layout, layout_for
 from shardlab.data.loader import StepBatches
 from shardlab.data.text import copy_tokenizer_files
 from shardlab.doctor import worker as doctor
 from shardlab.engines import Engine, engine_class, engine_of
+from shardlab.loop import elastic
 from shardlab.loop import metrics as M
 from shardlab.loop.amp import make_loss_scaler
 from shardlab.loop.evaluate import Evaluation, evaluate_sources
@@ -86,6 +89,9 @@ class Run:
     num_trainable: int                # parameters with requires_grad (LoRA: the adapters)
     resumed_from: str | None = None   # the checkpoint this run resumed from
     batches: StepBatches | None = None  # this rank's micro batches, step by step (data/loader.py)
+    cost: CheckpointCost | None = None  # when saves are due and what each cost (checkpoint/cost.py)
+    layout: Layout | None = None      # micro batch and accumulation at this world size (data/layout.py)
+    change: elastic.Change | None = None  # an elastic group's change since the last start (its line: StepLogger)
 
     def eval_due(self) -> bool:
         """train.eval_every: a validation loss at this step (the last step's comes after the final save)."""
@@ -98,11 +104,22 @@ class Run:
             return evaluate_sources(self.model, self.data.val, self.cfg.train, self.rt)
 
     def save_if_due(self, final: bool = False) -> None:
-        """The checkpoint checkpoint.every_steps asks for at this step, or with final, the last one."""
+        """The checkpoint due at this step (checkpoint.every_steps, every_seconds), or with final the
+        last one; each save timed and its line printed once committed (checkpoint/cost.py)."""
         if self.manager is None:
             return
         with self._saving() as m:
-            (m.finalize if final else m.maybe_save)(self.model, self.opt, self.sched, self.state)
+            step, args, cost = self.state.step, (self.model, self.opt, self.sched, self.state), self.cost
+            if final and (m.final or m.every_steps > 0) and step != m.last_saved_step:
+                cost.timed(step, lambda: m.finalize(*args))
+            elif final:
+                m.finalize(*args)  # nothing to write: an async save in flight is committed
+            elif m.every_steps > 0 and step % m.every_steps == 0 and step != m.last_saved_step:
+                cost.timed(step, lambda: m.maybe_save(*args))
+            elif cost.due(step, m.last_saved_step):  # every_seconds, by rank 0's clock
+                m.refuse_non_finite(self.model, step)
+                cost.timed(step, lambda: m.save(*args))
+            cost.report()  # an async save committed since
 
     def save_now(self) -> str:
         """A synchronous checkpoint of the current step (a preemption's), unless that step is
@@ -112,8 +129,10 @@ class Run:
         with self._saving() as m:
             if m.last_saved_step != self.state.step:
                 m.refuse_non_finite(self.model, self.state.step)
-                m.save(self.model, self.opt, self.sched, self.state, blocking=True)
+                self.cost.timed(self.state.step, lambda: m.save(self.model, self.opt, self.sched, self.state,
+                                                                blocking=True))
             m.wait()
+            self.cost.report()
         return os.path.join(m.root, step_dir_name(self.state.step))
 
     @contextlib.contextmanager
@@ -168,11 +187,15 @@ def build_run(cfg: Config, rt: Runtime, *, data: Any = None,
         scaler.load_state_dict(state.loss_scaler)
     _check_same_corpus(state, data.manifest_sha256, manager)
     sampler = make_sampler(data, t.global_batch_size, cfg.seed, cfg.data.shuffle)
-    accumulation = t.global_batch_size // (rt.world_size * t.micro_batch_size)
-    batches = StepBatches(data.train, sampler, rt.rank, rt.world_size, t.micro_batch_size, t.steps, rt.device,
+    layout = layout_for(t.global_batch_size, t.micro_batch_size, rt.world_size)  # data/layout.py: any world size
+    if layout.lowered and rt.is_main:
+        print(layout.note(t.global_batch_size), flush=True)
+    batches = StepBatches(data.train, sampler, rt.rank, rt.world_size, layout.micro, t.steps, rt.device,
                           cfg.data.num_workers)
+    c = cfg.checkpoint
+    cost = CheckpointCost(manager.root, rt, c.every_steps, c.every_seconds) if manager is not None else None
     return Run(cfg, rt, out_dir, data, model, engine, opt, sched, scaler, sampler, manager, state,
-               accumulation, n_params, n_trainable, resumed_from, batches)
+               layout.accumulation, n_params, n_trainable, resumed_from, batches, cost, layout)
 
 
 def _resume(cfg: Config, out_dir: str, rt: Runtime, model: nn.Module, opt, sched, state: TrainState
@@ -180,7 +203,7 @@ def _resume(cfg: Config, out_dir: str, rt: Runtime, model: nn.Module, opt, sched
     """The checkpoint manager when anything is saved or resumed (docs/checkpointing.md), and the
     checkpoint the state was restored from, if any."""
     c = cfg.checkpoint
-    if not (c.every_steps > 0 or c.final or c.resume != "none" or cfg.preemption.enabled):
+    if not (c.every_steps > 0 or c.every_seconds or c.final or c.resume != "none" or cfg.preemption.enabled):
         return None, None
     from shardlab.checkpoint import (
         CheckpointManager,  # deferred: torch.distributed.checkpoint is slow to import
@@ -233,7 +256,11 @@ def write_start(run: Run) -> None:
     and rank 0's opening lines: the checkpoint it resumed, a schedule kept from it (schedule.py),
     what happened to the data (Datasets.report), how the model attends."""
     cfg, rt = run.cfg, run.rt
-    hosts = all_gather_object(hostname(), rt)
+    nodes = all_gather_object((hostname(), elastic.node_id()), rt)
+    hosts = [host for host, _ in nodes]
+    if elastic.launched():  # an elastic job whose group changed: one line after the first step (loop/elastic.py)
+        run.change = elastic.membership(run.out_dir, [node for _, node in nodes], rt.is_main,
+                                        run.layout, run.state.step)
     if not rt.is_main:
         return
     describe = getattr(run.engine.unwrapped(), "attention_record", None)  # models/hf.py: implementation, packing

@@ -77,6 +77,8 @@ def summarize(run: Any, timer: M.StepTimer, mine: dict, val_losses: dict, wall: 
         "compile_s": max(r["compile"][0] for r in per_rank) if cfg.train.compile else None,
         "compiled_graphs": per_rank[0]["compile"][1] if cfg.train.compile else None,
     }
+    if run.cost is not None:  # every checkpoint's cost, rank 0's record (checkpoint/cost.py)
+        result.update(run.cost.summary(wall))
     if run.scaler is not None:
         result["loss_scale"] = run.scaler.get_scale()
         result["skipped_steps"] = state.skipped_steps
@@ -130,6 +132,10 @@ def print_summary(result: dict[str, Any], out_dir: str) -> None:
     if result.get("peak_live_bytes"):
         row("peak live tensors / rank (phase)", ", ".join(
             f"{b / 2**20:.1f} MiB ({d['phase']})" for b, d in zip(result["peak_live_bytes"], result["peak_breakdown"])))
+    if result.get("checkpoint_saves"):
+        row("checkpoints: held up / written", f"{len(result['checkpoint_saves'])} saves: "
+            f"{result['checkpoint_blocking_total_s']:.2f} s ({result['checkpoint_blocking_fraction']:.1%} of the "
+            f"wall clock) / {result['checkpoint_write_total_s']:.2f} s")
     row("wall clock", f"{result['wall_clock_s']:.1f} s")
     Console().print(table)
     print(f"run directory: {out_dir}")

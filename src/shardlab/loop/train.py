@@ -28,6 +28,7 @@ from shardlab import memory
 from shardlab.config import Config
 from shardlab.doctor import RECORDER
 from shardlab.doctor import worker as doctor
+from shardlab.loop import elastic
 from shardlab.loop.amp import autocast
 from shardlab.loop.loss import mean_over_ranks, token_weights
 from shardlab.loop.measurements import RunMeasurements
@@ -142,11 +143,14 @@ def worker_main(cfg: Config) -> int:
         clean = True
         return 0
     except Preempted as p:
+        elastic.note_end(run_dir(cfg.output), rt.rank, RECORDER.step - 1, "stopped")  # an agent's stop, if elastic
         if rt.is_main:
             print(f"shardlab: {p}; exit code {PREEMPTED_EXIT_CODE}. The same command (checkpoint.resume=auto) "
                   "continues from it.", flush=True)
         return PREEMPTED_EXIT_CODE
     except BaseException as e:
+        if doctor.is_peer_failure(e):  # elastic: the next group says what was lost (loop/elastic.py)
+            elastic.note_end(run_dir(cfg.output), rt.rank, RECORDER.step - 1, "lost")
         # says "lost contact" if a peer died or hung; the exit record and others' stacks in <run dir>/debug
         doctor.worker_failed(e, rt.rank, rt.distributed, cfg.parallel.timeout_s)
         _record_for_agent(e)
