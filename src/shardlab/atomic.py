@@ -1,5 +1,5 @@
 """Files a reader never sees half written: `write_json_atomic` (run_args.json, metrics.json, a
-checkpoint's manifest, the hang doctor's records), and `remove_tree` (a checkpoint deleted). Standard library only, so the doctor's
+checkpoint's manifest, the hang doctor's records), and `remove_tree` (a checkpoint deleted), and `read_json` (such a file, or None). Standard library only, so the doctor's
 reading side and the launchers use it without torch."""
 
 from __future__ import annotations
@@ -23,6 +23,16 @@ def write_json_atomic(path: str, data: Any, *, default: Any = None) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def read_json(path: str) -> Any:
+    """A JSON file's content, or None where it is missing, unreadable or not (yet) JSON: the readers of
+    files other processes write (markers, records, run files) treat all three as absent."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def remove_tree(path: str) -> None:

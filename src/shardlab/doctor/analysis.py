@@ -25,13 +25,13 @@ else now for a live run, else the last sign of life of any rank.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardlab.atomic import read_json
 from shardlab.doctor.flight import Entry, Flight, read_flight
 from shardlab.doctor.worker import EXITS_FILE, WATCH_PERIOD_S, debug_dir
 
@@ -94,14 +94,14 @@ def load(run_dir: str) -> dict[int, RankView]:
     debug = debug_dir(run_dir)
     metas = {}
     for path in glob.glob(os.path.join(debug, "rank*.meta.json")):
-        meta = _read_json(path)
+        meta = read_json(path)
         if meta is not None and isinstance(meta.get("rank"), int):
             metas[meta["rank"]] = meta
     if not metas:
         return {}
     newest = max(metas.values(), key=lambda m: m.get("started", 0))
     launch, world = newest.get("launch"), int(newest.get("world", 1))
-    exits = _read_json(os.path.join(debug, EXITS_FILE)) or {}
+    exits = read_json(os.path.join(debug, EXITS_FILE)) or {}
     codes = exits.get("ranks", {}) if exits.get("launch") in (None, launch) else {}
     views = {}
     for r in range(world):
@@ -113,7 +113,7 @@ def load(run_dir: str) -> dict[int, RankView]:
                 v.flight = read_flight(os.path.join(debug, f"rank{r}.flight"))
             except (OSError, ValueError):
                 v.flight = None
-            v.exit = _read_json(os.path.join(debug, f"rank{r}.exit.json"))
+            v.exit = read_json(os.path.join(debug, f"rank{r}.exit.json"))
             v.stacks = _read_text(os.path.join(debug, f"rank{r}.stacks.txt"))
             v.fatal = _read_text(os.path.join(debug, f"rank{r}.fatal.txt")) or None
         code = codes.get(str(r))
@@ -136,14 +136,6 @@ def _mark_launcher_stops(views: dict[int, RankView]) -> None:
         if v.exit_code == -15 or (v.exit_code == -9 and first is not None and v.exit_second is not None
                                   and v.exit_second > first):
             v.stopped_by_launcher = True
-
-
-def _read_json(path: str) -> dict[str, Any] | None:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 def _read_text(path: str) -> str | None:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from shardlab.atomic import read_json
 from shardlab.data.layout import Layout
 from shardlab.errors import ConfigError
 
@@ -117,9 +118,9 @@ def membership(run_dir: str, nodes: list[str], is_main: bool, layout: Layout, re
     for rank, node in enumerate(nodes):
         after.setdefault(node, []).append(rank)
     path = os.path.join(folder, "members.json")
-    before = _read(path)
+    before = read_json(path)
     ends = [e for name in sorted(os.listdir(folder)) if name.startswith("end-")
-            for e in [_read(os.path.join(folder, name))] if e]
+            for e in [read_json(os.path.join(folder, name))] if e]
     for name in os.listdir(folder):
         if name.startswith("end-"):
             os.remove(os.path.join(folder, name))
@@ -130,10 +131,3 @@ def membership(run_dir: str, nodes: list[str], is_main: bool, layout: Layout, re
         return None
     return Change(before, after, ends, layout, resumed)
 
-
-def _read(path: str) -> Any:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None

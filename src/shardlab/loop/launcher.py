@@ -33,6 +33,7 @@ import sys
 import uuid
 from dataclasses import dataclass
 
+from shardlab.atomic import read_json
 from shardlab.config import Config, dump_config
 from shardlab.doctor import agent as doctor
 from shardlab.loop import elastic, preemption
@@ -137,7 +138,7 @@ def launch_local(cfg: Config, nproc: int, max_restarts: int = 0, extra_env: dict
         elastic_launch(launch, entrypoint=sys.executable)("-m", "shardlab", "train", config_path)
     except SignalException as e:
         code = preemption.agent_exit_code(e, marker)
-        record = preemption.read_marker(marker)
+        record = read_json(marker)
         if record is not None:
             print(f"shardlab: preempted by {record['signal']}: checkpoint of step {record['step']} saved in "
                   f"{record['save_seconds']:.2f} s ({record['checkpoint']}); exit code {code}. The same command "

@@ -36,6 +36,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from shardlab.atomic import read_json
+
 if TYPE_CHECKING:
     from shardlab.config import Config
 
@@ -170,21 +172,13 @@ def new_marker(directory: str | None = None) -> str:
     return path
 
 
-def read_marker(path: str) -> dict[str, Any] | None:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
 def agent_exit_code(exc: BaseException | None, marker: str) -> int:
     """What an agent process exits with after elastic_launch returned or raised `exc`:
     PREEMPTED_EXIT_CODE when its workers saved a preemption checkpoint, else 0 / 128+signal / 1."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    saved = read_marker(marker) is not None
+    saved = read_json(marker) is not None
     if exc is None:
         return 0
     if isinstance(exc, SignalException):

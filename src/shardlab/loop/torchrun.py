@@ -25,6 +25,7 @@ import contextlib
 import os
 import sys
 
+from shardlab.atomic import read_json
 from shardlab.doctor import agent as doctor
 from shardlab.loop import preemption
 
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         run(args)
     except BaseException as e:  # noqa: BLE001 - mapped to an exit code below
         code = preemption.agent_exit_code(e, marker)
-        record = preemption.read_marker(marker)
+        record = read_json(marker)
         if code == preemption.PREEMPTED_EXIT_CODE and record is not None:
             print(f"shardlab.torchrun: workers saved a preemption checkpoint of step {record['step']} "
                   f"({record['signal']}, {record['save_seconds']:.2f} s): exit code {code}", file=sys.stderr,

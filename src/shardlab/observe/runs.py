@@ -32,6 +32,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardlab.atomic import read_json
 from shardlab.doctor.analysis import NOT_RUNNING_AFTER_S
 from shardlab.doctor.flight import Flight, read_flight
 
@@ -115,14 +116,6 @@ class Run:
     profiles: list[str]                    # torch profiler traces under profile/
 
 
-def _json(path: str) -> Any:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
 def read_run(path: str) -> Run:
     """The run at `path`; NotARun (one line) when nothing there is a shardlab run's."""
     debug = os.path.join(path, "debug")
@@ -130,8 +123,8 @@ def read_run(path: str) -> Run:
     if not os.path.isdir(path) or not (any(map(os.path.exists, marks)) or glob.glob(os.path.join(debug, "rank*"))):
         raise NotARun(f"{path} is not a shardlab run directory (none of run_args.json, metrics.json, {STEPS_FILE}, "
                       "config.yaml or debug/rank*.flight is there)")
-    args = _json(os.path.join(path, "run_args.json")) or {}
-    return Run(path, _json(os.path.join(path, "metrics.json")), args.get("config"), _read_records(path),
+    args = read_json(os.path.join(path, "run_args.json")) or {}
+    return Run(path, read_json(os.path.join(path, "metrics.json")), args.get("config"), _read_records(path),
                read_attempts(debug), sorted(glob.glob(os.path.join(path, "profile", "*.json"))))
 
 
@@ -154,7 +147,7 @@ def read_attempts(debug: str) -> list[Attempt]:
     found: dict[tuple[str, int], Attempt] = {}
     for folder in [debug, *sorted(glob.glob(os.path.join(debug, "previous", "*")))]:
         for meta_path in glob.glob(os.path.join(folder, "rank*.meta.json")):
-            meta = _json(meta_path)
+            meta = read_json(meta_path)
             if not isinstance(meta, dict) or not isinstance(meta.get("rank"), int):
                 continue
             r = meta["rank"]
@@ -165,7 +158,7 @@ def read_attempts(debug: str) -> list[Attempt]:
             key = (str(meta.get("launch")), int(meta.get("attempt", 0)))
             a = found.setdefault(key, Attempt(key[0], key[1], int(meta.get("world", 1))))
             a.flights[r], a.metas[r] = flight, meta
-            exit_record = _json(os.path.join(folder, f"rank{r}.exit.json"))
+            exit_record = read_json(os.path.join(folder, f"rank{r}.exit.json"))
             if exit_record:
                 a.exits[r] = exit_record
     return sorted(found.values(), key=lambda a: a.started)
