@@ -70,7 +70,7 @@ def run_dir(cfg: Config) -> str:
 
 
 def build_model_for(cfg: Config, vocab_size: int | None, device: str) -> nn.Module:
-    return build_model(cfg.model, seed=cfg.seed, vocab_size=vocab_size, device=device)
+    return build_model(cfg.model, seed=cfg.seed, vocab_size=vocab_size, device=device, loss=cfg.train.loss)
 
 
 def wrap_units(cfg: Config, model: nn.Module):
