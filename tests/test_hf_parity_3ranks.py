@@ -19,6 +19,7 @@ from shardlab.models.hf import HFCausalLM  # noqa: E402
 from shardlab.testing import run_workers  # noqa: E402
 from shardlab.verify.float64 import Float64Everywhere  # noqa: E402
 from tests.parity import F64_ATOL, F64_RTOL, assert_parity  # noqa: E402
+from tests.test_chunked_loss import check_chunked_runs, chunked_runs  # noqa: E402
 from tests.test_hf_models import sft_batch  # noqa: E402
 
 VOCAB, T, WORLD, MICRO, STEPS = 53, 10, 3, 2, 3
@@ -92,7 +93,7 @@ def _train(rank: int, world: int, arch: str, strategy: str, packed: bool, lora: 
 
 
 def _all(rank: int, world: int, cases):
-    return {case: _train(rank, world, *case) for case in cases}
+    return {**{case: _train(rank, world, *case) for case in cases}, "chunked": chunked_runs(rank, world)}
 
 
 # each engine on both architectures; LoRA and packing alternate so every combination meets each arch
@@ -111,6 +112,11 @@ def runs():
 def test_hf_decoder_engines_match_one_process_at_3_ranks(runs, case):
     arch, strategy, packed, lora = case
     assert_parity(reference(arch, packed, lora), runs[case], f"{arch}/{strategy}", rtol=F64_RTOL, atol=F64_ATOL)
+
+
+@pytest.mark.slow
+def test_the_chunked_loss_on_every_engine_at_3_ranks(runs):
+    check_chunked_runs(runs["chunked"], WORLD)  # tests/test_chunked_loss.py
 
 
 def test_the_cases_cover_every_combination():

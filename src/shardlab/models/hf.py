@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from shardlab.errors import ConfigError
+from shardlab.models.hf_head import head_scale
 from shardlab.models.hf_load import (  # noqa: F401  (SafetensorsReader, weight_files: this module's API too)
     ADDITIVE,
     BOOLEAN,
@@ -68,7 +69,6 @@ from shardlab.models.hf_load import (  # noqa: F401  (SafetensorsReader, weight_
     seed_for,
     weight_files,
 )
-from shardlab.models.hf_head import head_scale
 from shardlab.models.init import materialize_
 from shardlab.models.lm_loss import choose_loss, chunked_loss, full_loss
 from shardlab.models.safetensors_check import check_safetensors_dir
