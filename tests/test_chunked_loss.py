@@ -222,3 +222,24 @@ def check_chunked_runs(got: dict, world: int) -> None:
 def test_the_cases_cover_every_combination():
     combos = {(arch, packed, lora) for arch, _, packed, lora in DIST_CASES if arch != "gpt"}
     assert len(combos) == 8 and {s for _, s, _, _ in DIST_CASES} == set(ENGINES)
+
+
+def test_plan_offers_the_chunked_loss_first_when_the_full_one_does_not_fit():
+    """plan probes train.loss=chunked beside a config that asks for the full loss of a model whose auto
+    would chunk (plan/predict.py); cheapest_change names it before any other change."""
+    from shardlab.plan.model import chunked_instead
+    from shardlab.plan.predict import Prediction
+    from shardlab.plan.report import cheapest_change
+
+    gib, tiny = 2**30, "configs/gpt-tiny.yaml"  # vocabulary 256 > width 128
+    assert chunked_instead(load_config(tiny, ["train.loss=full"]))
+    assert not chunked_instead(load_config(tiny, ["train.loss=auto"]))
+    assert not chunked_instead(load_config(tiny, ["train.loss=full", "model.n_embd=256", "model.n_head=4"]))
+    assert not chunked_instead(load_config(None, ["model.name=mlp", "data.source=synthetic", "train.loss=full"]))
+    cfg = load_config(tiny, ["train.loss=full"])
+    parts = dict.fromkeys(("params", "grads", "optimizer", "gathered_params", "unsharded_grads", "comm", "other"), 0)
+    full = Prediction("fsdp", 2, 12 * gib, {**parts, "activations": 12 * gib}, "backward", {},
+                      alternatives={"train.loss=chunked": 7 * gib})
+    other = Prediction("zero3", 2, 9 * gib, {**parts, "activations": 9 * gib}, "backward", {})
+    assert cheapest_change(cfg, full, 10 * gib, {"fsdp": full, "zero3": other}, 2) == "train.loss=chunked (7.00 GiB)"
+    assert cheapest_change(cfg, full, 6 * gib, {"fsdp": full}, 2) != "train.loss=chunked (7.00 GiB)"
