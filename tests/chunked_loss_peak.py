@@ -26,7 +26,8 @@ from shardlab.models.lm_loss import chunked_loss, full_loss
 
 
 def peak_bytes(loss, vocab: int, width: int, tokens: int, dtype: torch.dtype) -> int:
-    """The largest total of live CPU allocations while `loss(h, w, y)` runs forward and backward."""
+    """The largest total of the CPU allocations made while `loss(h, w, y)` runs forward and backward
+    (h, w and y, made before, not among them)."""
     g = torch.Generator().manual_seed(0)
     h = torch.randn(tokens, width, generator=g).to(dtype).requires_grad_()
     w = (torch.randn(vocab, width, generator=g) * 0.1).to(dtype).requires_grad_()
