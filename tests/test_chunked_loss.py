@@ -23,7 +23,7 @@ from shardlab.models import GPT, GPTConfig, lm_loss  # noqa: E402
 from shardlab.models.hf import HFCausalLM  # noqa: E402
 from shardlab.verify.float64 import Float64Everywhere  # noqa: E402
 from tests.hf_families import COMMON, FAMILIES  # noqa: E402
-from tests.parity import F64_ATOL, F64_RTOL, assert_parity  # noqa: E402
+from tests.parity import F64_ATOL, F64_RTOL, assert_parity, micro_batch_sgd  # noqa: E402
 from tests.test_hf_models import sft_batch  # noqa: E402
 
 VOCAB, T, MICRO, STEPS = 53, 10, 2, 2
@@ -162,43 +162,15 @@ DIST_CASES = [("gpt", s, False, False) for s in ENGINES] + [
 
 
 def reference(arch: str, packed: bool, lora: bool):
-    """One process, the full loss: each step's loss the mean over every rank's micro batches of their
-    mean losses (the objective the engine runs below train), SGD."""
+    """One process with the full loss (tests/parity.py's micro_batch_sgd: the objective the engines train)."""
     with Float64Everywhere():
-        model = build(arch, lora=lora)
-        opt, losses = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5), []
-        for step in range(STEPS):
-            x, y = batch(step, packed)
-            opt.zero_grad(set_to_none=True)
-            loss = sum(model(x[i:i + MICRO], y[i:i + MICRO]) for i in range(0, GLOBAL, MICRO)) / (GLOBAL // MICRO)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return micro_batch_sgd(build(arch, lora=lora), lambda step: batch(step, packed), STEPS, MICRO, GLOBAL)
 
 
 def _train(rank: int, world: int, arch: str, strategy: str, packed: bool, lora: bool):
-    import torch.distributed as dist
-
     with Float64Everywhere():
         model = shardlab.parallelize(build(arch, "meta", lora, loss="chunked"), strategy, device="cpu")
-        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
-        per_rank, losses = GLOBAL // world, []
-        k = per_rank // MICRO
-        for step in range(STEPS):
-            x, y = batch(step, packed)
-            x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
-            opt.zero_grad(set_to_none=True)
-            total = torch.zeros((), dtype=torch.float64)
-            for m in range(k):
-                with shardlab.no_sync(model) if m < k - 1 else torch.enable_grad():
-                    loss = model(x[m * MICRO:(m + 1) * MICRO], y[m * MICRO:(m + 1) * MICRO]) / k
-                    loss.backward()
-                total += loss.detach()
-            opt.step()
-            dist.all_reduce(total)
-            losses.append(total.item() / world)
-        return losses, shardlab.full_state_dict(model)
+        return micro_batch_sgd(model, lambda step: batch(step, packed), STEPS, MICRO, GLOBAL, rank, world)
 
 
 def chunked_runs(rank: int, world: int) -> dict:
