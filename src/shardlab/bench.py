@@ -525,8 +525,9 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], lis
     for key, values in axes.items():
         if values:
             variants = [{**v, key: value} for v in variants for value in values]
-    try:  # the config and overrides themselves, before any worker starts
-        load_config(args.config, args.overrides)
+    try:  # the config and overrides themselves, with each train.* axis value, before any worker starts
+        for v in variants:
+            load_config(args.config, [*args.overrides, *(f"{_axis_key(k)}={x}" for k, x in v.items() if k in TRAIN_AXES)])
     except ConfigError as e:
         raise ValueError(str(e)) from None
     return strategies, worlds, variants
