@@ -42,7 +42,7 @@ demo: setup
 
 # Two pytest workers, one test file each at a time (module fixtures stay in one process):
 # the multi-process tests spend much of their time starting processes and waiting on each
-# other, so two files share the 2 cores well (measured: 9.9 min against 14.9 in one process).
+# other, so two files share the 2 cores well. How long the suite takes: README.md, "Tests".
 # Lint first (seconds), with the rules pyproject.toml's [tool.ruff] selects: the code meets them,
 # so CI (.ci/run runs `make test`) keeps it so.
 # The GPU check (marker gpu) is not part of it: `make gpu-check` runs it, on a GPU machine.

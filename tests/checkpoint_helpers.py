@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from shardlab import train as T
 from shardlab.checkpoint import CheckpointManager, read_tensors
-from shardlab.config import load_config
-from shardlab.runtime import Runtime
+from shardlab.config import engine_options, load_config
+from shardlab.loop import run as R
+from shardlab.loop import train as T
+from shardlab.loop.runtime import Runtime
+from shardlab.loop.schedule import make_optimizer, make_schedule
+from shardlab.models import build_model
 
 K = 3          # steps before the interruption
 TOTAL = 2 * K  # steps of the whole run
@@ -71,6 +74,62 @@ def straight_and_resumed(rank: int, world: int, strategy: str, out: str, *extra:
     return {"straight": a["losses"], "resumed": b["losses"], "steps_this_run": b["steps_this_run"]}
 
 
+def in_float64() -> None:
+    """This process's runs build their model in float64, as `shardlab verify`'s float64 runs do
+    (build_run's adapt_model: the engines materialize the meta model in its dtype), so that two
+    runs that sum the same samples in another grouping differ by float64 rounding only
+    (tests/parity.py's [Note: why the harness runs in float64]). For spawned workers."""
+    build = R.build_run
+    if getattr(build, "float64", False):
+        return
+
+    def build_run(cfg, rt, **kw):
+        return build(cfg, rt, adapt_model=lambda model: model.to(torch.float64), **kw)
+
+    build_run.float64 = True
+    R.build_run = build_run
+
+
+class SampleLog:
+    """What the loop's micro batches hold, as the loader fetched them: step -> this rank's
+    (source, index) sample ids in order (source 0 but for a mixture's corpora). For spawned workers."""
+
+    def __init__(self):
+        from shardlab.data.loader import StepBatches, StepBatchSampler
+
+        self.steps: dict[int, list[tuple[int, int]]] = {}
+        pending: list[list[int]] = []  # index lists the DataLoader took, in order (it returns batches in order)
+        start, batches, indices = StepBatches._start, StepBatches.next, StepBatchSampler.__iter__
+
+        def iterate(sampler):
+            for idx in indices(sampler):
+                pending.append(idx)
+                yield idx
+
+        def restart(loader, step):
+            pending.clear()  # what an abandoned loader took ahead is never returned
+            start(loader, step)
+
+        def next_batch(loader, step):
+            out = batches(loader, step)
+            ds = loader.dataset
+            ids = [(ds.source_of(i), i - ds.offsets[ds.source_of(i)]) if hasattr(ds, "source_of") else (0, i)
+                   for i in pending.pop(0)]
+            self.steps.setdefault(step, []).extend(ids)
+            return out
+
+        StepBatchSampler.__iter__, StepBatches._start, StepBatches.next = iterate, restart, next_batch
+
+    def take(self) -> dict[int, list[tuple[int, int]]]:
+        out, self.steps = self.steps, {}
+        return out
+
+
+def global_ids(per_rank: list[dict[int, list]], steps) -> dict[int, list]:
+    """The global batch of each step: the ranks' sample ids in rank order (rank r reads the r-th slice)."""
+    return {s: [i for r in per_rank for i in r[s]] for s in steps}
+
+
 def assert_same_tensors(path_a: str, path_b: str, prefixes=("model/", "optim/")) -> int:
     """Bitwise equality of the model and optimizer tensors of two checkpoints; returns the count."""
     n = 0
@@ -91,10 +150,11 @@ def load_and_resave(rank: int, world: int, strategy: str, source: str, dest_root
 
     cfg = make_cfg(strategy, out, "unused", *extra)
     rt = runtime(rank, world, strategy)
-    model = shardlab.parallelize(T.build_model_for(cfg, 256, "meta"), strategy, device="cpu", **T.engine_options(cfg))
-    opt = T.make_optimizer(cfg, model.parameters())
-    sched = T.make_schedule(cfg, opt)
-    state = T.TrainState()
+    model = shardlab.parallelize(build_model(cfg.model, seed=cfg.seed, vocab_size=256, device="meta"), strategy,
+                                 device="cpu", **engine_options(cfg.parallel))
+    opt = make_optimizer(cfg.train, model.parameters())
+    sched = make_schedule(cfg.train, opt)
+    state = R.TrainState()
     manager = CheckpointManager(dest_root, rt, config=cfg)
     manager.load(source, model, opt, sched, state)
     return manager.save(model, opt, sched, state)

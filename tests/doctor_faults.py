@@ -7,6 +7,9 @@ imports this module in every process (launcher and workers) when SHARDLAB_TEST_F
                   would (recorded by the doctor's wrapper: engines/raw_collectives.py)
   raise:R:S       rank R raises ValueError at the start of step S
   data-stall:R:S  on rank R the training dataset sleeps (DATA_STALL_S) from step S's first sample
+  data-slow:R:MS  on rank R the training dataset sleeps MS milliseconds at each step's first sample
+                  (a straggler: tests/test_observe.py)
+  kill:R:S        rank R kills itself (SIGKILL) at the start of step S of the first attempt only
 Steps count from 1, as the heartbeat does.
 """
 
@@ -55,7 +58,7 @@ def register_desync_model(rank: int, forward_number: int) -> None:
 
 # ---------------------------------------------------------------------------------------- raise
 def plant_raise(rank: int, step: int) -> None:
-    from shardlab import train as T
+    from shardlab.loop import train as T
 
     original = T.train_step
 
@@ -85,9 +88,9 @@ class SleepyDataset(torch.utils.data.Dataset):
 
 
 def plant_data_stall(rank: int, step: int) -> None:
-    from shardlab import train as T
+    from shardlab.loop import run as R
 
-    original = T.build_datasets
+    original = R.build_datasets
 
     def build_datasets(cfg):  # noqa: ANN001, ANN202
         data = original(cfg)
@@ -96,12 +99,60 @@ def plant_data_stall(rank: int, step: int) -> None:
             data.train = SleepyDataset(data.train, after=per_step * (step - 1))
         return data
 
-    T.build_datasets = build_datasets
+    R.build_datasets = build_datasets
+
+
+# ------------------------------------------------------------------------------ straggler, kill
+class SlowDataset(torch.utils.data.Dataset):
+    """The training set, sleeping `seconds` before the first sample of each step (`per_step` samples)."""
+
+    def __init__(self, inner: torch.utils.data.Dataset, per_step: int, seconds: float):
+        self.inner, self.per_step, self.seconds, self.served = inner, per_step, seconds, 0
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):  # noqa: ANN204
+        if self.served % self.per_step == 0:
+            time.sleep(self.seconds)
+        self.served += 1
+        return self.inner[i]
+
+
+def plant_data_slow(rank: int, ms: int) -> None:
+    from shardlab.loop import run as R
+
+    original = R.build_datasets
+
+    def build_datasets(cfg):  # noqa: ANN001, ANN202
+        data = original(cfg)
+        if _rank() == rank:
+            per_step = cfg.train.global_batch_size // int(os.environ.get("WORLD_SIZE", "1"))
+            data.train = SlowDataset(data.train, per_step, ms / 1000)
+        return data
+
+    R.build_datasets = build_datasets
+
+
+def plant_kill(rank: int, step: int) -> None:
+    import signal
+
+    from shardlab.loop import train as T
+
+    original = T.train_step
+
+    def train_step(run, tracker=None):  # noqa: ANN001, ANN202
+        if _rank() == rank and run.state.step + 1 == step and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(run, tracker)
+
+    T.train_step = train_step
 
 
 def plant(spec: str) -> None:
     kind, rank, n = spec.split(":")
-    {"desync": register_desync_model, "raise": plant_raise, "data-stall": plant_data_stall}[kind](int(rank), int(n))
+    {"desync": register_desync_model, "raise": plant_raise, "data-stall": plant_data_stall,
+     "data-slow": plant_data_slow, "kill": plant_kill}[kind](int(rank), int(n))
 
 
 SITECUSTOMIZE = """\

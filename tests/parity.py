@@ -352,9 +352,9 @@ def assert_parity(ref: tuple[list[float], dict], got: tuple[list[float], dict], 
 MARGIN_ENGINES = ("ddp", "zero3", "fsdp", "torch-ddp", "torch-fsdp")
 
 
-def _margin_runs(rank: int, world: int) -> dict:
+def _margin_runs(rank: int, world: int, engines: tuple[str, ...]) -> dict:
     out = {}
-    for strategy in MARGIN_ENGINES:
+    for strategy in engines:
         for case in ALL_CASES:
             for opt in ("sgd", "adamw"):
                 out[(strategy, case, opt, "f64")] = train_engine(rank, world, case, strategy, opt)
@@ -382,7 +382,7 @@ def _scaled_reference(case_name: str, opt_name: str, scale: float) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def measure_margins(worlds: tuple[int, ...] = (1, 2, 3, 4)) -> None:
+def measure_margins(worlds: tuple[int, ...] = (1, 2, 3, 4), engines: tuple[str, ...] = MARGIN_ENGINES) -> None:
     """Print the float64 noise (max diffs against `single` per engine, and as a fraction of the
     tolerance), the float32 diffs, and how far a gradient off by 2x or 0.5x lands above the
     tolerance. The figures in docs/engines.md ("Float64 parity") come from this."""
@@ -391,7 +391,7 @@ def measure_margins(worlds: tuple[int, ...] = (1, 2, 3, 4)) -> None:
     refs: dict = {}
     worst: dict = {}
     for world in worlds:
-        got = run_workers(world, _margin_runs, timeout_s=1800)[0]
+        got = run_workers(world, _margin_runs, engines, timeout_s=1800)[0]
         for (strategy, case, opt, kind), run in got.items():
             dtype = torch.float32 if kind == "f32" else torch.float64
             key = (case, opt, kind)
@@ -412,5 +412,7 @@ def measure_margins(worlds: tuple[int, ...] = (1, 2, 3, 4)) -> None:
     print(f"weakest 2x/0.5x gradient error: {signal[0]:.1e} x the float64 tolerance ({signal[1]}, {signal[2]}, x{signal[3]})")
 
 
-if __name__ == "__main__":
-    measure_margins()
+if __name__ == "__main__":  # python -m tests.parity [engine,engine,...]
+    import sys
+
+    measure_margins(engines=tuple(sys.argv[1].split(",")) if len(sys.argv) > 1 else MARGIN_ENGINES)

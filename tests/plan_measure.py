@@ -1,5 +1,5 @@
 """Measure `peak_live_bytes` the way `shardlab train` does, in-process: one spawn per world
-size runs `shardlab.train.train` for every engine in turn (same code path as the CLI, minus the
+size runs `shardlab.loop.train.train` for every engine in turn (same code path as the CLI, minus the
 launcher), with `train.memory_tracking=last`. Used by tests/test_plan.py and, as a script,
 to print plan's agreement table:
 
@@ -21,8 +21,8 @@ def _measure_worker(rank: int, world: int, config: str | None, overrides: list[s
     import torch
 
     from shardlab.config import load_config
-    from shardlab.runtime import Runtime
-    from shardlab.train import train
+    from shardlab.loop.runtime import Runtime
+    from shardlab.loop.train import train
 
     out: dict[str, Any] = {}
     for engine in engines:

@@ -1,4 +1,4 @@
-"""fp16 loss scaling (shardlab.amp): gradients that underflow in fp16 survive with the scaler
+"""fp16 loss scaling (shardlab.loop.amp): gradients that underflow in fp16 survive with the scaler
 and vanish without it; an overflow seen by one rank skips the step on every rank alike, also
 when another rank holds no trainable gradient at all (zero3, a rank owning only frozen weights)."""
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import shardlab
-from shardlab.amp import autocast, make_loss_scaler
+from shardlab.loop.amp import autocast, make_loss_scaler
 from shardlab.testing import run_workers
 
 TINY = 1e-7  # loss factor: gradients ~1e-8, below fp16's smallest subnormal (6e-8)

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import shardlab
-from shardlab import train as T
 from shardlab.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -22,6 +21,10 @@ from shardlab.checkpoint import (
 )
 from shardlab.cli import main as cli_main
 from shardlab.export import export_checkpoint, load_exported
+from shardlab.loop import run as R
+from shardlab.loop import train as T
+from shardlab.loop.schedule import make_optimizer, make_schedule
+from shardlab.models import build_model
 from tests.checkpoint_helpers import TOTAL, K, assert_same_tensors, make_cfg, runtime, straight_and_resumed
 
 CKPT = "checkpoints/step_{:08d}"
@@ -58,9 +61,10 @@ def test_manifest_and_layout(single_runs):
 def test_export_equals_full_state_dict(tmp_path):
     cfg = make_cfg("single", str(tmp_path), "run", steps=2, every=2)
     rt = runtime(0, 1, "single")
-    model = shardlab.parallelize(T.build_model_for(cfg, 256, "meta"), "single", device="cpu")
-    opt, state = T.make_optimizer(cfg, model.parameters()), T.TrainState()
-    sched = T.make_schedule(cfg, opt)
+    model = shardlab.parallelize(build_model(cfg.model, seed=cfg.seed, vocab_size=256, device="meta"), "single",
+                                 device="cpu")
+    opt, state = make_optimizer(cfg.train, model.parameters()), R.TrainState()
+    sched = make_schedule(cfg.train, opt)
     model(torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))).backward()
     opt.step()
     sched.step()
@@ -102,9 +106,10 @@ def test_torn_save_is_ignored_and_cleaned(single_runs, tmp_path):
 
 
 def _fresh(cfg):
-    model = shardlab.parallelize(T.build_model_for(cfg, 256, "meta"), cfg.parallel.strategy, device="cpu")
-    opt = T.make_optimizer(cfg, model.parameters())
-    return model, opt, T.make_schedule(cfg, opt), T.TrainState()
+    model = shardlab.parallelize(build_model(cfg.model, seed=cfg.seed, vocab_size=256, device="meta"),
+                                 cfg.parallel.strategy, device="cpu")
+    opt = make_optimizer(cfg.train, model.parameters())
+    return model, opt, make_schedule(cfg.train, opt), R.TrainState()
 
 
 def test_mismatched_checkpoint_errors(single_runs, tmp_path):

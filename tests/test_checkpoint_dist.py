@@ -1,5 +1,6 @@
 """Checkpoints across processes: exact resume for every engine, resharding 4->2, 4->3 and
-across engines, a save torn by a killed rank, and a real SIGKILL under the elastic agent.
+across engines, a save torn by a killed rank, and a real SIGKILL under the elastic agent (whose
+restarted run `shardlab report` and `shardlab trace` read back too).
 
 One spawn per world size (process start-up dominates on small machines); each spawn runs
 all of its cases and returns what the parent then checks.
@@ -18,8 +19,11 @@ import time
 import pytest
 import torch
 
-from shardlab import train as T
 from shardlab.checkpoint import list_checkpoints, read_tensors
+from shardlab.loop import train as T
+from shardlab.observe.report import build_report
+from shardlab.observe.runs import read_run
+from shardlab.observe.trace import build_trace
 from shardlab.testing import WorkerError, run_workers
 from tests.checkpoint_helpers import (
     TOTAL,
@@ -30,6 +34,7 @@ from tests.checkpoint_helpers import (
     runtime,
     straight_and_resumed,
 )
+from tests.test_observe import nested
 
 pytestmark = pytest.mark.slow
 
@@ -264,3 +269,26 @@ def test_sigkill_worker_restarts_and_matches_uninterrupted(tmp_path):
     reference = json.loads((tmp_path / "straight" / "metrics.json").read_text())
     assert metrics["losses"] == reference["losses"]
     assert_same_tensors(step_path(f"{out}/straight", 100), step_path(f"{out}/killed", 100))
+    _observed_attempts(tmp_path / "killed", len(kills) + 1)
+
+
+def _observed_attempts(run_dir, count: int) -> None:
+    """`shardlab trace` and `report` of the killed run (tests/test_observe.py's runs are not restarted):
+    every attempt read back from debug/; a killed one failed or lost (whether the survivor wrote its exit
+    record before the agent stopped it is a race), the last finished; one track per rank and attempt."""
+    attempts = read_run(str(run_dir)).attempts
+    now = time.time()
+    assert [a.attempt for a in attempts] == list(range(count))
+    assert all(a.state(now) in ("failed", "lost") for a in attempts[:-1]) and attempts[-1].state(now) == "finished"
+    trace = build_trace(str(run_dir))
+    assert [a["attempt"] for a in trace["otherData"]["attempts"]] == list(range(count))
+    tracks = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert all(any(f"attempt {i}" in t for t in tracks) for i in range(count)), tracks
+    assert nested(trace["traceEvents"])
+    ends = {e["name"] for e in trace["traceEvents"] if e["ph"] == "i"}
+    assert {"attempt 0: failed", "attempt 0: lost"} & ends and f"attempt {count - 1}: finished" in ends
+    pytest.importorskip("matplotlib", reason="shardlab report draws with matplotlib (shardlab[plot])")
+    text = build_report(str(run_dir))
+    assert all(f" attempt {i}" in text for i in range(count))
+    for a in attempts[:-1]:  # a failed attempt's exit records are shown, a lost one has none
+        assert (f"{a.label}: rank " in text) == (a.state(now) == "failed"), a.label

@@ -25,7 +25,6 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from shardlab import train as T
 from shardlab.checkpoint import (
     CheckpointError,
     list_checkpoints,
@@ -34,6 +33,7 @@ from shardlab.checkpoint import (
     read_tensors,
     verify_checkpoint,
 )
+from shardlab.loop import train as T
 from shardlab.testing import run_workers
 from tests.checkpoint_helpers import TOTAL, K, make_cfg, overrides, runtime
 

@@ -221,7 +221,7 @@ def test_selective_recomputes_every_other_linear_product():
 
 # -- the training loop: compile time reported, checkpoint/resume, export, checkpointing memory ---
 def _loop_runs(rank: int, world: int, out: str) -> dict:
-    from shardlab import train as T
+    from shardlab.loop import train as T
     from tests.checkpoint_helpers import make_cfg, runtime, straight_and_resumed
 
     result = {}
@@ -364,9 +364,9 @@ def test_plan_follows_the_checkpointing_mode():
                              "train.compile_mode=default"), 3, 4, 64, 2, 3, 1, "/nonexistent")
     assert (probe.train.activation_checkpointing, probe.train.ac_every, probe.train.compile,
             probe.train.compile_mode) == ("selective", 2, False, None)
-    assert probe_layers(cfg(), 12) == [3, 4] and probe_layers(cfg("train.ac_every=2"), 12) == [3, 4]
-    assert probe_layers(cfg("train.activation_checkpointing=full", "train.ac_every=3"), 12) == [3, 6]
-    assert probe_layers(cfg("train.activation_checkpointing=full", "train.ac_every=3"), 4) == [3, 4]
+    assert probe_layers(cfg().train, 12) == [3, 4] and probe_layers(cfg("train.ac_every=2").train, 12) == [3, 4]
+    assert probe_layers(cfg("train.activation_checkpointing=full", "train.ac_every=3").train, 12) == [3, 6]
+    assert probe_layers(cfg("train.activation_checkpointing=full", "train.ac_every=3").train, 4) == [3, 4]
     # compute without a probe's counted FLOPs: full recomputes the forward (6 -> 8 FLOPs per parameter and
     # token), selective every other Linear product (about 0.4 of the forward: 6 -> 6.8)
     gpu, link = GPUS["H100"], INTERCONNECTS["loopback"]

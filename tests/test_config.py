@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-import shardlab.launcher
+import shardlab.loop.launcher
 from shardlab import cli
 from shardlab.config import ConfigError, dump_config, load_config
 
@@ -15,7 +15,8 @@ def no_workers(monkeypatch):
     """Fail the test if the launcher is ever reached."""
     def forbidden(*a, **k):
         raise AssertionError("a worker was started despite bad input")
-    monkeypatch.setattr(shardlab.launcher, "launch_local", forbidden)
+    monkeypatch.setattr(shardlab.loop.launcher, "launch_local", forbidden)
+    monkeypatch.setattr(shardlab.loop.launcher, "launch_elastic", forbidden)
 
 
 def _yaml(tmp_path, text, name="c.yaml"):
@@ -35,11 +36,13 @@ CASES = [
     (["train.steps=0"], ["train.steps must be >= 1"]),
     (["train.lr=-1"], ["train.lr must be > 0"]),
     (["model.dropout=1.5"], ["model.dropout must be in [0, 1)"]),
-    (["parallel.strategy=zero4"], ["parallel.strategy: unknown value 'zero4'", "single, ddp, zero3, fsdp, torch-ddp, torch-fsdp"]),
+    (["parallel.strategy=zero4"], ["parallel.strategy: unknown value 'zero4'",
+                                   "single, ddp, zero3, fsdp, ddp-minimal, zero3-minimal, fsdp-minimal, torch-ddp, torch-fsdp"]),
     (["model.name=vit"], ["model.name: unknown value 'vit'", "gpt, resnet, mlp"]),
     (["model.preset=gpt-huge"], ["model.preset: unknown value 'gpt-huge'", "gpt-tiny"]),
     (["data.source=hub"], ["data.source: unknown value 'hub'", "builtin, text, tokens, sft, cifar10, synthetic"]),
-    (["train.global_batch_size=10"], ["train.global_batch_size (10) must be a multiple of train.micro_batch_size (4)"]),
+    (["train.global_batch_size=9"], ["train.global_batch_size=9 has no layout at world size 2",
+                                     "world sizes that work: 1, 3, 9"]),
     (["data.source=text", "data.path=/no/such/file.txt"], ["data.path '/no/such/file.txt'", "no such file"]),
     (["data.source=text"], ["data.source=text needs data.path"]),
     (["model.name=resnet", "data.source=cifar10", "data.path=/no/such/dir"], ["cifar-10-batches-py", "/no/such/dir"]),
@@ -66,7 +69,8 @@ def test_batch_not_divisible_by_world(no_workers, capsys):
     code = cli.main(["train", "--nproc", "3", "train.global_batch_size=16", "train.micro_batch_size=4"])
     err = capsys.readouterr().err
     assert code == 2
-    assert "must be divisible by world size x train.micro_batch_size (3 x 4 = 12)" in err
+    assert "train.global_batch_size=16 has no layout at world size 3" in err
+    assert "world sizes that work: 1, 2, 4, 8, 16" in err
 
 
 def test_yaml_syntax_error_names_file_and_line(tmp_path, no_workers, capsys):

@@ -60,10 +60,20 @@ def test_builtin_text_dataset():
 
 
 def test_text_files_and_glob(tmp_path):
-    (tmp_path / "a.txt").write_text("hello world " * 40)
-    (tmp_path / "b.txt").write_text("second file " * 40)
+    """Every file the glob matches is one document (in name order, an end-of-document token after
+    each), and the samples are consecutive windows of seq_len tokens of that stream."""
+    a, b = "hello world " * 40, "second file " * 40
+    (tmp_path / "b.txt").write_text(b)
+    (tmp_path / "a.txt").write_text(a)
+    (tmp_path / "c.md").write_text("not matched by the glob")
     d = build_datasets(load_config(None, ["data.source=text", f"data.path={tmp_path}/*.txt", "data.seq_len=16"]))
-    assert len(d.train) > 10
+    eod = bytes([d.info["tokenizer"]["eod_id"]])
+    stream = list(a.encode() + eod + b.encode() + eod)
+    assert d.info["documents"] == 2 and d.info["train_tokens"] == len(stream)
+    assert len(d.train) == (len(stream) - 1) // 16
+    for i in (0, 30, len(d.train) - 1):
+        x, y = d.train[i]
+        assert x.tolist() == stream[16 * i:16 * i + 16] and y.tolist() == stream[16 * i + 1:16 * i + 17]
 
 
 def test_cifar_folder_in_standard_format(tmp_path):

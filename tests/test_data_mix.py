@@ -130,3 +130,70 @@ def test_bad_corpora_are_one_line_errors_before_workers(corpora, bpe_dir, tmp_pa
         with pytest.raises(DataError) as e:
             check(mix_cfg(mix, *extra, "model.vocab_size=512"))
         assert fragment in str(e.value) and named in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["one-corpus", "mixture"])
+def test_what_a_step_trains_on_depends_on_seed_batch_and_step_only(corpora, mixed):
+    """The windows of step s, read through the loop's loader by every rank of N and joined in rank
+    order, are the same at N = 1..4 with any micro batch: a function of (seed, global batch, step),
+    for the plain sampler over a prepared corpus (the token reader) and for a mixture."""
+    from shardlab.data.loader import StepBatches
+
+    a, b = corpora
+    data = build_datasets(mix_cfg({a: 0.7, b: 0.3}) if mixed else
+                          load_config(None, ["data.source=tokens", f"data.path={a}", f"data.seq_len={T}"]))
+    steps = (0, 1, 7, 55, 120)  # past the first epoch of a (and of b's many)
+
+    def step_windows(world: int, micro: int, seed: int = 5) -> dict[int, torch.Tensor]:
+        out: dict[int, list[torch.Tensor]] = {s: [] for s in steps}
+        for rank in range(world):  # each rank has its own sampler and loader, as a process would
+            batches = StepBatches(data.train, make_sampler(data, G, seed, True), rank, world, micro, steps[-1] + 1,
+                                  torch.device("cpu"))
+            for s in steps:
+                out[s] += [batches.next(s)[0] for _ in range(G // world // micro)]
+        return {s: torch.cat(v) for s, v in out.items()}
+
+    ref = step_windows(1, G)
+    assert len(data.train) < steps[-1] * G  # the steps cross an epoch boundary
+    for world, micro in ((2, 3), (3, 2), (4, 1), (3, 4)):
+        got = step_windows(world, micro)
+        assert all(torch.equal(got[s], ref[s]) for s in steps), (world, micro)
+    assert not torch.equal(step_windows(1, G, seed=6)[0], ref[0])  # the seed does choose them
+
+
+def test_validation_loss_per_corpus(corpora, tmp_path, capsys):
+    """evaluate_sources gives each corpus of the mixture the loss of its own rows evaluated alone,
+    the overall loss their token-weighted mean; a run reports both (the summary table too)."""
+    from shardlab.loop import train as TR
+    from shardlab.loop.evaluate import evaluate, evaluate_sources
+    from shardlab.loop.run import build_run
+    from shardlab.loop.run_summary import print_summary
+    from shardlab.loop.runtime import Runtime
+
+    a, b = corpora
+    cfg = mix_cfg({a: 0.7, b: 0.3}, "model.preset=gpt-nano", "train.steps=1", "train.eval_batches=1",
+                  "parallel.strategy=single", f"output.dir={tmp_path}", "output.run_name=r", "output.progress=false",
+                  "output.tensorboard=false", "checkpoint.resume=none", "train.memory_tracking=none")
+    rt = Runtime(0, 0, 1, torch.device("cpu"), None)
+    run = build_run(cfg, rt)
+    val = run.data.val
+    got = evaluate_sources(run.model, val, cfg.train, rt)
+    assert val.names == ["a-data", "b-data"] and set(got.by_source) == set(val.names)
+    alone = [evaluate(run.model, part, cfg.train, rt) for part in val.parts]
+    assert [got.by_source[n] for n in val.names] == alone  # the same rows in the same micro batches
+    rows = [len(p) for p in val.parts]  # every target counts: T tokens a row
+    assert got.loss == pytest.approx(sum(x * n for x, n in zip(alone, rows)) / sum(rows), rel=1e-12)
+    assert got.loss == evaluate(run.model, val, cfg.train, rt)
+    result = TR.train(cfg, rt)
+    assert {k for k in result if k.startswith("val_loss/")} == {"val_loss/a-data", "val_loss/b-data"}
+    assert [s["name"] for s in result["data_sources"]] == ["a-data", "b-data"]
+    print_summary(result, str(tmp_path))
+    table = capsys.readouterr().out
+    assert "validation loss, a-data" in table and "validation loss, b-data" in table
+
+
+def test_short_names_of_corpora():
+    from shardlab.data.mixture import source_names
+
+    assert source_names(["/d/web", "/d/code/"]) == ["web", "code"]
+    assert source_names(["/x/a/web", "/y/b/web", "/z/code"]) == ["a/web", "b/web", "z/code"]

@@ -198,9 +198,19 @@ def test_accelerate_bf16_and_hf_layer(tmp_path):
     assert cfg["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
 
 
-def test_shardlab_gpt_block_class_name_is_what_we_wrap():
-    from shardlab.models.gpt import Block
-    assert Block.__name__ == "Block"
+def test_accelerate_wraps_the_units_shardlab_wraps(tmp_path):
+    """The layer class the accelerate config names by default is the class of the units shardlab's
+    own engines wrap in the config's model (its repeated blocks), and of nothing else in it."""
+    from shardlab.config import load_config
+    from shardlab.models import build_model, repeated_blocks
+
+    assert cli("render", "accelerate", CONFIG, "--gpus-per-node", "2", "--out", str(tmp_path)) == 0
+    named = yaml.safe_load((tmp_path / "accelerate-fsdp.yaml").read_text())["fsdp_config"][
+        "fsdp_transformer_layer_cls_to_wrap"]
+    model = build_model(load_config(CONFIG, []).model, vocab_size=256, device="meta")
+    units = repeated_blocks(model)
+    assert len(units) == model.config.n_layer
+    assert [m for m in model.modules() if type(m).__name__ == named] == units, named
 
 
 def test_submit_slurm_without_sbatch_fails_clearly(tmp_path, capsys, monkeypatch):

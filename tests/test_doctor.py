@@ -160,7 +160,7 @@ def test_crashes_and_the_launchers_own_kills(tmp_path):
     r0.step(3, "backward").coll("reduce_scatter", done=False)
     r1.step(3, "loop")
     r1.close(exit={"exception": "ValueError", "message": "ValueError: boom", "peer_failure": False,
-                   "traceback": 'File "/x/src/shardlab/train.py", line 9, in train_step\n'})
+                   "traceback": 'File "/x/src/shardlab/loop/train.py", line 9, in train_step\n'})
     r0.close()
     (run / "debug" / "exits.json").write_text(json.dumps({"launch": "L", "ranks": {
         "1": {"exitcode": 1, "timestamp": 100}, "0": {"exitcode": -15, "timestamp": 100}}}))
@@ -209,11 +209,11 @@ def test_what_the_launcher_prints_after_a_failure(tmp_path):
     r0.step(3, "backward").coll("reduce_scatter", done=False)
     r1.step(3, "loop")
     r1.close(exit={"exception": "ValueError", "message": "ValueError: boom", "peer_failure": False,
-                   "traceback": 'File "/x/src/shardlab/train.py", line 9, in train_step\n'})
+                   "traceback": 'File "/x/src/shardlab/loop/train.py", line 9, in train_step\n'})
     r0.close(exit=_timed_out())
     lines = failure_lines(str(run), analysis.diagnose(str(run)), {1: failure(1)}, "/logs")
     assert lines[0].startswith("error: rank 1 crashed") and lines[1] == "error: rank 1: ValueError: boom, at " \
-        "shardlab/train.py:9 in train_step", lines
+        "shardlab/loop/train.py:9 in train_step", lines
     assert "/logs/<rank>/stderr.log" in lines[2] and f"shardlab doctor {run}" in lines[2] and len(lines) == 3
     # rank 1 frozen: rank 0's timeout is the exception shown, and the advice comes (a worker was lost)
     run, (r0, r1) = _ranks(tmp_path / "frozen")
@@ -244,7 +244,7 @@ ENGINE_KINDS = {"ddp": {"all_reduce"}, "zero3": {"broadcast", "reduce"}, "fsdp":
 
 
 def _train_every_engine(rank: int, world: int, out: str) -> dict:
-    from shardlab import train as T
+    from shardlab.loop import train as T
     from tests.checkpoint_helpers import make_cfg, runtime
 
     seen = {}

@@ -1,7 +1,8 @@
 """The from-scratch FSDP engine equals single-process training, and really shards.
 
-One spawn per world size; every case runs inside it (process start-up dominates here).
-The parent computes the `single` references and compares. Float64 throughout (see
+One spawn per world size runs every case (process start-up dominates here); each case is
+then its own test (`-k N2-custom-frozen`), which compares its result with `single`'s,
+computed in the parent. Float64 throughout (see
 tests/parity.py) except the bf16 cases, a few float32 ones and the byte accounting (fp32,
 so the numbers read as in docs/engines.md).
 """
@@ -10,25 +11,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import shardlab
 from shardlab.engines import engine_of, optimizer_state_bytes
 from shardlab.models import count_parameters
 from shardlab.models.init import INIT_STD_ATTR, init_parameters_
-from shardlab.testing import run_workers
+from tests.custom_train import check_custom, reference_custom, train_custom
+from tests.engine_internals import gathered_bytes
+from tests.minimal_cases import check_minimal, minimal_runs
 from tests.parity import (
-    ALL_CASES,
     CASES,
     DTYPE,
     F64_ATOL,
-    F64_RTOL,
     GLOBAL_BATCH,
     assert_parity,
     batch,
     build,
-    make_optimizer,
     set_mode,
     tolerance,
     train_engine,
@@ -85,40 +84,20 @@ def _batch(case: str, step: int, dtype: torch.dtype = DTYPE):
     return batch(case, step, dtype)
 
 
-def train_custom(rank: int, world: int, case: str, strategy: str, opt_name: str, steps: int = 3,
-                 clip: float | None = None, evals: tuple[int, ...] = (), **options) -> dict:
-    """Like parity.train_engine, plus gradient clipping and no-grad eval forwards after the
-    steps listed in `evals` (outputs on the whole global batch, and what stays gathered)."""
+def _idle(engine) -> dict:
+    """What fsdp holds after a no-grad forward: nothing should stay gathered or armed for a backward."""
+    return {"gathered": gathered_bytes(engine),
+            "armed": engine._backward_end.queued or any(
+                not u.state.idle or u.storage.value != "sharded" for u in engine.flat_units)}
+
+
+def _custom(rank: int, world: int, case: str, opt: str, options: dict) -> dict:
+    """custom_train.train_custom for fsdp: no clipping unless the case asks, the "twice" model's
+    units, and what stays gathered after each eval forward."""
+    options = {"clip": None, **options}
     if case == "twice":
         options.setdefault("wrap", _twice_wrap)
-    model = shardlab.parallelize(_build(case, "meta"), strategy, device="cpu", **options)
-    if case in ALL_CASES:
-        set_mode(model, case)
-    opt = make_optimizer(opt_name, model.parameters())
-    b = GLOBAL_BATCH // world
-    out: dict = {"losses": [], "norms": [], "evals": [], "gathered_after_eval": [], "armed_after_eval": []}
-    for step in range(steps):
-        x, y = _batch(case, step)
-        opt.zero_grad(set_to_none=True)
-        loss = model(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b])
-        loss.backward()
-        if clip is not None:
-            out["norms"].append(shardlab.clip_grad_norm_(model, clip).item())
-        opt.step()
-        t = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(t)
-        out["losses"].append(t.item() / world)
-        if step in evals:
-            with torch.no_grad():
-                out["evals"].append(model(_batch(case, 99)[0]))
-            engine = engine_of(model)
-            if strategy == "fsdp":
-                out["gathered_after_eval"].append(engine.gathered_bytes())
-                out["armed_after_eval"].append(engine._backward_end.queued or any(
-                    u.needs_backward or u.tracked_views or u.state.value != "sharded" for u in engine.flat_units))
-    out["state"] = shardlab.full_state_dict(model)
-    return out
+    return train_custom(rank, world, case, "fsdp", opt, probe=_idle, make_model=_build, make_batch=_batch, **options)
 
 
 # -- checks that look inside the engine --------------------------------------------------------
@@ -132,7 +111,7 @@ def _resharding(rank: int, world: int) -> dict:
         loss = model(x, y)
         after_fwd = [sum(g.full_data.untyped_storage().nbytes() for g in u.groups) for u in engine.wrap_units]
         loss.backward()
-        after_bwd = engine.gathered_bytes()
+        after_bwd = gathered_bytes(engine)
         out[raf] = (after_fwd, [sum(g.full.numel() * g.full.element_size() for g in u.groups)
                                 for u in engine.wrap_units], after_bwd)
     return out
@@ -181,14 +160,14 @@ def _frozen_release(rank: int, world: int) -> dict:
     trainable = next(g for g in block0.groups if g.trainable)
 
     def record(_full: torch.Tensor) -> None:
-        seen.setdefault("states", [u.state.value for u in engine.wrap_units])
+        seen.setdefault("states", [u.storage.value for u in engine.wrap_units])
 
     trainable.full.register_post_accumulate_grad_hook(record)  # after the engine's own hook on it
     b = GLOBAL_BATCH // world
     x, y = _batch("frozen", 0)
     model(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]).backward()
     shards = {name: (p.requires_grad, p.grad is None) for name, p in model.named_parameters()}
-    return {"states": seen["states"], "after_backward": engine.gathered_bytes(), "shards": shards}
+    return {"states": seen["states"], "after_backward": gathered_bytes(engine), "shards": shards}
 
 
 def _layouts(rank: int, world: int) -> dict:
@@ -253,13 +232,14 @@ def _run_plan(rank: int, world: int) -> dict:
             micro = 2 if (GLOBAL_BATCH // world) % 2 == 0 else 3  # micro batches that divide the slice
             results[i] = train_engine(rank, world, case, "fsdp", opt, accumulate=micro, **options)
         else:
-            results[i] = train_custom(rank, world, case, "fsdp", opt, **options)
+            results[i] = _custom(rank, world, case, opt, options)
     results["layouts"] = _layouts(rank, world)
     results["frozen_release"] = _frozen_release(rank, world)
     if world in (2, 4):
         results["memory"] = _memory_and_traffic(rank, world)
     if world == 2:
         results["resharding"] = _resharding(rank, world)
+    results["minimal"] = minimal_runs(rank, world, "fsdp")
     return results
 
 
@@ -271,53 +251,67 @@ def _reference(kind: str, case: str, opt: str, options: dict):
     key = (kind if kind == "custom" else "parity", case, opt, tuple(sorted(options.items())), dtype)
     if key not in _REFERENCES:
         if kind == "custom":
-            _REFERENCES[key] = train_custom(0, 1, case, "single", opt, **options)
+            _REFERENCES[key] = reference_custom(case, opt, clip=options.get("clip"), evals=options.get("evals", ()),
+                                                make_model=_build, make_batch=_batch)
         else:
             _REFERENCES[key] = train_reference(case, opt, dtype=dtype)
     return _REFERENCES[key]
 
 
-def _check_custom(ref: dict, got: dict, label: str) -> None:
-    assert_parity((ref["losses"], ref["state"]), (got["losses"], got["state"]), label)
-    torch.testing.assert_close(torch.tensor(got["norms"], dtype=torch.float64),
-                               torch.tensor(ref["norms"], dtype=torch.float64), rtol=F64_RTOL, atol=0)
-    for i, (a, b) in enumerate(zip(got["evals"], ref["evals"])):
-        # outputs sum many parameters: 10x the parameter tolerance (a stale parameter is ~lr off)
-        torch.testing.assert_close(a, b, rtol=F64_RTOL, atol=10 * F64_ATOL,
-                                   msg=lambda m, i=i: f"{label}: eval {i} differs\n{m}")
-    assert len(got["evals"]) == len(ref["evals"])
-    assert not any(got["gathered_after_eval"]), f"{label}: storage left gathered after eval {got['gathered_after_eval']}"
-    assert not any(got["armed_after_eval"]), f"{label}: backward state armed after a no-grad forward"
+def _check_custom(ref: dict, got: dict, label: str, clip: float | None) -> None:
+    check_custom(ref, got, label, F64_ATOL, clip=clip)
+    gathered = [p["gathered"] for p in got["probes"]]
+    assert not any(gathered), f"{label}: storage left gathered after eval {gathered}"
+    assert not any(p["armed"] for p in got["probes"]), f"{label}: backward state armed after a no-grad forward"
+
+
+def _case_id(world: int, kind: str, case: str, opt: str, options: dict) -> str:
+    opts = [f"{k}={'+'.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in options.items()]
+    return "-".join([f"N{world}", kind, case, opt, *opts])
+
+
+WORLDS = (1, 2, 3, 4)
+PLAN_CASES = [pytest.param(world, i, id=_case_id(world, *c)) for world in WORLDS for i, c in enumerate(_plan(world))]
+assert len({p.id for p in PLAN_CASES}) == len(PLAN_CASES), "two cases of the plan share a test id"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_fsdp_matches_single(world):
-    results = run_workers(world, _run_plan)
-    for i, (kind, case, opt, options) in enumerate(_plan(world)):
-        label = f"fsdp/{kind}/{case}/{opt}/{options}/N={world}"
-        got = results[0][i]
-        if kind == "custom":
-            ref_options = {k: v for k, v in options.items() if k in ("clip", "evals")}
-            _check_custom(_reference(kind, case, opt, ref_options), got, label)
-            for r in range(1, world):
-                assert got["losses"] == results[r][i]["losses"], f"{label}: rank {r} losses differ"
-                assert_parity((got["losses"], got["state"]), (results[r][i]["losses"], results[r][i]["state"]),
-                              f"{label} rank {r} vs 0", rtol=0, atol=0)
-            continue
-        ref = _reference(kind, case, opt, {})
-        if kind == "bf16":
-            torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(ref[0]), rtol=1e-2, atol=1e-2,
-                                       msg=lambda m, label=label: f"{label}: bf16 losses too far from fp32\n{m}")
-            assert all(v.dtype == ref[1][k].dtype for k, v in got[1].items()), f"{label}: full state not fp32"
-        elif kind == "f32":
-            assert_parity(ref, got, label, **tolerance(opt, torch.float32))
-        else:
-            assert_parity(ref, got, label)
-        for r in range(1, world):  # every rank reports the same losses and full parameters
-            assert_parity(got, results[r][i], f"{label} rank {r} vs rank 0", rtol=0, atol=0)
+@pytest.mark.parametrize("world,index", PLAN_CASES)
+def test_fsdp_matches_single(spawned, world, index):
+    """One case of the plan at one world size against `single` (the process group is spawned once per
+    world size for all of them: conftest.spawned)."""
+    results = spawned(_run_plan, world)
+    kind, case, opt, options = _plan(world)[index]
+    label = _case_id(world, kind, case, opt, options)
+    got = results[0][index]
+    if kind == "custom":
+        clip = options.get("clip")
+        _check_custom(_reference(kind, case, opt, {k: v for k, v in options.items() if k in ("clip", "evals")}),
+                      got, label, clip)
+        for r in range(1, world):
+            assert got["losses"] == results[r][index]["losses"], f"{label}: rank {r} losses differ"
+            assert_parity((got["losses"], got["state"]), (results[r][index]["losses"], results[r][index]["state"]),
+                          f"{label} rank {r} vs 0", rtol=0, atol=0)
+        return
+    ref = _reference(kind, case, opt, {})
+    if kind == "bf16":
+        torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(ref[0]), rtol=1e-2, atol=1e-2,
+                                   msg=lambda m: f"{label}: bf16 losses too far from fp32\n{m}")
+        assert all(v.dtype == ref[1][k].dtype for k, v in got[1].items()), f"{label}: full state not fp32"
+    elif kind == "f32":
+        assert_parity(ref, got, label, **tolerance(opt, torch.float32))
+    else:
+        assert_parity(ref, got, label)
+    for r in range(1, world):  # every rank reports the same losses and full parameters
+        assert_parity(got, results[r][index], f"{label} rank {r} vs rank 0", rtol=0, atol=0)
 
-    # shard_layout: the pieces over all ranks cover every original parameter exactly once.
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", WORLDS)
+def test_fsdp_shard_layout_covers_every_parameter_once(spawned, world):
+    """shard_layout: the pieces over all ranks cover every original parameter exactly once, and
+    each piece holds the full state's values there."""
+    results = spawned(_run_plan, world)
     for case in results[0]["layouts"]:
         ref_model = _build(case, "cpu")
         covered = {n: torch.zeros(p.numel(), dtype=torch.int32) for n, p in ref_model.named_parameters()}
@@ -329,41 +323,61 @@ def test_fsdp_matches_single(world):
         for name, counts in covered.items():
             assert bool((counts == 1).all()), f"{case}/N={world}: {name} not covered exactly once"
 
-    if "memory" in results[0]:
-        for case, m in results[0]["memory"].items():
-            numel = count_parameters(_build(case.split("+")[0], "meta"))
-            # 4 (param) + 4 (grad) + 8 (Adam moments) bytes per element of this rank's trainable
-            # shards, 4 (param) per element of its frozen shards; shards are 1/N of the padded
-            # flat buffers: 16 * numel / N plus padding when nothing is frozen.
-            assert m["state_bytes"] == (4 * m["padded"] + 12 * m["trainable_padded"]) // world, (case, m)
-            assert 0 <= m["padded"] - numel < world * m["groups"], (case, m, numel)
-            assert m["state_bytes"] <= 16 * numel / world + 16 * (m["padded"] - numel), (case, m)
-            # all-gather: forward + backward for the units, once for the root (kept gathered),
-            # frozen groups included; reduce-scatter: every trainable gradient once, nothing of
-            # the frozen groups. In bytes of fp32 padded buffers.
-            assert m["gather"] == 4 * (2 * m["padded"] - m["root_padded"]), (case, m)
-            assert m["reduce"] == 4 * m["trainable_padded"], (case, m)
-            assert m["reduce_calls"] == m["trainable_groups"], (case, m)  # once per group, even with recompute
-            if m["root_padded"] == 0:  # the MLP: exactly twice the parameter bytes
-                assert m["gather"] == 2 * 4 * m["padded"]
-            if case == "frozen":  # every unit (the root too) has one frozen and one trainable group
-                assert m["groups"] == 2 * m["trainable_groups"] and m["trainable_padded"] < m["padded"], m
 
-    # Frozen shards: requires_grad=False and never a gradient; trainable ones got theirs. A unit
-    # with frozen groups is freed in backward once its inputs' gradients are in: when block 0's
-    # gradient arrives, blocks 1 and 2 are sharded again; block 0 itself, whose input comes
-    # from a frozen layer (no gradient, no signal), is held until the end of backward.
-    for r in range(world):
-        fr = results[r]["frozen_release"]
-        assert fr["states"] == ["gathered", "sharded", "sharded"], fr["states"]
+@pytest.mark.slow
+@pytest.mark.parametrize("world", (2, 4))
+def test_fsdp_model_state_bytes_and_traffic(spawned, world):
+    for case, m in spawned(_run_plan, world)[0]["memory"].items():
+        numel = count_parameters(_build(case.split("+")[0], "meta"))
+        # 4 (param) + 4 (grad) + 8 (Adam moments) bytes per element of this rank's trainable
+        # shards, 4 (param) per element of its frozen shards; shards are 1/N of the padded
+        # flat buffers: 16 * numel / N plus padding when nothing is frozen.
+        assert m["state_bytes"] == (4 * m["padded"] + 12 * m["trainable_padded"]) // world, (case, m)
+        assert 0 <= m["padded"] - numel < world * m["groups"], (case, m, numel)
+        assert m["state_bytes"] <= 16 * numel / world + 16 * (m["padded"] - numel), (case, m)
+        # all-gather: forward + backward for the units, once for the root (kept gathered),
+        # frozen groups included; reduce-scatter: every trainable gradient once, nothing of
+        # the frozen groups. In bytes of fp32 padded buffers.
+        assert m["gather"] == 4 * (2 * m["padded"] - m["root_padded"]), (case, m)
+        assert m["reduce"] == 4 * m["trainable_padded"], (case, m)
+        assert m["reduce_calls"] == m["trainable_groups"], (case, m)  # once per group, even with recompute
+        if m["root_padded"] == 0:  # the MLP: exactly twice the parameter bytes
+            assert m["gather"] == 2 * 4 * m["padded"]
+        if case == "frozen":  # every unit (the root too) has one frozen and one trainable group
+            assert m["groups"] == 2 * m["trainable_groups"] and m["trainable_padded"] < m["padded"], m
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", WORLDS)
+def test_fsdp_frozen_shards_and_release_in_backward(spawned, world):
+    """Frozen shards: requires_grad=False and never a gradient; trainable ones got theirs. A unit
+    with frozen groups is freed in backward once its inputs' gradients are in: when block 0's
+    gradient arrives, blocks 1 and 2 are sharded again; block 0 itself, whose input comes from a
+    frozen layer (no gradient, no signal), is held until the end of backward."""
+    for r, result in enumerate(spawned(_run_plan, world)):
+        fr = result["frozen_release"]
+        assert fr["states"] == ["gathered", "sharded", "sharded"], (r, fr["states"])
         assert fr["after_backward"] == 0
         for name, (requires_grad, no_grad) in fr["shards"].items():
             assert requires_grad == ("frozen" not in name) and no_grad == ("frozen" in name), (name, fr["shards"])
 
-    if "resharding" in results[0]:
-        after_fwd, full_bytes, after_bwd = results[0]["resharding"][True]
-        assert after_fwd == [0] * len(after_fwd), f"units still gathered after forward: {after_fwd}"
-        assert after_bwd == 0
-        after_fwd, full_bytes, after_bwd = results[0]["resharding"][False]
-        assert after_fwd == full_bytes, "reshard_after_forward=False should keep units gathered until backward"
-        assert after_bwd == 0, "everything is freed after backward"
+
+@pytest.mark.slow
+def test_fsdp_reshard_after_forward(spawned):
+    results = spawned(_run_plan, 2)[0]["resharding"]
+    after_fwd, full_bytes, after_bwd = results[True]
+    assert after_fwd == [0] * len(after_fwd), f"units still gathered after forward: {after_fwd}"
+    assert after_bwd == 0
+    after_fwd, full_bytes, after_bwd = results[False]
+    assert after_fwd == full_bytes, "reshard_after_forward=False should keep units gathered until backward"
+    assert after_bwd == 0, "everything is freed after backward"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", WORLDS)
+def test_fsdp_minimal_matches_single_and_fsdp(spawned, world):
+    """fsdp-minimal in the same spawned workers: equal to `single` and to fsdp (tests/minimal_cases.py)."""
+    results = spawned(_run_plan, world)
+    full_runs = {(case, opt): results[0][i] for i, (kind, case, opt, options) in enumerate(_plan(world))
+                 if kind == "parity" and not options}
+    check_minimal([r["minimal"] for r in results], world, "fsdp", full_runs)

@@ -21,11 +21,12 @@ import torch
 
 import shardlab
 from shardlab import cli
-from shardlab import train as T
 from shardlab.config import ConfigError, load_config, validate_for_world
 from shardlab.engines import engine_of, optimizer_state_bytes
+from shardlab.loop import train as T
 from shardlab.testing import run_workers
 from tests.checkpoint_helpers import assert_same_tensors, load_and_resave, make_cfg, runtime
+from tests.engine_internals import comm_stats_by_group
 from tests.parity import (
     GLOBAL_BATCH,
     assert_parity,
@@ -72,9 +73,9 @@ def _traffic_and_state(rank: int, world: int, shard_size: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = batch("gpt", 0, torch.float32)
     b = GLOBAL_BATCH // world
-    before = engine.comm_stats_by_group()
+    before = comm_stats_by_group(engine)
     model(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]).backward()
-    after = engine.comm_stats_by_group()
+    after = comm_stats_by_group(engine)
     opt.step()
     delta = {grp: {kind: {k: v - before[grp].get(kind, {}).get(k, 0) for k, v in totals.items()}
                    for kind, totals in kinds.items()} for grp, kinds in after.items()}
@@ -120,7 +121,7 @@ def _collectives_against_torch(rank: int, world: int) -> dict:
             if work is not None:
                 work.wait()
             mismatches += [] if torch.equal(out, want) else [("reduce_scatter", group is None, async_op)]
-    return {"mismatches": mismatches, "calls": {k: v["calls"] for k, v in counts.snapshot().items()}}
+    return {"mismatches": mismatches, "calls": {k: v["calls"] for k, v in collectives.merged_totals([counts]).items()}}
 
 
 HSDP2 = ("parallel.shard_size=2",)
@@ -285,9 +286,9 @@ def test_hsdp_checkpoint_writes_each_piece_once(four):
     (["parallel.offload=gpu"], 2, ["parallel.offload: unknown value 'gpu'", "none, cpu"]),
 ])
 def test_bad_shard_size_or_offload_fails_before_workers(overrides, world, fragments, monkeypatch, capsys):
-    import shardlab.launcher
+    import shardlab.loop.launcher
 
-    monkeypatch.setattr(shardlab.launcher, "launch_local",
+    monkeypatch.setattr(shardlab.loop.launcher, "launch_local",
                         lambda *a, **k: (_ for _ in ()).throw(AssertionError("a worker was started")))
     code = cli.main(["train", "--nproc", str(world), "train.global_batch_size=16", "train.micro_batch_size=1",
                      *overrides])

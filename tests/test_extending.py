@@ -1,4 +1,4 @@
-"""Every engine answers what the tools ask of it (engines/api.py), and an engine and a model added
+"""Every engine answers what the tools ask of it (engines/planning.py, engines/measuring.py), and an engine and a model added
 from outside src/ with one class and one registry line each (tests/toys.py) go through
 `train`, `plan` and `bench` like the built-in ones (docs/architecture.md, "Extending shardlab").
 
@@ -18,8 +18,10 @@ import torch.distributed as dist
 
 import shardlab
 import tests.toys  # noqa: F401  (registers "toy" in STRATEGIES and MODELS)
-from shardlab.engines import STRATEGIES, engine_class
-from shardlab.engines.api import Collective, LocalTensor, ModelTraffic
+from shardlab.engines import STRATEGIES, EngineEntry, engine_class
+from shardlab.engines.api import Engine
+from shardlab.engines.measuring import Measurable
+from shardlab.engines.planning import Collective, LocalTensor, ModelTraffic, Plannable
 from shardlab.memory import PARTS, LiveMemoryTracker
 from shardlab.testing import run_workers
 from tests.toys import ToyNet
@@ -30,7 +32,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _check_class_answers(name: str) -> None:
     cls = engine_class(name)
-    assert cls.strategy == name and isinstance(cls.grads_sharded, bool) and isinstance(cls.distributed, bool)
+    assert issubclass(cls, Plannable) and issubclass(cls, Measurable), name
+    assert isinstance(cls.grads_sharded, bool) and isinstance(cls.distributed, bool)
     assert isinstance(cls.fake_group_probe, bool) and all(isinstance(o, str) for o in cls.options)
     with torch.device("meta"):
         params = list(ToyNet().parameters())
@@ -40,7 +43,7 @@ def _check_class_answers(name: str) -> None:
     else:
         assert planned and all(isinstance(t, LocalTensor) for rank in planned for t in rank), name
     traffic = ModelTraffic(param_bytes=4000.0, trainable_bytes=4000.0, root_bytes=1000.0, units=2,
-                           micro_batches=1, world=2)
+                           micro_batches=1, world=2, tensors=6, trainable_tensors=6)
     sent = cls.step_traffic(traffic, {})
     assert all(isinstance(c, Collective) and c.kind in KINDS and c.calls >= 1 and c.ranks >= 1 for c in sent), name
     assert bool(sent) == cls.distributed, (name, sent)
@@ -50,6 +53,7 @@ def _check_built_answers(name: str) -> None:
     """Built at world 1, after one training step: what it holds, what it counted, its ranks' state."""
     model = shardlab.parallelize(ToyNet(), name, device="cpu")
     engine = shardlab.engine_of(model)
+    assert engine.strategy == name
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tracker = LiveMemoryTracker("cpu", engine=engine, optimizer=opt)  # calls hook_memory_tracker
     x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 3])
@@ -65,6 +69,21 @@ def _check_built_answers(name: str) -> None:
     counted = engine.comm_stats()
     assert (counted is None) == (not engine.comm_counters()), name
     assert counted is None or set(counted) <= set(KINDS), (name, counted)
+
+
+def test_the_training_contract_stays_small():
+    """`Engine` holds what the training loop calls, at most 10 public members of its own (methods
+    and class attributes); plan's questions are `Plannable`'s, the measurements' `Measurable`'s
+    (docs/architecture.md, "The engine contract"). A class composing only Engine is refused by name."""
+    own = sorted(n for n in {*vars(Engine), *Engine.__annotations__} if not n.startswith("_"))
+    assert len(own) <= 10, own
+    assert not set(own) & ({*vars(Plannable), *vars(Measurable)}), own
+    STRATEGIES["engine-alone"] = EngineEntry("shardlab.engines.api:Engine")
+    try:
+        with pytest.raises(TypeError, match="must be a class composing Engine, Plannable and Measurable"):
+            engine_class("engine-alone")
+    finally:
+        del STRATEGIES["engine-alone"]
 
 
 def test_every_engine_answers_what_the_tools_ask(tmp_path):
@@ -94,8 +113,8 @@ def _write_config(tmp_path) -> str:
 
 def _train_toy_and_ddp(rank: int, world: int, config: str) -> dict:
     from shardlab.config import load_config
-    from shardlab.runtime import Runtime
-    from shardlab.train import train
+    from shardlab.loop.runtime import Runtime
+    from shardlab.loop.train import train
 
     out = {}
     for strategy in ("toy", "ddp"):

@@ -140,15 +140,16 @@ def _transformers_loss(path: str, rows, dtype: torch.dtype) -> tuple[float, floa
 
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
 def test_gemma2_step_one_loss_is_transformers(gemma2, packing, capsys, monkeypatch):
-    from shardlab import train as T
     from shardlab.data import build_datasets
+    from shardlab.loop import train as T
+    from tests.checkpoint_helpers import runtime
 
     monkeypatch.setenv("SHARDLAB_CACHE", str(gemma2 / "cache"))
     for dtype, torch_dtype, rel in (("fp64", torch.float64, 1e-12), ("fp32", torch.float32, 1e-6)):
         name = f"{'packed' if packing else 'padded'}-{dtype}"
         rows = build_datasets(_gemma2_cfg(gemma2, packing, dtype, name)).train
         extra = [f"train.global_batch_size={len(rows)}"] + (["export.format=hf"] if dtype == "fp64" else [])
-        got = T.train(_gemma2_cfg(gemma2, packing, dtype, name, *extra))["losses"][0]
+        got = T.train(_gemma2_cfg(gemma2, packing, dtype, name, *extra), runtime(0, 1, "single"))["losses"][0]
         ce, own = _transformers_loss(str(gemma2 / "model"), [rows[i] for i in range(len(rows))], torch_dtype)
         assert got == pytest.approx(ce if dtype == "fp64" else own, rel=rel, abs=0), (name, got, ce, own)
         with open(gemma2 / name / "run_args.json") as f:

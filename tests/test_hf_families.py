@@ -307,7 +307,7 @@ def _verify_all(rank: int, world: int, cases: dict[str, dict], root: str) -> dic
     import os
 
     from shardlab.config import config_from_dict
-    from shardlab.runtime import Runtime
+    from shardlab.loop.runtime import Runtime
     from shardlab.verify.command import make_plan
     from shardlab.verify.compare import compare
     from shardlab.verify.runs import verify_worker

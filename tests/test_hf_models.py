@@ -386,7 +386,7 @@ def _lora_sft_straight_and_resumed(rank: int, world: int, out: str) -> dict:
     right after its step-LORA_SFT_CRASH checkpoint, then started again (resume=auto)."""
     import os
 
-    from shardlab import train as T
+    from shardlab.loop import train as T
     from tests.checkpoint_helpers import runtime, train_until_crash
 
     os.environ["SHARDLAB_CACHE"] = os.path.join(out, "cache")  # the tokenizer and token cache stay here

@@ -87,7 +87,8 @@ def test_exported_model_answers_as_shardlab_generate(tmp_path, monkeypatch, kind
 
     from shardlab.cli import main
     from shardlab.config import load_config
-    from shardlab.train import train
+    from shardlab.loop.train import train
+    from tests.checkpoint_helpers import runtime
 
     monkeypatch.setenv("SHARDLAB_CACHE", str(tmp_path / "cache"))
     d = user_tokenizer(tmp_path / "tok", TEMPLATES[kind])
@@ -103,7 +104,7 @@ def test_exported_model_answers_as_shardlab_generate(tmp_path, monkeypatch, kind
         "train.steps=12", "train.global_batch_size=8", "train.micro_batch_size=8", "train.lr=1e-2",
         f"output.dir={tmp_path}", "output.run_name=r", "output.progress=false", "output.tensorboard=false",
         "train.memory_tracking=none", "data.seq_len=48", "train.eval_every=0"])
-    train(cfg)
+    train(cfg, runtime(0, 1, "single"))
     export = tmp_path / "r" / "hf"
     model = AutoModelForCausalLM.from_pretrained(export).eval()
     plain = AutoTokenizer.from_pretrained(export)

@@ -1,6 +1,6 @@
 """`shardlab plan` (shardlab.plan): its predicted peak live bytes per rank agree with what
 `shardlab train` measures (metrics.json `peak_live_bytes`, via tests/plan_measure.py, which runs
-shardlab.train.train in-process) within 10 % for every engine; bad input exits 2 before any probe;
+shardlab.loop.train.train in-process) within 10 % for every engine; bad input exits 2 before any probe;
 the alpha-beta fit recovers known constants; an HF decoder's depth is cut for the probes as a GPT's is.
 
 Fast: one spawn measures every engine at N=2 on gpt-tiny (micro batch 1 x 64 tokens), one probe

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from shardlab import preemption
-from shardlab import train as T
 from shardlab.checkpoint import list_checkpoints, verify_checkpoint
 from shardlab.config import load_config
+from shardlab.loop import preemption
+from shardlab.loop import train as T
 from shardlab.testing import WorkerError, run_workers
 from tests.checkpoint_helpers import assert_same_tensors, make_cfg, runtime
 

@@ -161,10 +161,10 @@ def test_a_bpe_corpus_keeps_its_tokenizer_and_generate_decodes_with_it(tmp_path,
     mount has only DATA_DIR). Before, generate fell back to bytes for a tokens corpus."""
     import shutil
 
-    from shardlab import train as T
     from shardlab.cli import main as cli_main
     from shardlab.data.text import Tokenizer
     from shardlab.export import load_model
+    from shardlab.loop import train as T
     from tests.checkpoint_helpers import runtime
 
     original = tmp_path / "tok"

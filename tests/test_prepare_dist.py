@@ -1,6 +1,8 @@
-"""Training on prepared shards across processes: exact resume, resume at another world size
-(2 -> 3), DataLoader worker processes read the same batches, and a resume on another corpus
-is refused. One spawn per world size; each runs all of its cases."""
+"""Training on prepared shards across processes, in float64: exact resume; resume at another
+world size (2 -> 3) trains each step on the same global samples, bit for bit, as the
+uninterrupted 2-rank run, its losses equal to the float64 parity tolerance; DataLoader worker
+processes read the same batches; a resume on another corpus is refused. One spawn per world
+size; each runs all of its cases."""
 
 from __future__ import annotations
 
@@ -9,11 +11,22 @@ import os
 import pytest
 import torch
 
-from shardlab import train as T
 from shardlab.checkpoint import CheckpointError, read_tensors
 from shardlab.data.prepare import prepare
+from shardlab.loop import train as T
 from shardlab.testing import run_workers
-from tests.checkpoint_helpers import TOTAL, K, assert_same_tensors, make_cfg, runtime, train_until_crash
+from tests.checkpoint_helpers import (
+    TOTAL,
+    K,
+    SampleLog,
+    assert_same_tensors,
+    global_ids,
+    in_float64,
+    make_cfg,
+    runtime,
+    train_until_crash,
+)
+from tests.parity import F64_ATOL, F64_RTOL
 from tests.test_prepare import DOCS, as_text_files
 
 pytestmark = pytest.mark.slow
@@ -31,11 +44,14 @@ def _cfg(out: str, name: str, data: str, *extra: str):
 
 
 def _two(rank: int, world: int, out: str, data: str, other: str) -> dict:
-    rt = runtime(rank, world, "fsdp")
-    res = {"straight": T.train(_cfg(out, "straight", data), rt)["losses"]}
+    rt, samples = runtime(rank, world, "fsdp"), SampleLog()
+    in_float64()
+    res = {"straight": T.train(_cfg(out, "straight", data), rt)["losses"], "straight_ids": samples.take()}
     res["loader_workers"] = T.train(_cfg(out, "workers", data, "data.num_workers=1"), rt)["losses"]
+    res["workers_ids"] = samples.take()
     train_until_crash(_cfg(out, "resumed", data), rt)
     res["resumed"] = T.train(_cfg(out, "resumed", data), rt)["losses"]
+    res["resumed_ids"] = samples.take()
     train_until_crash(_cfg(out, "other", data), rt)
     try:  # the same run directory, another corpus: the checkpoint's steps index other data
         T.train(_cfg(out, "other", other), rt)
@@ -45,8 +61,11 @@ def _two(rank: int, world: int, out: str, data: str, other: str) -> dict:
     return res
 
 
-def _three(rank: int, world: int, out: str, data: str, source: str) -> list[float]:
-    return T.train(_cfg(out, "three", data, f"checkpoint.resume={source}"), runtime(rank, world, "fsdp"))["losses"]
+def _three(rank: int, world: int, out: str, data: str, source: str) -> dict:
+    samples = SampleLog()
+    in_float64()
+    losses = T.train(_cfg(out, "three", data, f"checkpoint.resume={source}"), runtime(rank, world, "fsdp"))["losses"]
+    return {"losses": losses, "ids": samples.take()}
 
 
 @pytest.fixture(scope="module")
@@ -61,17 +80,28 @@ def corpora(tmp_path_factory) -> tuple[str, str]:
 def test_resume_exact_and_at_another_world_size_on_prepared_data(corpora, tmp_path):
     data, other = corpora
     out = str(tmp_path)
-    two = run_workers(2, _two, out, data, other, timeout_s=180)[0]
+    ranks = run_workers(2, _two, out, data, other, timeout_s=180)
+    two = ranks[0]
     assert two["resumed"] == two["straight"]  # bitwise: the step indexes the same windows
     assert_same_tensors(step_path(out, "straight", TOTAL), step_path(out, "resumed", TOTAL))
     assert two["loader_workers"] == two["straight"]  # a DataLoader worker process reads the same batches
     assert two["refused"] and "manifest SHA-256" in two["refused"] and "data.path" in two["refused"]
+    ids = global_ids([r["straight_ids"] for r in ranks], range(TOTAL))
+    assert all(len(set(v)) == 12 for v in ids.values())
+    for run in ("workers_ids", "resumed_ids"):
+        assert global_ids([r[run] for r in ranks], range(TOTAL)) == ids, run
 
-    three = run_workers(3, _three, out, data, step_path(out, "resumed", K), timeout_s=120)[0]
-    assert three[:K] == two["straight"][:K]  # restored from the checkpoint
-    # 3 ranks sum the same 12 samples in another grouping: float32 reordering only. Measured
-    # difference 1.1e-7 relative (2026-11-23); the losses of other batches (consecutive steps) differ by > 0.1.
-    assert torch.allclose(torch.tensor(three[K:]), torch.tensor(two["straight"][K:]), rtol=1e-5, atol=1e-6)
+    three = run_workers(3, _three, out, data, step_path(out, "resumed", K), timeout_s=120)
+    # bitwise: steps K.. at 3 ranks train on the global samples of the uninterrupted 2-rank run
+    assert global_ids([r["ids"] for r in three], range(K, TOTAL)) == {s: ids[s] for s in range(K, TOTAL)}
+    losses = three[0]["losses"]
+    assert losses[:K] == two["straight"][:K]  # restored from the checkpoint
+    # 3 ranks sum the same 12 samples in another grouping: float64 rounding only; the losses of
+    # other batches (consecutive steps) differ by > 0.1
+    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
+                               torch.tensor(two["straight"], dtype=torch.float64), rtol=F64_RTOL, atol=0.0)
     mine = read_tensors(step_path(out, "three", TOTAL), "model/")
     ref = read_tensors(step_path(out, "straight", TOTAL), "model/")
-    assert all(torch.allclose(mine[k], ref[k], atol=2e-5) for k in ref)
+    assert all(t.dtype == torch.float64 for t in ref.values())  # in_float64 took effect
+    for k in ref:
+        torch.testing.assert_close(mine[k], ref[k], rtol=F64_RTOL, atol=F64_ATOL)

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import bz2
 import gzip
+import hashlib
+import itertools
 import json
 import lzma
 import os
+import random
 import subprocess
 import sys
 
@@ -16,7 +19,7 @@ import pytest
 
 from shardlab.data.prepare import prepare
 from shardlab.data.shards import DataError, read_manifest
-from tests.test_prepare import DOCS, as_jsonl, stream
+from tests.test_prepare import DOCS, WORDS, as_jsonl, stream
 
 
 def _compress(path, kind: str) -> str:
@@ -107,16 +110,17 @@ def test_line_numbers_hold_across_pieces(tmp_path):
 
 
 def test_many_small_files_are_spread_over_units_that_carry_their_own_inputs(tmp_path):
-    from shardlab.data import prepare as prep
+    from shardlab.data import inputs as ins
+    from shardlab.data import units as un
 
     tree = tmp_path / "many"
     tree.mkdir()
     for i in range(400):
         (tree / f"f{i:04d}.txt").write_text(DOCS[i % len(DOCS)] * 30)  # ~400 files of 5-40 KiB
-    inputs, _ = prep.scan_inputs([str(tree)])
-    pieces = prep.plan_pieces(inputs, "text")
-    units = prep.group_units(pieces, prep.unit_target(pieces, 64 << 20))
-    tasks = prep._tasks(inputs, units)
+    inputs, _ = ins.scan_inputs([str(tree)])
+    pieces = ins.plan_pieces(inputs, "text")
+    units = un.plan_units(inputs, pieces, un.unit_target(pieces, 64 << 20), 64 << 20)
+    tasks = list(un.unit_tasks(inputs, units))
     assert len(units) >= 2 and all(kind == "unit" for kind, _ in tasks)  # small files: hashed in their unit
     assert all(set(arg[2]) == {p.input for p in arg[1]} for _, arg in tasks)
     one = prepare([str(tree)], str(tmp_path / "w1"), workers=1)
@@ -179,3 +183,76 @@ def test_exact_dedup_keeps_the_first_copy_whatever_the_workers(tmp_path):
     assert sorted(seen) == sorted(expected)
     train_docs, _ = stream(read_manifest(prepare([path], str(tmp_path / "all"), shard_mb=0.002)).path)
     assert bytes(train_docs).count(b"\xff") == 70  # without --dedup every copy stays
+
+
+def _big_jsonl(tmp_path) -> tuple[str, list[str]]:
+    """About 3 MiB of JSONL (three pieces): a duplicate of a record of the first piece in the last,
+    a bad line in each later piece."""
+    rng = random.Random(4)
+    lines = [json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 400)))})
+             for _ in range(2200)]
+    lines[1500] = lines[7]
+    lines[900], lines[2100] = "not json", '{"body": 1}'
+    path = tmp_path / "big.jsonl"
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return str(path), lines
+
+
+def test_one_compressed_jsonl_is_split_and_equals_one_worker(tmp_path):
+    """A compressed JSONL larger than a unit is decompressed once by the parent and cut into units
+    for the workers (data/units.py): at 2 workers the output is the one of 1 worker byte for byte,
+    with the documents, bad records (their true lines), duplicates and held-out split of the same
+    file uncompressed (zstd; gzip too); a truncated file is refused; reading it is lazy."""
+    from shardlab.data import inputs as ins
+    from shardlab.data import units as un
+
+    plain, lines = _big_jsonl(tmp_path)
+    packed = _compress(plain, "zst")
+    kw = dict(shard_mb=0.1, val_fraction=0.2, dedup="exact")
+    ref = read_manifest(prepare([plain], str(tmp_path / "plain"), **kw))
+    out = [prepare([packed], str(tmp_path / f"w{w}"), workers=w, **kw) for w in (1, 2)]
+    names = sorted(os.listdir(out[0]))
+    assert names == sorted(os.listdir(out[1])) and len([n for n in names if n.startswith("train-")]) >= 6
+    for name in names:  # byte for byte, the manifest included
+        assert open(os.path.join(out[0], name), "rb").read() == open(os.path.join(out[1], name), "rb").read(), name
+    gz = _compress(plain, "gz")
+    for got, path in ((out[0], packed), (prepare([gz], str(tmp_path / "gz"), workers=2, **kw), gz)):
+        m = read_manifest(got).raw
+        assert stream(got) == stream(ref.path) and stream(got, "val") == stream(ref.path, "val")
+        same = ("documents", "bad_records", "duplicates", "replaced_invalid_utf8_bytes")  # input_bytes: on disk
+        assert [m["counts"][k] for k in same] == [ref.raw["counts"][k] for k in same]
+        assert m["counts"]["duplicates"] == 1 and m["counts"]["bad_records"] == 2
+        assert [s.split(": ")[0] for s in m["counts"]["bad_records_first"]] == [f"{path}:901", f"{path}:2101"]
+        assert m["inputs"][0]["sha256"] == hashlib.sha256(open(path, "rb").read()).hexdigest()
+    with pytest.raises(DataError, match=rf"{packed}:901: not a JSON line"):
+        prepare([packed], str(tmp_path / "strict"), workers=2, on_bad_record="fail", **kw)
+    cut = tmp_path / "cut.jsonl.zst"  # an interrupted download: refused, split or read whole
+    cut.write_bytes(open(packed, "rb").read()[:os.path.getsize(packed) // 2])
+    for shard_mb in (0.1, 64):
+        with pytest.raises(DataError, match=r"cut.jsonl.zst: .* damaged or truncated"):
+            prepare([str(cut)], str(tmp_path / f"cut{shard_mb}"), shard_mb=shard_mb)
+
+    inputs, _ = ins.scan_inputs([packed])
+    pieces = ins.plan_pieces(inputs, "text")
+    layout = un.plan_units(inputs, pieces, un.unit_target(pieces, 1 << 17), 1 << 17)
+    assert layout == [un.Split(0, 1 << 17)]
+    tasks = un.unit_tasks(inputs, layout)
+    assert next(tasks) == ("hash", (0, inputs[0]))  # the file as stored, by a task of its own
+    kind_, (n, first, held) = next(tasks)
+    assert (kind_, n, set(held)) == ("unit", 0, {0}) and first[0].bytes < os.path.getsize(packed)  # not all read
+    flat = first + [p for _, arg in tasks for p in arg[1]]
+    assert b"".join(p.data for p in flat) == open(plain, "rb").read()
+    assert [p.line for p in flat] == list(itertools.accumulate([1] + [p.data.count(b"\n") for p in flat[:-1]]))
+    assert sum(p.bytes for p in flat) == os.path.getsize(packed)
+    assert [p.last for p in flat] == [False] * (len(flat) - 1) + [True]
+
+
+def test_the_shapes_benchmark_runs_small(tmp_path):
+    """`python -m shardlab.data.bench_shapes --only jsonl` (docs/data.md's figures) at 1 MiB."""
+    from shardlab.data import bench_shapes
+
+    rows = tmp_path / "rows.json"
+    assert bench_shapes.main(["--only", "jsonl", "--jsonl-mib", "1", "--json", str(rows)]) == 0
+    got = json.loads(rows.read_text())
+    assert all(got[k]["secs_1"] > 0 and got[k]["secs_2"] > 0 for k in ("jsonl", "jsonl.zst"))
+    assert got["zst/plain speed, 2 worker(s)"] > 0

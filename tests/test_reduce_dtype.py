@@ -37,7 +37,7 @@ def test_config_pairs_become_the_engines_policy():
     assert MixedPrecision.from_names("bf16", "fp32") == MixedPrecision(torch.bfloat16, torch.float32)
     assert MixedPrecision.from_names("fp32", "bf16") == MixedPrecision(None, torch.bfloat16)
     assert MixedPrecision.from_names("bf16", "bf16") == MixedPrecision(torch.bfloat16, torch.bfloat16)
-    opts = engine_options(_cfg("parallel.mixed_precision=bf16", "parallel.reduce_dtype=fp32"))
+    opts = engine_options(_cfg("parallel.mixed_precision=bf16", "parallel.reduce_dtype=fp32").parallel)
     assert opts["mixed_precision"] == MixedPrecision(torch.bfloat16, torch.float32)
     with pytest.raises(ConfigError, match=r"parallel.reduce_dtype=fp32 .* parallel.strategy=torch-ddp does not take"):
         _cfg("parallel.strategy=torch-ddp", "parallel.reduce_dtype=fp32")

@@ -222,14 +222,15 @@ def test_train_then_export_cli_equal_logits(tmp_path, monkeypatch):
     from shardlab.cli import main
     from shardlab.config import load_config
     from shardlab.export import load_model
-    from shardlab.train import train
+    from shardlab.loop.train import train
+    from tests.checkpoint_helpers import runtime
 
     monkeypatch.setenv("SHARDLAB_CACHE", str(tmp_path / "cache"))
     cfg = load_config("configs/sft-mistral-tiny.yaml", [
         "parallel.strategy=single", "train.steps=3", "train.global_batch_size=4", "train.micro_batch_size=4",
         "checkpoint.every_steps=3", f"output.dir={tmp_path}", "output.run_name=r", "output.progress=false",
         "output.tensorboard=false", "train.memory_tracking=none", "data.seq_len=64"])
-    result = train(cfg)
+    result = train(cfg, runtime(0, 1, "single"))
     assert result["tokens_processed"] < result["samples_processed"] * 64  # padding not counted
     run = tmp_path / "r"
     assert (run / "hf" / "config.json").exists() and (run / "hf" / "tokenizer.json").exists()

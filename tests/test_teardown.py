@@ -1,5 +1,5 @@
 """Exits that never crash: after a finished run nothing that holds the process group is left for
-interpreter finalization (see [Note: tearing down the process group] in shardlab/runtime.py).
+interpreter finalization (see [Note: tearing down the process group] in shardlab/loop/runtime.py).
 
 The crash this guards against ("terminate called without an active exception", SIGABRT after
 metrics.json was written) struck about one run in seven and only at process exit, so repeating
@@ -22,7 +22,7 @@ STRATEGIES = ["torch-ddp", "torch-fsdp", "ddp", "zero3", "fsdp"]
 def _run_each_engine(rank, world, out_dir):
     from shardlab.config import load_config
     from shardlab.engines.api import Engine
-    from shardlab.train import worker_main
+    from shardlab.loop.train import worker_main
 
     report = {}
     for strategy in STRATEGIES:

@@ -1,4 +1,4 @@
-"""The token-weighted loss ([Note: token-weighted loss] in shardlab/loss.py), through the real
+"""The token-weighted loss ([Note: token-weighted loss] in shardlab/loop/loss.py), through the real
 `build_run`/`train_step`/`evaluate`:
 
 - SFT rows with very different numbers of target tokens (2 to 29 per row), in float64: every
@@ -35,8 +35,9 @@ import torch
 pytest.importorskip("transformers")
 
 import shardlab  # noqa: E402
-from shardlab import train as T  # noqa: E402
 from shardlab.config import load_config  # noqa: E402
+from shardlab.loop import train as T  # noqa: E402
+from shardlab.loop.run import build_run  # noqa: E402
 from shardlab.testing import run_workers  # noqa: E402
 from tests.checkpoint_helpers import runtime  # noqa: E402
 from tests.parity import F64_ATOL, F64_RTOL, assert_parity  # noqa: E402
@@ -87,19 +88,19 @@ def _run_layouts(rank: int, world: int, d: str) -> dict:
     """Every layout of LAYOUTS[world] through build_run/train_step/evaluate (one spawn)."""
     import os
 
-    from shardlab.evaluate import evaluate
+    from shardlab.loop.evaluate import evaluate
 
     os.environ["SHARDLAB_CACHE"] = os.path.join(d, "cache")
     out = {}
     for strategy, micro in LAYOUTS[world]:
         cfg = load_config(None, _overrides(d, strategy, micro))
-        run = T.build_run(cfg, runtime(rank, world, strategy))
+        run = build_run(cfg, runtime(rank, world, strategy))
         losses = []
         for _ in range(STEPS):
             losses.append(T.train_step(run).loss)
             run.opt.zero_grad(set_to_none=True)
             run.state.step += 1
-        val = evaluate(run.model, run.data.val, cfg, run.rt)
+        val = evaluate(run.model, run.data.val, cfg.train, run.rt)
         out[(strategy, world, micro)] = (losses + [val], shardlab.full_state_dict(run.model))
     if world == 2:
         out["pretraining"] = _pretraining_old_and_new(rank, world, ("ddp", "fsdp"))
@@ -134,7 +135,7 @@ def test_variable_rows_make_the_mean_of_means_differ(sft_files, monkeypatch):
     differs from the token mean by far more than the tolerance (in one process, float64)."""
     monkeypatch.setenv("SHARDLAB_CACHE", f"{sft_files}/cache")
     from shardlab.data import build_datasets
-    from shardlab.loss import count_targets
+    from shardlab.loop.loss import count_targets
     from shardlab.models import build_model
 
     cfg = load_config(None, _overrides(sft_files, "single", GLOBAL))
@@ -201,7 +202,7 @@ def _old_evaluate(model, dataset, cfg, rt) -> float:
 
 def _pretraining_old_and_new(rank: int, world: int, strategies) -> dict:
     """gpt-nano on the embedded corpus, 3 steps of 4 micro batches, the new and the old step."""
-    from shardlab.evaluate import evaluate
+    from shardlab.loop.evaluate import evaluate
 
     out = {}
     for strategy in strategies:
@@ -212,13 +213,13 @@ def _pretraining_old_and_new(rank: int, world: int, strategies) -> dict:
             "output.run_name=unused"])
         result = {}
         for name, step in (("new", lambda run: T.train_step(run).loss), ("old", _old_train_step)):
-            run = T.build_run(cfg, runtime(rank, world, strategy))
+            run = build_run(cfg, runtime(rank, world, strategy))
             losses = []
             for _ in range(3):
                 losses.append(step(run))
                 run.opt.zero_grad(set_to_none=True)
                 run.state.step += 1
-            val = evaluate(run.model, run.data.val, cfg, run.rt)
+            val = evaluate(run.model, run.data.val, cfg.train, run.rt)
             old_val = _old_evaluate(run.model, run.data.val, cfg, run.rt)
             result[name] = (losses, val, old_val, shardlab.full_state_dict(run.model))
         out[strategy] = result
@@ -251,9 +252,9 @@ def test_validation_smaller_than_a_global_batch_is_evaluated(sft_files, monkeypa
     (before, it was silently None)."""
     monkeypatch.setenv("SHARDLAB_CACHE", f"{sft_files}/cache")
     from shardlab.data import build_datasets, collate
-    from shardlab.evaluate import evaluate
+    from shardlab.loop.evaluate import evaluate
+    from shardlab.loop.runtime import Runtime
     from shardlab.models import build_model
-    from shardlab.runtime import Runtime
 
     cfg = load_config(None, _overrides(sft_files, "single", 2))
     data = build_datasets(cfg)
@@ -262,5 +263,5 @@ def test_validation_smaller_than_a_global_batch_is_evaluated(sft_files, monkeypa
     x, y = collate(data.val, torch.arange(len(data.val)))
     with torch.no_grad():
         want = model(x, y).item()  # the mean over every target token of the split
-    got = evaluate(model, data.val, cfg, Runtime(0, 0, 1, torch.device("cpu"), None))
+    got = evaluate(model, data.val, cfg.train, Runtime(0, 0, 1, torch.device("cpu"), None))
     assert got == pytest.approx(want, rel=1e-12)

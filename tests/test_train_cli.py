@@ -86,13 +86,13 @@ REDUCE_KIND = {"ddp": "all_reduce", "zero3": "reduce", "fsdp": "reduce_scatter",
 
 
 def _accumulation_runs(rank: int, world: int, out_dir: str, common: list[str]) -> dict:
-    """Every engine at accumulation 1 and 4, trained in turn in one spawn (`shardlab.train.train`,
+    """Every engine at accumulation 1 and 4, trained in turn in one spawn (`shardlab.loop.train.train`,
     the CLI's code path minus the launcher: one process start-up instead of ten)."""
     import torch
 
     from shardlab.config import load_config
-    from shardlab.runtime import Runtime
-    from shardlab.train import train
+    from shardlab.loop.runtime import Runtime
+    from shardlab.loop.train import train
 
     out = {}
     for strategy, kind in REDUCE_KIND.items():
@@ -201,7 +201,7 @@ def test_same_command_resumes_with_the_default_run_name(tmp_path, capsys):
 
 def test_default_run_name_ignores_how_a_run_is_watched():
     from shardlab.config import load_config
-    from shardlab.train import default_run_name
+    from shardlab.loop.train import default_run_name
 
     base = ["model.preset=gpt-nano", "data.seq_len=32"]
     name = default_run_name(load_config("configs/gpt-tiny.yaml", base))

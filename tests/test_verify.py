@@ -107,7 +107,7 @@ def _sync_batchnorm_matches_one_process(rank: int, world: int) -> dict[str, floa
 
 def _cases(rank: int, world: int, root: str, cases: dict) -> dict:
     from shardlab.config import config_from_dict
-    from shardlab.runtime import Runtime
+    from shardlab.loop.runtime import Runtime
     from shardlab.verify.command import make_plan
     from shardlab.verify.compare import compare
     from shardlab.verify.runs import verify_worker

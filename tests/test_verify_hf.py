@@ -66,7 +66,7 @@ def _cases(paths: dict[str, str]) -> dict[str, tuple[dict, str | None]]:
 
 def _run(rank: int, world: int, root: str, cases: dict) -> dict:
     from shardlab.config import config_from_dict
-    from shardlab.runtime import Runtime
+    from shardlab.loop.runtime import Runtime
     from shardlab.verify.command import make_plan
     from shardlab.verify.compare import compare
     from shardlab.verify.runs import verify_worker

@@ -16,16 +16,16 @@ from torch import nn
 
 from shardlab.engines import STRATEGIES, EngineEntry, collectives
 from shardlab.engines import _hooks as hooks
-from shardlab.engines.api import Collective, Engine, materialize_whole_
+from shardlab.engines.api import Engine, materialize_whole_
+from shardlab.engines.measuring import Measurable
+from shardlab.engines.planning import Collective, Plannable
 from shardlab.models import MODELS, ModelSpec
 from shardlab.models.init import init_parameters_
 
 
-class ToyEngine(Engine):
+class ToyEngine(Engine, Plannable, Measurable):
     """Replicated, as plain as data parallelism gets: every rank holds the whole model; after the
     last node of each synced backward all gradients travel in one flat all-reduce (averaged)."""
-
-    strategy = "toy"
 
     def __init__(self, module: nn.Module, **kw: Any):
         super().__init__(module, **kw)

@@ -87,7 +87,7 @@ def _cell_overrides(args: argparse.Namespace, strategy: str, nproc: int, variant
     out += [f"train.steps={args.steps}", "train.warmup_steps=0", "train.eval_batches=1",
             f"parallel.strategy={strategy}", *(f"{_axis_key(k)}={v}" for k, v in variant.items()),
             "checkpoint.resume=none", "checkpoint.every_steps=0", "checkpoint.final=false", "output.tensorboard=false",
-            "output.progress=false"]
+            "output.trackers=[]", "output.progress=false"]
     return out
 
 

@@ -3,6 +3,7 @@
   shardlab prepare INPUT... --out DATA_DIR [--tokenizer DIR] [--workers N]  documents to token shards
   shardlab data inspect DATA_DIR [--docs N]  what a prepared corpus holds, its first documents decoded
   shardlab train [CONFIG.yaml|NAME] [key=value ...] [--nproc N] [--max-restarts R] [--verbose] [--print-config]
+                [--nnodes MIN:MAX --rdzv-endpoint HOST:PORT --rdzv-id ID]   one agent of an elastic job
   shardlab configs [NAME]                                    the shipped example configs (NAME: print one)
   shardlab bench [CONFIG.yaml] [key=value ...] [--nproc 1,2,4]  measure every engine side by side
   shardlab plan CONFIG.yaml [key=value ...] --gpu T4 --nproc N [--nodes K]  predict peak memory and step time
@@ -11,6 +12,7 @@
   shardlab submit {slurm,k8s} CONFIG.yaml ...               render and submit it
   shardlab export RUN_DIR | generate RUN_DIR | eval RUN_DIR  use a trained checkpoint
   shardlab doctor RUN_DIR [--live]                          which rank is stuck, and where every rank waits
+  shardlab report RUN_DIR [--out FILE.html] | trace RUN_DIR [--out FILE.json]  where the time and memory went
 Each command's --help lists its options.
 """
 
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+
+ELASTIC_RESTARTS = 3  # --nnodes without --max-restarts: a node lost is a restart of the others
 
 TRAIN_EPILOG = """\
 examples:
@@ -42,7 +46,7 @@ A hung or failed run: `shardlab doctor <run dir>` (with --live while it runs) na
 
 def _train(args: argparse.Namespace) -> int:
     from shardlab.config import ConfigError, dump_config, load_config, validate_for_world
-    from shardlab.runtime import env_world, in_launched_worker
+    from shardlab.loop.runtime import env_world, in_launched_worker
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -55,14 +59,23 @@ def _train(args: argparse.Namespace) -> int:
             if in_launched_worker():
                 raise ConfigError("--nproc starts local workers, but this process already is a worker "
                                   "(RANK/WORLD_SIZE are set); drop --nproc under torchrun/srun")
-            validate_for_world(cfg, args.nproc)
+            if args.nnodes is None:
+                validate_for_world(cfg, args.nproc)
+            else:  # elastic: every world size MIN..MAX may happen (loop/elastic.py)
+                from shardlab.loop.elastic import check_node_range, parse_nnodes
+
+                args.node_range = parse_nnodes(args.nnodes)
+                check_node_range(lambda world: validate_for_world(cfg, world), args.nproc, *args.node_range)
+        elif args.nnodes is not None:
+            raise ConfigError("--nnodes MIN:MAX starts one elastic agent of --nproc N workers; add --nproc N")
         else:
             validate_for_world(cfg, env_world()[2])
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    from shardlab.train import default_run_name, worker_main
+    from shardlab.loop.run import default_run_name
+    from shardlab.loop.train import worker_main
 
     if args.nproc is None and in_launched_worker():
         return worker_main(cfg)  # one of N: the workers prepare the data together (local rank 0 first)
@@ -76,9 +89,15 @@ def _train(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.nproc is not None:
-        from shardlab.launcher import launch_local
+        from shardlab.loop.launcher import launch_local
 
-        return launch_local(cfg, args.nproc, args.max_restarts, verbose=args.verbose)
+        if args.nnodes is not None:
+            from shardlab.loop.launcher import launch_elastic
+
+            restarts = ELASTIC_RESTARTS if args.max_restarts is None else args.max_restarts
+            return launch_elastic(cfg, args.nproc, args.node_range, args.rdzv_endpoint, args.rdzv_id,
+                                  restarts, verbose=args.verbose)
+        return launch_local(cfg, args.nproc, args.max_restarts or 0, verbose=args.verbose)
     return worker_main(cfg)
 
 
@@ -112,8 +131,16 @@ def _add_train_parser(sub, strategies) -> None:
     tr.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.steps=100")
     tr.add_argument("--nproc", type=int, default=None, metavar="N",
                     help="start N local worker processes through torchrun's elastic agent")
-    tr.add_argument("--max-restarts", type=int, default=0, metavar="R",
-                    help="with --nproc: restart the worker group up to R times when a worker fails")
+    tr.add_argument("--max-restarts", type=int, default=None, metavar="R",
+                    help="with --nproc: restart the worker group up to R times when a worker fails (default 0; "
+                         f"with --nnodes {ELASTIC_RESTARTS}: each lost node is one)")
+    tr.add_argument("--nnodes", default=None, metavar="MIN:MAX",
+                    help="with --nproc: this is one of MIN..MAX agents (nodes) of an elastic job; the job goes on "
+                         "at the same global batch when nodes leave or join (docs/elastic.md)")
+    tr.add_argument("--rdzv-endpoint", default="127.0.0.1:29400", metavar="HOST:PORT",
+                    help="with --nnodes: where the agents meet (c10d rendezvous; the first agent there hosts it)")
+    tr.add_argument("--rdzv-id", default=None, metavar="ID",
+                    help="with --nnodes: the job's name, the same for all its agents (default: the run name)")
     tr.add_argument("--verbose", action="store_true",
                     help="with --nproc: show the workers' stderr (tracebacks, warnings) as they write it, and the "
                          "hang doctor's whole report after a failure; otherwise both are in <run dir>/debug/")
@@ -173,6 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_submit_parser(sub)
     add_export_parsers(sub)
     add_doctor_parser(sub)
+    from shardlab.observe import report, trace
+
+    _add_module_command(sub, "report", "one HTML file on where a run's time and memory went (needs shardlab[plot])",
+                        report)
+    _add_module_command(sub, "trace", "every rank's phases and collectives as one Chrome trace (Perfetto)", trace)
     return parser
 
 

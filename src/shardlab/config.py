@@ -20,6 +20,7 @@ from typing import Any, Optional
 import yaml
 
 from shardlab.data import DATA_SOURCES
+from shardlab.data.layout import layout_for
 from shardlab.engines import STRATEGIES, engine_class
 from shardlab.engines.api import CPUOffload, MixedPrecision
 from shardlab.engines.collectives import resolve_shard_size
@@ -27,6 +28,7 @@ from shardlab.engines.compile import AC_MODES, COMPILE_MODES
 from shardlab.errors import ConfigError
 from shardlab.models import MODELS
 from shardlab.models.lm_loss import LOSS_MODES
+from shardlab.observe.trackers import resolve_trackers
 from shardlab.shipped import config_path, shipped_configs
 
 
@@ -114,6 +116,7 @@ class ParallelConfig:
 @dataclass
 class CheckpointConfig:
     every_steps: int = 0                   # 0 = off
+    every_seconds: Optional[float] = None  # also save when this many seconds passed since the last save
     final: bool = True                     # save the last step's state when training ends (export, eval)
     keep_last: int = 2
     dir: Optional[str] = None              # null = <run dir>/checkpoints
@@ -144,7 +147,8 @@ class DoctorConfig:
 class OutputConfig:
     dir: str = "runs"
     run_name: Optional[str] = None         # null = <model>-<strategy>-<timestamp>
-    tensorboard: bool = True
+    tensorboard: bool = True               # kept for older configs: with trackers unset, [tensorboard] or none
+    trackers: Optional[list[str]] = None   # tensorboard | wandb | mlflow (observe/trackers.py); null: see above
     progress: bool = True
 
 
@@ -406,6 +410,7 @@ def validate(cfg: Config) -> None:
     _validate_parallel(cfg.parallel)
     _validate_export(cfg)
     _validate_checkpoint_and_preemption(cfg)
+    resolve_trackers(cfg.output)  # known and installed, else the extra to install
 
 
 def _validate_data(cfg: Config, spec: Any) -> None:
@@ -442,9 +447,6 @@ def _validate_train(cfg: Config, spec: Any) -> None:
     _check(t.steps >= 1, f"train.steps must be >= 1, got {t.steps}")
     _check(t.global_batch_size >= 1, f"train.global_batch_size must be >= 1, got {t.global_batch_size}")
     _check(t.micro_batch_size >= 1, f"train.micro_batch_size must be >= 1, got {t.micro_batch_size}")
-    _check(t.global_batch_size % t.micro_batch_size == 0,
-           f"train.global_batch_size ({t.global_batch_size}) must be a multiple of train.micro_batch_size "
-           f"({t.micro_batch_size})")
     _check(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
     _check(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
     _check(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
@@ -517,6 +519,8 @@ def _validate_export(cfg: Config) -> None:
 def _validate_checkpoint_and_preemption(cfg: Config) -> None:
     c = cfg.checkpoint
     _check(c.every_steps >= 0, f"checkpoint.every_steps must be >= 0 (0 = off), got {c.every_steps}")
+    _check(c.every_seconds is None or c.every_seconds > 0,
+           f"checkpoint.every_seconds must be > 0 (or null: off), got {c.every_seconds}")
     _check(c.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {c.keep_last}")
     _check(c.resume in ("auto", "none") or os.path.exists(c.resume),
            f"checkpoint.resume must be auto, none or an existing checkpoint path; {c.resume!r} does not exist")
@@ -529,10 +533,9 @@ def _validate_checkpoint_and_preemption(cfg: Config) -> None:
            f"doctor.record_size must be between 16 and {2**20} collectives, got {cfg.doctor.record_size}")
 
 
-def engine_options(cfg: Config) -> dict[str, Any]:
+def engine_options(p: ParallelConfig) -> dict[str, Any]:
     """The `parallel.*` keys as the options of the engine they configure, those it takes
     (its class's `options`): what `shardlab.parallelize` gets."""
-    p = cfg.parallel
     offered = {
         "reshard_after_forward": p.reshard_after_forward,
         "mixed_precision": MixedPrecision.from_names(p.mixed_precision, p.reduce_dtype),
@@ -559,8 +562,4 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
             resolve_shard_size(cfg.parallel.shard_size, world_size)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    per_step = world_size * t.micro_batch_size
-    _check(t.global_batch_size % per_step == 0,
-           f"train.global_batch_size ({t.global_batch_size}) must be divisible by world size x "
-           f"train.micro_batch_size ({world_size} x {t.micro_batch_size} = {per_step}); "
-           f"e.g. train.global_batch_size={per_step * max(1, round(t.global_batch_size / per_step))}")
+    layout_for(t.global_batch_size, t.micro_batch_size, world_size)  # the rule: data/layout.py

@@ -106,14 +106,14 @@ def load_model(source: str, step: int | None = None) -> tuple[nn.Module, dict[st
 
 def evaluate_model(model: nn.Module, cfg, batches: int | None = None) -> float | None:
     from shardlab.data import build_datasets
-    from shardlab.evaluate import evaluate
-    from shardlab.runtime import Runtime
+    from shardlab.loop.evaluate import evaluate
+    from shardlab.loop.runtime import Runtime
 
     if batches is not None:
         cfg.train.eval_batches = batches
     data = build_datasets(cfg)
     rt = Runtime(0, 0, 1, torch.device("cpu"), None)
-    return evaluate(model, data.val, cfg, rt)
+    return evaluate(model, data.val, cfg.train, rt)
 
 
 # ---------------------------------------------------------------------------------------- commands

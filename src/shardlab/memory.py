@@ -168,8 +168,9 @@ class LiveMemoryTracker:
     parameters, gradients, optimizer state and engine buffers at its end (so storages made
     then, such as PyTorch DDP's gradient buckets, are known to the next tracked step).
 
-    engine: the shardlab Engine (its local parameters, buffers, and the transient buffers its
-    `memory_buffers()` lists, by part; its `hook_memory_tracker(self)` hooks the leaves it makes);
+    engine: the shardlab engine: its local parameters and buffers (`Engine`), the transient
+    buffers its `memory_buffers()` lists, by part, and the leaves its `hook_memory_tracker(self)`
+    hooks (`Measurable`, engines/measuring.py);
     optimizer: its state is the part "optimizer". Both optional: without an engine, pass
     `params` (and `buffers`) to tell parameters from activations.
     """

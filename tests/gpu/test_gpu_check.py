@@ -86,8 +86,8 @@ def _train_cases(cases: list[tuple[str, list[str]]], config: str, out: str, back
     NCCL process group on cuda:0, `single` without a group. Returns metrics per name.
     (backend="gloo" on a machine without CUDA rehearses the plumbing on the CPU.)"""
     from shardlab.config import load_config
-    from shardlab.runtime import Runtime, init_runtime, shutdown
-    from shardlab.train import train
+    from shardlab.loop.runtime import Runtime, init_runtime, shutdown
+    from shardlab.loop.train import train
 
     group = init_runtime(backend, 300.0, force_group=True)
     assert backend != "nccl" or (group.device.type == "cuda" and group.backend == "nccl"), group

@@ -21,6 +21,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
+from shardlab.atomic import remove_tree, write_json_atomic
+from shardlab.checkpoint.cost import StageCopy
 from shardlab.checkpoint.format import (
     DCP_METADATA,
     FORMAT,
@@ -47,9 +49,7 @@ from shardlab.checkpoint.reader import (
 )
 from shardlab.checkpoint.rng import capture_rng, restore_rng
 from shardlab.engines.api import engine_of
-from shardlab.metrics import write_json_atomic
 from shardlab.models import model_record
-from shardlab.runtime import all_gather_object
 
 log = logging.getLogger("shardlab.checkpoint")
 
@@ -106,7 +106,11 @@ class CheckpointManager:
         return dist.is_available() and dist.is_initialized() and self.rt.world_size > 1
 
     def _all_gather(self, obj: Any) -> list[Any]:
-        return all_gather_object(obj, self.rt)
+        if not self._distributed:
+            return [obj]
+        out: list[Any] = [None] * self.rt.world_size
+        dist.all_gather_object(out, obj)
+        return out
 
     def _broadcast(self, obj: Any) -> Any:
         if not self._distributed:
@@ -179,7 +183,7 @@ class CheckpointManager:
     def _collect(self, model: nn.Module, opt, state, stage: bool):
         """(plain entries, flat pieces, description) of what this rank saves. stage=True copies
         everything, so training may modify the live tensors while a background save writes."""
-        copy = (lambda t: t.detach().clone()) if stage else (lambda t: t.detach())
+        copy = StageCopy(self.rt.device, stage)  # pinned host memory on CUDA: cost.py
         layout = checkpoint_layout(model)
         shapes = self._param_shapes(layout)
         plain: dict[str, torch.Tensor] = {}
@@ -209,6 +213,7 @@ class CheckpointManager:
         for name, b in buffers.items():
             plain[f"model/{name}"] = copy(b)
         plain.update(capture_rng(self.rt.rank))
+        copy.done()
         desc = {"params": shapes, "buffers": {k: list(b.shape) for k, b in buffers.items()},
                 "optim_tensor_keys": sorted(tensor_keys), "optim_scalar_keys": sorted(scalar_keys)}
         return plain, pieces, desc
@@ -360,7 +365,7 @@ class CheckpointManager:
             write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
             _fsync_dir(tmp)
             if os.path.exists(final):
-                _remove_tree(final)
+                remove_tree(final)
             os.rename(tmp, final)
             _fsync_dir(self.root)
             self.last_save_seconds = manifest["save_seconds"]
@@ -372,11 +377,11 @@ class CheckpointManager:
     def _prune(self, newest: int) -> None:
         complete = list_checkpoints(self.root)
         for _, path in complete[:-self.keep_last]:
-            _remove_tree(path)
+            remove_tree(path)
         for name in os.listdir(self.root):  # saves torn by earlier crashes
             m = re.match(r"^step_(\d{8,})\.tmp$", name)
             if m and int(m.group(1)) < newest:
-                _remove_tree(os.path.join(self.root, name))
+                remove_tree(os.path.join(self.root, name))
 
     # -- load -------------------------------------------------------------------------------------
     def _hash_error(self, path: str, manifest: dict[str, Any]) -> str | None:
@@ -544,16 +549,6 @@ def _jsonable(v: Any) -> bool:
         return True
     except (TypeError, ValueError):
         return False
-
-
-def _remove_tree(path: str) -> None:
-    """Rename first (atomic), so a crash mid-deletion leaves nothing that looks like a checkpoint."""
-    doomed = f"{path}.deleting-{os.getpid()}"
-    try:
-        os.rename(path, doomed)
-    except OSError:
-        doomed = path
-    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _compatibility_error(path: str, manifest: dict[str, Any], shapes: dict[str, list[int]],

@@ -109,6 +109,7 @@ def run_train(data: str, out: str, steps: int, *extra: str) -> dict:
     cmd = [sys.executable, "-m", "shardlab", "train", "configs/gpt-tiny.yaml", "--nproc", "2",
            "data.source=tokens", f"data.path={data}", f"train.steps={steps}", "train.eval_batches=1",
            f"output.dir={out}", "output.run_name=run", "output.progress=false", "output.tensorboard=false",
+           "output.trackers=[]",
            "checkpoint.resume=none", *extra]
     shutil.rmtree(os.path.join(out, "run"), ignore_errors=True)
     t0 = time.perf_counter()

@@ -1,5 +1,5 @@
 """`shardlab prepare` on corpus shapes (docs/data.md): `python -m shardlab.data.bench_shapes
-[--only NAME,...] [--json results.json]`.
+[--only NAME,...] [--jsonl-mib N] [--bpe-mib N] [--json results.json]`.
 
 Each case prepares one generated corpus at --workers 1 and then 2, in this process one after
 the other, and reports both times and their ratio from the same run (the machine's load moves
@@ -7,9 +7,10 @@ absolute figures; a ratio taken seconds apart moves less). Everything is generat
 temporary directory (random words; nothing downloaded or shipped) and removed afterwards:
   many-small   20,000 text files of 4 KiB, bytes
   tree-1g      1 GiB in 1,600 text files, bytes
-  tree-bpe     48 MiB in 1,600 text files, a byte-level BPE of vocab 4096 trained here
+  tree-bpe     48 MiB (--bpe-mib) in 1,600 text files, a byte-level BPE of vocab 4096 trained here
   one-file     one 512 MiB text file, bytes
-  jsonl        256 MiB of JSONL, bytes; then the same file compressed with zstd (one stream: one worker)
+  jsonl        256 MiB of JSONL (--jsonl-mib), bytes; then the same file compressed with zstd (one
+               stream, decompressed by prepare's parent and split for the workers: data/units.py)
 """
 
 from __future__ import annotations
@@ -65,20 +66,22 @@ def zstd_compress(src: str, dst: str) -> None:
         zstandard.ZstdCompressor(level=3).copy_stream(fi, fo)
 
 
-def timed_prepare(inputs: list[str], out: str, workers: int, tokenizer: str | None = None) -> float:
+def timed_prepare(inputs: list[str], out: str, workers: int, tokenizer: str | None = None,
+                  shard_mb: float = 64.0) -> float:
     from shardlab.data.prepare import prepare
 
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
-    prepare(inputs, out, tokenizer=tokenizer, workers=workers, val_fraction=0.0, progress=False)
+    prepare(inputs, out, tokenizer=tokenizer, workers=workers, val_fraction=0.0, progress=False, shard_mb=shard_mb)
     secs = time.perf_counter() - t0
     shutil.rmtree(out, ignore_errors=True)
     return secs
 
 
-def _case(name: str, inputs: list[str], out: str, mib: float, tokenizer: str | None = None) -> dict:
-    one = timed_prepare(inputs, out, 1, tokenizer)
-    two = timed_prepare(inputs, out, 2, tokenizer)
+def _case(name: str, inputs: list[str], out: str, mib: float, tokenizer: str | None = None,
+          shard_mb: float = 64.0) -> dict:
+    one = timed_prepare(inputs, out, 1, tokenizer, shard_mb)
+    two = timed_prepare(inputs, out, 2, tokenizer, shard_mb)
     row = {"input_mib": mib, "secs_1": one, "secs_2": two, "speedup_2_over_1": one / two,
            "mib_s_1": mib / one, "mib_s_2": mib / two, "load": os.getloadavg()[0]}
     print(f"{name}: {mib:.0f} MiB, 1 worker {one:.2f} s ({mib / one:.1f} MiB/s), 2 workers {two:.2f} s "
@@ -89,6 +92,8 @@ def _case(name: str, inputs: list[str], out: str, mib: float, tokenizer: str | N
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="many-small,tree-1g,tree-bpe,one-file,jsonl")
+    p.add_argument("--bpe-mib", type=float, default=48, help="the tree-bpe case's size (default 48)")
+    p.add_argument("--jsonl-mib", type=float, default=256, help="the jsonl case's size (default 256)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     only, rows = args.only.split(","), {}
@@ -105,19 +110,22 @@ def main(argv: list[str] | None = None) -> int:
         if "tree-bpe" in only:
             write_corpus(os.path.join(tmp, "sample.txt"), 8 << 20, seed=2)
             bpe = train_bpe(os.path.join(tmp, "sample.txt"), os.path.join(tmp, "bpe"))
-            write_tree(os.path.join(tmp, "bpetree"), 1600, (48 << 20) // 1600)
-            rows["tree-bpe"] = _case("tree-bpe", [os.path.join(tmp, "bpetree")], out, 48, bpe)
+            write_tree(os.path.join(tmp, "bpetree"), 1600, int(args.bpe_mib * 2**20) // 1600)
+            rows["tree-bpe"] = _case("tree-bpe", [os.path.join(tmp, "bpetree")], out, args.bpe_mib, bpe)
         if "one-file" in only:
             write_corpus(os.path.join(tmp, "one.txt"), 512 << 20, seed=1)
             rows["one-file"] = _case("one-file", [os.path.join(tmp, "one.txt")], out, 512)
             os.remove(os.path.join(tmp, "one.txt"))
         if "jsonl" in only:
             src = os.path.join(tmp, "docs.jsonl")
-            write_jsonl(src, 256 << 20)
+            write_jsonl(src, int(args.jsonl_mib * 2**20))
             zstd_compress(src, src + ".zst")
             mib = os.path.getsize(src) / 2**20
-            rows["jsonl"] = _case("jsonl", [src], out, mib)
-            rows["jsonl.zst"] = _case("jsonl.zst", [src + ".zst"], out, mib)
+            # units of a sixteenth of the file, as the plain file gets by default: at 256 MiB the
+            # default --shard-mb gives the same units, and a small run splits the .zst too
+            shard_mb = min(64.0, mib / 16)
+            rows["jsonl"] = _case("jsonl", [src], out, mib, shard_mb=shard_mb)
+            rows["jsonl.zst"] = _case("jsonl.zst", [src + ".zst"], out, mib, shard_mb=shard_mb)
             for w in ("1", "2"):
                 rows[f"zst/plain speed, {w} worker(s)"] = rows["jsonl"][f"secs_{w}"] / rows["jsonl.zst"][f"secs_{w}"]
                 print(f"jsonl.zst / jsonl speed at {w} worker(s): {rows[f'zst/plain speed, {w} worker(s)']:.2f}x")

@@ -25,6 +25,7 @@ import gzip
 import io
 import lzma
 import os
+import zlib
 from dataclasses import dataclass
 
 from shardlab.data.shards import DataError
@@ -59,24 +60,68 @@ def walk(spec: str) -> tuple[list[str], bool]:
     return sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p)), False
 
 
-def open_stream(path: str, compression: str | None):
-    """A binary file object over the decompressed content of `path`."""
+def open_stream(path: str, compression: str | None, raw=None):
+    """A binary file object over the decompressed content of `path`. raw: the file, already open
+    (data/streams.py passes a reader that hashes the compressed bytes); the caller closes it."""
     if compression is None:
-        return open(path, "rb")
+        return raw or open(path, "rb")
     if compression == "gz":
-        return gzip.open(path, "rb")
+        return gzip.GzipFile(fileobj=raw) if raw else gzip.open(path, "rb")
     if compression == "bz2":
-        return bz2.open(path, "rb")
+        return bz2.BZ2File(raw or path, "rb")
     if compression == "xz":
-        return lzma.open(path, "rb")
+        return lzma.LZMAFile(raw or path, "rb")
     try:
         import zstandard
     except ImportError:
         raise DataError(f"{path}: zstd-compressed input needs the zstandard package: pip install "
                         "'shardlab[data]'") from None
-    raw = open(path, "rb")
-    reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
-    return io.BufferedReader(reader, buffer_size=1 << 20)
+    return io.BufferedReader(_ZstdFrames(raw or open(path, "rb"), zstandard, close=raw is None), buffer_size=1 << 20)
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The frames of a zstd file one after another (as pzstd writes them), refusing a file that
+    ends inside a frame: zstandard's stream_reader ends there without a word, so an interrupted
+    download would be prepared as a shorter corpus (gzip, bzip2 and xz raise EOFError)."""
+
+    def __init__(self, raw, zstandard, close: bool):
+        self.raw, self.zstandard, self.close_raw = raw, zstandard, close
+        self.frame = None  # the decompressor of the frame being read
+        self.out, self.at, self.rest = b"", 0, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while self.at == len(self.out):
+            data = self.rest or self.raw.read(1 << 15)  # small: a chunk's output is held whole
+            if not data:
+                if self.frame is not None:
+                    raise self.zstandard.ZstdError("it ends inside a zstd frame")
+                return 0
+            self.frame = self.frame or self.zstandard.ZstdDecompressor().decompressobj()
+            self.out, self.at, self.rest = self.frame.decompress(data), 0, b""
+            if self.frame.eof:  # the next frame, if any, starts in what this one left
+                self.frame, self.rest = None, self.frame.unused_data
+        n = min(len(b), len(self.out) - self.at)
+        b[:n] = self.out[self.at:self.at + n]
+        self.at += n
+        return n
+
+    def close(self) -> None:
+        if self.close_raw:
+            self.raw.close()
+        super().close()
+
+
+def read_errors() -> tuple[type[BaseException], ...]:
+    """What reading a damaged or truncated file raises (the decompressors' own errors included)."""
+    errors: tuple[type[BaseException], ...] = (OSError, EOFError, ValueError, lzma.LZMAError, zlib.error)
+    try:
+        import zstandard
+    except ImportError:
+        return errors
+    return (*errors, zstandard.ZstdError)
 
 
 def head(path: str, compression: str | None, n: int) -> bytes:
@@ -87,10 +132,9 @@ def head(path: str, compression: str | None, n: int) -> bytes:
             while len(out) < n and (block := f.read(n - len(out))):
                 out += block
             return out
-    except (OSError, EOFError, lzma.LZMAError) as e:
-        raise DataError(f"{path}: cannot decompress it as {compression} ({e}); the file is damaged or "
-                        "truncated") from None
-    except Exception as e:  # zstandard.ZstdError
+    except DataError:
+        raise
+    except read_errors() as e:
         raise DataError(f"{path}: cannot decompress it as {compression} ({e}); the file is damaged or "
                         "truncated") from None
 

@@ -4,10 +4,11 @@ worker reads on its own, each yielding documents as text.
 
 [Note: pieces] A piece is a small part of one input: about PIECE_BYTES of an uncompressed text
 or JSONL file, one Parquet row group, a range of rows of a `datasets` directory, or a whole
-compressed file or JSON array (a stream that cannot be entered in the middle). Pieces are
-planned from sizes and metadata alone, so planning reads no text, and they depend only on the
-inputs: the same corpus gives the same pieces, hence the same tokens, for any --workers and
---shard-mb. A file's nominal piece boundary b moves to just after the first newline at or
+compressed file or JSON array (a stream that cannot be entered in the middle; a compressed
+JSONL larger than a unit is cut by prepare's process as it decompresses it instead, into pieces
+that carry their bytes: data/units.py). Pieces are planned from sizes and metadata alone, so
+planning reads no text, and they depend only on the inputs: the same corpus gives the same
+pieces, hence the same tokens, for any --workers and --shard-mb. A file's nominal piece boundary b moves to just after the first newline at or
 after b (a JSONL record is never cut); in a text file without a newline within CUT_WINDOW of
 b it moves back to the start of the UTF-8 character at b. Both pieces that share a boundary
 compute the same cut, so they cover the file exactly once.
@@ -30,7 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from shardlab.data.formats import SUPPORTED, head, open_stream, sniff, walk
+from shardlab.data.formats import SUPPORTED, head, open_stream, read_errors, sniff, walk
 from shardlab.data.shards import DataError
 
 PIECE_BYTES = 1 << 20
@@ -123,6 +124,10 @@ class Piece:
     bytes: int      # input bytes it stands for (progress, shard sizing)
     first: bool     # holds the start of the input (text: its document's first bytes)
     last: bool      # holds the end of the input (text: where its end-of-document token goes)
+    # a piece of a split compressed input (data/units.py): its decompressed bytes and the number
+    # of its first line
+    data: bytes | None = None
+    line: int = 1
 
 
 def plan_pieces(inputs: list[Input], field: str) -> list[Piece]:
@@ -223,7 +228,11 @@ def read_piece(inp: Input, piece: Piece, field: str, counter: ReplacementCounter
     ASCII bytes, which need no decoding to be valid UTF-8 (a byte-level prepare then never
     builds the string). Bad records go to `bad` (default: fail)."""
     bad = bad or BadRecords("fail")
-    if inp.streamed:
+    if piece.data is not None:  # cut by the parent from a compressed JSONL file (data/streams.py)
+        raw = piece.data
+        yield from _jsonl_documents(inp.path, piece.start, raw,
+                                    lambda at: piece.line + raw.count(b"\n", 0, at - piece.start), field, counter, bad)
+    elif inp.streamed:
         yield from _streamed(inp, field, counter, bad)
     elif inp.format in ("text", "jsonl"):
         with open(inp.path, "rb") as f:
@@ -244,7 +253,7 @@ def read_piece(inp: Input, piece: Piece, field: str, counter: ReplacementCounter
             text = counter.decode(raw)
             yield text, raw if counter.count == before else b""
             return
-        yield from _jsonl_documents(inp.path, a, raw, field, counter, bad)
+        yield from _jsonl_documents(inp.path, a, raw, functools.partial(line_number, inp.path), field, counter, bad)
     elif inp.format == "parquet":
         pf = _parquet_file(inp.path, field)
         row = 0
@@ -272,11 +281,16 @@ def _streamed(inp: Input, field: str, counter: ReplacementCounter, bad: BadRecor
                         yield text, b""
             else:
                 yield from _json_array(inp.path, f, field, counter, bad)
-    except (OSError, EOFError, ValueError) as e:
-        if isinstance(e, DataError):
-            raise
-        raise DataError(f"{inp.path}: cannot read it as {inp.compression or 'uncompressed'} {inp.format} ({e}); "
-                        "the file is damaged or truncated") from None
+    except read_errors() as e:
+        raise damaged(inp, e) from None
+
+
+def damaged(inp: Input, e: BaseException) -> DataError:
+    """The error for an input that cannot be read (e: what reading it raised); a DataError stays itself."""
+    if isinstance(e, DataError):
+        return e
+    return DataError(f"{inp.path}: cannot read it as {inp.compression or 'uncompressed'} {inp.format} ({e}); "
+                     "the file is damaged or truncated")
 
 
 def _text_stream(f, counter: ReplacementCounter):
@@ -342,12 +356,13 @@ def _record(line: bytes, where: Callable[[], str], field: str, counter: Replacem
     return _text_of(record[field], where, field, bad)
 
 
-def _jsonl_documents(path: str, offset: int, raw: bytes, field: str, counter: ReplacementCounter,
-                     bad: BadRecords):
+def _jsonl_documents(path: str, offset: int, raw: bytes, line_at: Callable[[int], int], field: str,
+                     counter: ReplacementCounter, bad: BadRecords):
+    """The records of `raw`, the lines from byte `offset` of `path`; line_at(offset): its line number."""
     at = offset
     for line in raw.split(b"\n"):
         where, at = at, at + len(line) + 1
-        text = _record(line, lambda w=where: f"{path}:{line_number(path, w)}", field, counter, bad)
+        text = _record(line, lambda w=where: f"{path}:{line_at(w)}", field, counter, bad)
         if text is not None:
             yield text, b""
 

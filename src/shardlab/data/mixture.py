@@ -33,6 +33,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
+import os
 from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
@@ -77,16 +78,28 @@ def apportion(n: int, weights: list[Fraction]) -> list[int]:
     return counts + [left]
 
 
+def source_names(paths: list[str]) -> list[str]:
+    """Short names of a mixture's corpora, as reports and metric keys (`val_loss/<name>`) call
+    them: each directory's last path component, with as many of its parents as make them distinct."""
+    parts = [os.path.normpath(os.path.abspath(p)).split(os.sep) for p in paths]
+    for k in range(1, max(len(p) for p in parts) + 1):
+        names = ["/".join(p[-k:]).strip("/") for p in parts]
+        if len(set(names)) == len(names):
+            return names
+    return list(paths)
+
+
 def _key(*parts: Any) -> int:
     """A permutation key from named parts (stable across processes and Python versions)."""
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little")
 
 
 class MixtureWindows(torch.utils.data.Dataset):
-    """Several corpora's windows as one dataset: corpus j's window k is index offsets[j] + k."""
+    """Several corpora's windows as one dataset: corpus j's window k is index offsets[j] + k;
+    `names`: the corpora's (source_names), by which evaluation reports each one's loss."""
 
-    def __init__(self, parts: list[torch.utils.data.Dataset]):
-        self.parts = parts
+    def __init__(self, parts: list[torch.utils.data.Dataset], names: list[str]):
+        self.parts, self.names = parts, names
         self.offsets = [0]
         for p in parts:
             self.offsets.append(self.offsets[-1] + len(p))
@@ -178,6 +191,7 @@ def source_counts(sampler: MixtureSampler, first_step: int, end_step: int, token
     of [Note: mixture order], whatever was resumed)."""
     whole, before = sampler.samples_before(end_step), sampler.samples_before(first_step)
     total = max(1, sum(whole))
-    return [{"data_dir": name, "weight": float(w), "samples": s, "tokens": s * tokens_per_sample,
+    return [{"name": short, "data_dir": name, "weight": float(w), "samples": s, "tokens": s * tokens_per_sample,
              "share": s / total, "samples_this_run": s - b, "tokens_this_run": (s - b) * tokens_per_sample}
-            for name, w, s, b in zip(sampler.names, sampler.weights, whole, before)]
+            for short, name, w, s, b in zip(source_names(sampler.names), sampler.names, sampler.weights, whole,
+                                            before)]

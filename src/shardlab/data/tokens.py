@@ -30,6 +30,7 @@ from shardlab.data.mixture import (
     apportion,
     check_mix_weights,
     normalised_weights,
+    source_names,
 )
 from shardlab.data.prepare import FORMAT_VERSION, prepare
 from shardlab.data.shards import (
@@ -234,14 +235,15 @@ def build_mixture(cfg) -> Datasets:
     each corpus's own val split (as data.path's), weighted as the mixture: of the train.eval_batches
     global batches evaluated, corpus j gives its apportioned share (fewer if its split is smaller)."""
     checked, d, t = _checked_on_every_rank(cfg), cfg.data, cfg.train
-    weights, names = normalised_weights(d.mix), list(d.mix)
+    weights, names, short = normalised_weights(d.mix), list(d.mix), source_names(list(d.mix))
     val_shares = apportion(t.eval_batches * t.global_batch_size, weights)
-    trains, vals, said, infos = [], [], [], []
-    for (m, verified), name, w, share in zip(checked, names, weights, val_shares):
+    trains, vals, val_names, said, infos = [], [], [], [], []
+    for (m, verified), name, w, share, short_name in zip(checked, names, weights, val_shares, short):
         train, val, validation = _split_windows(cfg, m)
         trains.append(train)
         if val is not None and share > 0:
             vals.append(ShardWindows(val.stream, d.seq_len, val.first, min(val.stop, val.first + share)))
+            val_names.append(short_name)
             said.append(f"{name}: {len(vals[-1])} windows")
         else:
             said.append(f"{name}: {validation if val is None else '0 windows (its weight is too small)'}")
@@ -255,9 +257,9 @@ def build_mixture(cfg) -> Datasets:
     info = {"mix": infos, "manifest_sha256": identity.hexdigest(), "tokenizer": first.raw["tokenizer"],
             "validation": validation}
     sizes = [len(p) for p in trains]
-    return Datasets(MixtureWindows(trains), MixtureWindows(vals) if vals else None, vocab_size=first.vocab_size,
-                    tokens_per_sample=d.seq_len, info=info, manifest_sha256=identity.hexdigest(),
-                    tokenizer_files=first.tokenizer_dir,
+    return Datasets(MixtureWindows(trains, short), MixtureWindows(vals, val_names) if vals else None,
+                    vocab_size=first.vocab_size, tokens_per_sample=d.seq_len, info=info,
+                    manifest_sha256=identity.hexdigest(), tokenizer_files=first.tokenizer_dir,
                     make_sampler=lambda g, seed, shuffle: MixtureSampler(sizes, weights, g, seed, shuffle, names))
 
 

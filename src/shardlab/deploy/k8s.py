@@ -33,7 +33,6 @@ from pathlib import Path
 
 import yaml
 
-from shardlab import preemption
 from shardlab.deploy.common import (
     RESOLVED_CONFIG_NAME,
     DeployTarget,
@@ -46,6 +45,7 @@ from shardlab.deploy.common import (
     with_defaults,
     write_files,
 )
+from shardlab.loop import preemption
 
 IMAGE_NAME = "shardlab"             # the name the kustomization's `images:` entry rewrites
 DEFAULT_IMAGE_TAG = "0.1.0"
@@ -233,7 +233,7 @@ def job(req: K8sRequest) -> dict:
             "podFailurePolicy": {"rules": [
                 # a spot preemption or node drain is not the job's fault: replace the pod for free
                 {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-                # 75: a SIGTERM became a complete checkpoint (shardlab.preemption); resume in a new pod
+                # 75: a SIGTERM became a complete checkpoint (shardlab.loop.preemption); resume in a new pod
                 {"action": "Ignore", "onExitCodes": {"containerName": "trainer", "operator": "In",
                                                      "values": [preemption.PREEMPTED_EXIT_CODE]}},
             ]},

@@ -28,7 +28,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardlab import preemption
 from shardlab.deploy.common import (
     RESOLVED_CONFIG_NAME,
     DeployTarget,
@@ -42,6 +41,7 @@ from shardlab.deploy.common import (
     write_files,
 )
 from shardlab.deploy.templating import fill
+from shardlab.loop import preemption
 
 SBATCH_NAME = "shardlab.sbatch"
 
@@ -225,7 +225,7 @@ def render(req: SlurmRequest) -> tuple[list[Path], str]:
 def _run_dir_expression(cfg, workdir: str) -> str:  # noqa: ANN001
     """The run directory as the workers will name it, in shell: output.run_name, or (unset) the
     default run name, the hash of this resolved config that every worker computes from it."""
-    from shardlab.train import default_run_name  # the training loop's rule; deferred: only here
+    from shardlab.loop.run import default_run_name  # the training loop's rule; deferred: only here
 
     return sh_quote(os.path.join(workdir, cfg.output.dir, cfg.output.run_name or default_run_name(cfg)))
 

@@ -20,6 +20,7 @@ import signal
 import sys
 from typing import Any
 
+from shardlab.atomic import write_json_atomic
 from shardlab.doctor import analysis, report
 from shardlab.doctor.report import verdict
 from shardlab.doctor.worker import EXITS_FILE, RUN_DIR_NOTE_ENV, debug_dir, reads_as_peer_failure
@@ -40,8 +41,6 @@ def forget_exits(run_dir: str) -> None:
 def record_exits(run_dir: str, launch: str | None, failures: dict[int, Any]) -> None:
     """The agent's view of the failed workers (torchrun's ProcessFailure per global rank);
     `launch`: the workers' TORCHELASTIC_RUN_ID (None: unknown, read as this launch's)."""
-    from shardlab.metrics import write_json_atomic
-
     ranks = {str(r): {"exitcode": f.exitcode, "pid": f.pid, "timestamp": f.timestamp} for r, f in failures.items()}
     write_json_atomic(os.path.join(debug_dir(run_dir), EXITS_FILE), {"launch": launch, "ranks": ranks})
 

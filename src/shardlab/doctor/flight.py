@@ -10,7 +10,16 @@ last wrote survives it (frozen, killed, crashed) for the others and for `shardla
                           answered, the run state (running / finished / failed / preempted)
   ring (capacity x ENTRY_BYTES)  entry n (1-based) lives in slot (n - 1) % capacity: its number,
                           group id, unit id, sequence number in its group, payload bytes, issue
-                          and completion times (0: not completed), kind, phase and step
+                          and completion times (0: not completed), kind, phase and step, and
+                          when this rank began to wait for it (`waited`, below)
+  marks (capacity x MARK_BYTES)  mark n lives in slot (n - 1) % capacity: its number, time, step
+                          and phase: every phase change and every new step, so the time of each
+                          step splits into its phases afterwards (shardlab report, trace)
+
+`waited`: 0.0 for a blocking call (the rank waited from its issue), the time its `wait()` began
+for an asynchronous one, -1.0 for one completed by a callback this rank never waited on (PyTorch
+DDP's bucket futures): the exposed part of a collective is from `waited` (or its issue) to its
+completion (docs/observability.md).
 
 Names behind the numbers (groups and their ranks, units, kinds, phases) are in
 `rank<r>.meta.json` beside it (worker.py). Times are wall-clock seconds (time.time()), so
@@ -42,16 +51,17 @@ from dataclasses import dataclass
 from typing import Any
 
 MAGIC = b"SHDLFLT1"
-VERSION = 1
+VERSION = 2          # 2: the waited time of each entry and the ring of phase marks; 1 is still read
 DEFAULT_CAPACITY = 4096
 
 #: Collective kinds, in code order (code = index + 1; 0 = unknown). The first five are shardlab's
 #: own collectives'; the others come from torch.distributed called directly (raw_collectives.py).
 KINDS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "barrier", "all_to_all", "gather",
          "scatter", "all_gather_object", "broadcast_object", "gather_object", "scatter_object")
-#: Phases, in code order (code = index). "loop": inside the training loop between the marked
-#: phases (the step-boundary agreement, the loss all-reduce, logging).
-PHASES = ("startup", "loop", "data", "forward", "backward", "optimizer", "eval", "checkpoint", "finish")
+#: Phases, in code order (code = index; new ones are appended, so older files read the same). "loop":
+#: inside the training loop between the marked phases (the step-boundary agreement, the loss
+#: all-reduce); "log": what a step's measurements cost (steps.jsonl, trackers, progress bar).
+PHASES = ("startup", "loop", "data", "forward", "backward", "optimizer", "eval", "checkpoint", "finish", "log")
 #: Run states in the header.
 STATES = ("running", "finished", "failed", "preempted")
 
@@ -68,12 +78,19 @@ _WATCH = struct.Struct("<dq")                     # tick answered: the watcher t
 _WATCH_AT = 88
 _STATE = struct.Struct("<i")                      # run state: the main thread's alone
 _STATE_AT = 104
+_MARKS = struct.Struct("<q")                      # phase marks written so far: the main thread's alone
+_MARKS_AT = 112
 HEADER_BYTES = 128
 # entry: number gid unit seq nbytes issued completed kind phase step (56 bytes, padded to 64)
 _ENTRY = struct.Struct("<qiiqqddhhi")
 _COMPLETED = struct.Struct("<d")
 _COMPLETED_AT = 40
+_WAITED = struct.Struct("<d")
+_WAITED_AT = 56
 ENTRY_BYTES = 64
+# mark: number time step phase
+_MARK = struct.Struct("<qdii")
+MARK_BYTES = 24
 
 
 def flight_path(debug_dir: str, rank: int) -> str:
@@ -89,6 +106,7 @@ class FlightRecorder:
         self.path, self.mapped_file = "", False
         self.capacity = 0
         self.count = 0
+        self.marks = 0
         self.step = 0
         self.phase = 0
         self.unit = -1
@@ -106,7 +124,7 @@ class FlightRecorder:
         the filesystem cannot map files shared (some FUSE mounts): `flush` then writes a copy
         to `path`, which the watcher thread does every few seconds and at every dump."""
         self.close()
-        size = HEADER_BYTES + capacity * ENTRY_BYTES
+        size = HEADER_BYTES + capacity * (ENTRY_BYTES + MARK_BYTES)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
@@ -119,7 +137,7 @@ class FlightRecorder:
             self.mm = mmap.mmap(-1, size)
             self.mapped_file = False
         self.path = path
-        self.capacity, self.count, self.step, self.phase, self.unit = capacity, 0, 0, 0, -1
+        self.capacity, self.count, self.marks, self.step, self.phase, self.unit = capacity, 0, 0, 0, 0, -1
         self.groups, self.by_name, self.group_names = {}, {}, []
         now = time.time()
         _IDENTITY.pack_into(self.mm, 0, MAGIC, VERSION, rank, world, os.getpid(), attempt, capacity, now)
@@ -127,6 +145,7 @@ class FlightRecorder:
         _COUNT.pack_into(self.mm, _COUNT_AT, 0, now)
         _WATCH.pack_into(self.mm, _WATCH_AT, now, 0)
         _STATE.pack_into(self.mm, _STATE_AT, 0)
+        _MARKS.pack_into(self.mm, _MARKS_AT, 0)
 
     def close(self, state: str | None = None) -> None:
         if self.mm is None:
@@ -179,8 +198,14 @@ class FlightRecorder:
         self.unit = unit
 
     def _progress(self, now: float) -> None:
-        if self.mm is not None:
-            _PROGRESS.pack_into(self.mm, _PROGRESS_AT, self.step, self.phase, self.unit, now, now)
+        mm = self.mm
+        if mm is not None:
+            _PROGRESS.pack_into(mm, _PROGRESS_AT, self.step, self.phase, self.unit, now, now)
+            self.marks += 1
+            n = self.marks
+            _MARK.pack_into(mm, HEADER_BYTES + self.capacity * ENTRY_BYTES + ((n - 1) % self.capacity) * MARK_BYTES,
+                            n, now, self.step, self.phase)
+            _MARKS.pack_into(mm, _MARKS_AT, n)
 
     # -- collectives ------------------------------------------------------------------------------
     def issue(self, kind: str, nbytes: int, group: Any) -> int:
@@ -195,8 +220,10 @@ class FlightRecorder:
         self.count += 1
         n = self.count
         now = time.time()
-        _ENTRY.pack_into(mm, HEADER_BYTES + ((n - 1) % self.capacity) * ENTRY_BYTES, n, g[0], self.unit, g[1],
-                         nbytes, now, 0.0, _KIND_CODE.get(kind, 0), self.phase, self.step)
+        at = HEADER_BYTES + ((n - 1) % self.capacity) * ENTRY_BYTES
+        _ENTRY.pack_into(mm, at, n, g[0], self.unit, g[1], nbytes, now, 0.0, _KIND_CODE.get(kind, 0), self.phase,
+                         self.step)
+        _WAITED.pack_into(mm, at + _WAITED_AT, 0.0)  # a slot reused by the ring keeps no old value
         _COUNT.pack_into(mm, _COUNT_AT, n, now)
         return n
 
@@ -212,13 +239,23 @@ class FlightRecorder:
                 self.on_new_group()
         return slot
 
-    def complete(self, n: int) -> None:
-        """The collective entered as number `n` returned to this rank (its wait finished)."""
+    def complete(self, n: int, waited: bool = True) -> None:
+        """The collective entered as number `n` returned to this rank (its wait finished).
+        waited=False: completed by a callback this rank did not wait on (see `waited` above)."""
         mm = self.mm
         if mm is None or n <= 0 or n <= self.count - self.capacity:
             return
-        _COMPLETED.pack_into(mm, HEADER_BYTES + ((n - 1) % self.capacity) * ENTRY_BYTES + _COMPLETED_AT,
-                             time.time())
+        at = HEADER_BYTES + ((n - 1) % self.capacity) * ENTRY_BYTES
+        if not waited:
+            _WAITED.pack_into(mm, at + _WAITED_AT, -1.0)
+        _COMPLETED.pack_into(mm, at + _COMPLETED_AT, time.time())
+
+    def waiting(self, n: int) -> None:
+        """This rank begins to wait for the asynchronous collective entered as number `n`."""
+        mm = self.mm
+        if mm is None or n <= 0 or n <= self.count - self.capacity:
+            return
+        _WAITED.pack_into(mm, HEADER_BYTES + ((n - 1) % self.capacity) * ENTRY_BYTES + _WAITED_AT, time.time())
 
     # -- the watcher thread's fields --------------------------------------------------------------
     def tick(self, answered: int) -> None:
@@ -251,9 +288,21 @@ class Entry:
     phase: str
     step: int
 
+    waited: float = 0.0  # 0.0: blocking; > 0: when its wait began; -1.0: completed by a callback
+
     @property
     def done(self) -> bool:
         return self.completed > 0
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A phase change or a new step: from `time` on, the rank was in `phase` of `step`."""
+
+    number: int
+    time: float
+    step: int
+    phase: str
 
 
 @dataclass(frozen=True)
@@ -274,6 +323,7 @@ class Flight:
     answered: int           # the last dump request answered
     state: str
     entries: tuple[Entry, ...]   # oldest first
+    marks: tuple[Mark, ...] = ()  # oldest first (format 2; none in a format 1 file)
 
 
 def read_flight(path: str) -> Flight:
@@ -283,8 +333,8 @@ def read_flight(path: str) -> Flight:
     if len(data) < HEADER_BYTES or data[:8] != MAGIC:
         raise ValueError(f"{path} is not a shardlab flight file")
     _, version, rank, world, pid, attempt, capacity, started = _IDENTITY.unpack_from(data, 0)
-    if version != VERSION:
-        raise ValueError(f"{path}: flight format version {version}, this shardlab reads {VERSION}")
+    if version not in (1, VERSION):
+        raise ValueError(f"{path}: flight format version {version}, this shardlab reads 1 and {VERSION}")
     step, phase, unit, since, updated = _PROGRESS.unpack_from(data, _PROGRESS_AT)
     count, last_issue = _COUNT.unpack_from(data, _COUNT_AT)
     tick, answered = _WATCH.unpack_from(data, _WATCH_AT)
@@ -297,9 +347,28 @@ def read_flight(path: str) -> Flight:
         num, gid, u, seq, nbytes, issued, completed, kind, ph, st = _ENTRY.unpack_from(data, off)
         if num != n:  # being written at the moment of reading (a live file)
             continue
+        (waited,) = _WAITED.unpack_from(data, off + _WAITED_AT)
         entries.append(Entry(num, gid, u, seq, nbytes, issued, completed,
-                             KINDS[kind - 1] if 0 < kind <= len(KINDS) else "unknown",
-                             PHASES[ph] if 0 <= ph < len(PHASES) else "unknown", st))
-    return Flight(rank, world, pid, attempt, capacity, started, step,
-                  PHASES[phase] if 0 <= phase < len(PHASES) else "unknown", unit, since, max(updated, last_issue),
-                  count, tick, answered, STATES[state] if 0 <= state < len(STATES) else "unknown", tuple(entries))
+                             KINDS[kind - 1] if 0 < kind <= len(KINDS) else "unknown", _phase_name(ph), st,
+                             waited if version > 1 else 0.0))
+    marks = _read_marks(data, capacity) if version > 1 else ()
+    return Flight(rank, world, pid, attempt, capacity, started, step, _phase_name(phase), unit, since,
+                  max(updated, last_issue), count, tick, answered,
+                  STATES[state] if 0 <= state < len(STATES) else "unknown", tuple(entries), marks)
+
+
+def _phase_name(code: int) -> str:
+    return PHASES[code] if 0 <= code < len(PHASES) else "unknown"
+
+
+def _read_marks(data: bytes, capacity: int) -> tuple[Mark, ...]:
+    (count,) = _MARKS.unpack_from(data, _MARKS_AT)
+    base, marks = HEADER_BYTES + capacity * ENTRY_BYTES, []
+    for n in range(max(1, count - capacity + 1), count + 1):
+        off = base + ((n - 1) % capacity) * MARK_BYTES
+        if off + MARK_BYTES > len(data):
+            break
+        num, t, step, ph = _MARK.unpack_from(data, off)
+        if num == n:  # else: being written at the moment of reading
+            marks.append(Mark(num, t, step, _phase_name(ph)))
+    return tuple(marks)

@@ -42,6 +42,7 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
+from shardlab.atomic import write_json_atomic
 from shardlab.doctor.flight import KINDS, PHASES, RECORDER, STATES, flight_path
 
 WATCH_PERIOD_S = 0.5
@@ -62,8 +63,6 @@ def launch_id() -> str:
 
 
 def _write_json(path: str, data: Any) -> None:
-    from shardlab.metrics import write_json_atomic
-
     write_json_atomic(path, data, default=str)
 
 

@@ -15,16 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardlab.engines.api import (
-    ENGINE_ATTR,
-    Engine,
-    MixedPrecision,
-    attach,
-    engine_of,
-    optimizer_state_bytes,
-    resolve_units,
-)
+from shardlab.engines.api import ENGINE_ATTR, Engine, MixedPrecision, attach, engine_of, resolve_units
 from shardlab.engines.compile import Checkpointing, apply_to_units
+from shardlab.engines.measuring import Measurable, optimizer_state_bytes
+from shardlab.engines.planning import Plannable
 
 
 @dataclass(frozen=True)
@@ -45,6 +39,10 @@ STRATEGIES: dict[str, EngineEntry] = {
     "ddp": EngineEntry("shardlab.engines.ddp:DDPEngine", torch_twin="torch-ddp"),
     "zero3": EngineEntry("shardlab.engines.zero3:Zero3Engine", torch_twin="torch-fsdp"),
     "fsdp": EngineEntry("shardlab.engines.fsdp:FSDPEngine", torch_twin="torch-fsdp"),
+    # the same algorithms, each in one short file with nothing beyond them: to read first (docs/engines.md)
+    "ddp-minimal": EngineEntry("shardlab.engines.ddp_minimal:MinimalDDPEngine", torch_twin="torch-ddp"),
+    "zero3-minimal": EngineEntry("shardlab.engines.zero3_minimal:MinimalZero3Engine", torch_twin="torch-fsdp"),
+    "fsdp-minimal": EngineEntry("shardlab.engines.fsdp_minimal:MinimalFSDPEngine", torch_twin="torch-fsdp"),
     "torch-ddp": EngineEntry("shardlab.engines.native:TorchDDPEngine"),
     "torch-fsdp": EngineEntry("shardlab.engines.native:TorchFSDPEngine"),
 }
@@ -54,15 +52,21 @@ STRATEGIES: dict[str, EngineEntry] = {
 ONE_PROCESS = "single"
 ALL_REDUCE = "ddp"
 
-__all__ = ["STRATEGIES", "ONE_PROCESS", "ALL_REDUCE", "EngineEntry", "Engine", "MixedPrecision", "parallelize", "engine_class", "engine_of",
-           "is_sharded", "optimizer_state_bytes", "ENGINE_ATTR"]
+__all__ = ["STRATEGIES", "ONE_PROCESS", "ALL_REDUCE", "EngineEntry", "Engine", "Plannable", "Measurable",
+           "MixedPrecision", "parallelize", "engine_class", "engine_of", "is_sharded", "optimizer_state_bytes",
+           "ENGINE_ATTR"]
 
 
 def engine_class(strategy: str) -> type[Engine]:
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
-    mod, cls = STRATEGIES[strategy].target.split(":")
-    return getattr(importlib.import_module(mod), cls)
+    mod, name = STRATEGIES[strategy].target.split(":")
+    cls = getattr(importlib.import_module(mod), name)
+    if not all(isinstance(cls, type) and issubclass(cls, face) for face in (Engine, Plannable, Measurable)):
+        raise TypeError(f"strategy {strategy!r}: {STRATEGIES[strategy].target} must be a class composing Engine, "
+                        "Plannable and Measurable (engines/api.py, planning.py, measuring.py), e.g. "
+                        "`class MyEngine(Engine, Plannable, Measurable)`")
+    return cls
 
 
 def is_sharded(strategy: str) -> bool:
@@ -84,8 +88,8 @@ def parallelize(model: nn.Module, strategy: str = "fsdp", wrap: Any = None, *,
 
     model: a plain nn.Module, possibly on the meta device (sharded engines then
         materialize only what this rank holds; the others materialize it whole).
-    wrap: the units: None (the model's repeated blocks), a set of module classes, or a
-        predicate on modules. The root is always a unit of its own.
+    wrap: the units: None (the model's repeated blocks), a set of module classes or of their
+        names, or a predicate on modules. The root is always a unit of its own.
     group: the process group (default: the world). Needs torch.distributed initialized,
         except for strategy="single".
     activation_checkpointing: "none", "full" (recompute each unit's activations in backward)
@@ -109,5 +113,5 @@ def parallelize(model: nn.Module, strategy: str = "fsdp", wrap: Any = None, *,
     checkpointing = Checkpointing.parse(activation_checkpointing, ac_every)
     units = resolve_units(model, wrap)
     apply_to_units(units, checkpointing, compile, compile_mode)
-    engine = cls(model, group=group, device=device, units=units, **options)
+    engine = cls(model, strategy=strategy, group=group, device=device, units=units, **options)
     return attach(engine)

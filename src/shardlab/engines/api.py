@@ -1,25 +1,10 @@
-"""The engine contract: what every strategy offers the training loop, and the small
-frozen policies that configure it.
+"""The training contract (`Engine`: what the training loop calls of every strategy) and the
+small frozen policies that configure it. What the contract promises, and the two protocols
+every engine answers beside it (`Plannable`, `Measurable`), are documented in
+docs/architecture.md, "The engine contract"; the parity tests check the promises.
 
-An engine takes a plain `nn.Module` (possibly on the meta device) and returns a module
-whose `parameters()` are exactly what this rank holds and updates, so any `torch.optim`
-optimizer works unchanged. The returned module carries its `Engine` (see `engine_of`);
-the public functions in `shardlab` (`no_sync`, `clip_grad_norm_`, `full_state_dict`, ...)
-dispatch to it. The training loop never asks which engine it drives.
-
-Contract every engine keeps (the parity tests check it):
-- forward: `module(*args)` computes what the unwrapped module computes;
-- after `loss.backward()` returns, each local parameter's `.grad` holds the gradient of
-  the *global mean* loss (gradients averaged over ranks, never summed) for the part this
-  rank holds; all communication has completed;
-- inside `no_sync()`, backward accumulates local gradients and communicates nothing; the
-  first backward after leaving it reduces the accumulated gradients;
-- `full_state_dict()` is called by every rank and returns the unwrapped module's
-  `state_dict()` keys (original names, tied names included) with full CPU tensors.
-
-The reasoning every engine that communicates from hooks (ddp, zero3, fsdp) relies on is
-written here once; the engines cite these Notes by name and add only what is their own.
-The hook helpers themselves live in `engines/_hooks.py`.
+The reasoning the engines that communicate from hooks (ddp, zero3, fsdp) share is written
+beside the hooks, in `engines/_hooks.py`; the contract's own reason is here:
 
 [Note: why average]
 Each rank's loss is the mean over its own micro batch. With equal micro batches the loss
@@ -28,66 +13,22 @@ gradient is the mean of the N local gradients: every reduction divides by N. Sum
 instead multiplies the effective learning rate by N (the classic bug of public
 attempts); with Adam it also shifts the balance against epsilon. The parity tests train
 with plain SGD, which turns an N-times gradient into a visibly different model.
-
-[Note: when the hooks fire]
-- A forward pre-hook runs just before a unit's forward; a forward hook just after it.
-- A hook on a forward *output's* gradient runs when that gradient is complete, before any
-  backward node of the unit that produced it: the pre-backward, the moment to re-gather.
-- A post-accumulate-grad hook on a leaf runs once per backward, after autograd has summed
-  every use of that leaf (tied names, a unit called twice): the moment its gradient is
-  final and may be reduced.
-- With activation checkpointing a unit's forward runs again inside backward; the forward
-  hooks then fire while an autograd graph task runs (`_hooks.in_backward()`), and must
-  neither gather anew nor free what backward still reads.
-- A leaf's gradient tells that every node *reading a trainable parameter* has run; nodes
-  reading only frozen parameters give no such signal, but all of a unit's nodes precede
-  the gradients of its inputs (`_hooks.hook_input_grads`).
-
-[Note: why we wait where we wait]
-Reductions launch asynchronously so they overlap the backward of earlier layers. The
-contract says communication is complete when `backward()` returns, so the optimizer step
-right after it sees final gradients: the first backward hook of a pass queues a callback
-on the autograd engine (`_hooks.BackwardEnd`) that runs after the last node, still inside
-`loss.backward()` — the latest point that keeps the contract. It launches what could not
-launch (parameters unused in this step still take part, in the same order on every rank,
-so the collectives pair up), waits for everything in flight, and frees what is still
-gathered. Gathers are waited for right before their values are read.
-
-[Note: how many reductions may be in flight]
-zero3 and fsdp launch a gradient reduction asynchronously as soon as its input is complete,
-so it overlaps the backward of earlier units, and must keep that input alive until the
-reduction completes: bounding what is in flight bounds the backward peak. Each bounds it by
-what its reductions are made of, and the two choices answer each other:
-- fsdp reduce-scatters a unit's whole flat gradient in one collective per group, once the unit
-  is done: the thing in flight is a unit, so it counts units (MAX_UNITS_REDUCING = 1: a new
-  unit's reduce-scatter waits for the previous unit's). A byte cap set by the largest unit (a
-  GPT's embedding) would let many small blocks pile up; a count of units holds the peak to one
-  unit's gradient in flight whatever the sizes (fsdp.py's Note has the measurements).
-- zero3 reduces each owner's piece of a unit as soon as that owner's tensors are in: a unit
-  leaves as up to N reduces of very different sizes (a whole embedding owned by one rank, a
-  bias by another), launched at different moments and interleaved with the next unit's. No
-  unit is ever "in flight" as one thing, and counting pieces would let a bias-sized piece
-  stand for a unit's worth of bytes; so it counts bytes, waiting for the oldest reduce once
-  the buffers in flight exceed twice the largest unit's parameter bytes (`max_inflight_bytes`).
-  fsdp's objection applies to it: with a large root unit the cap admits several blocks'
-  gradients at once. It is kept as measured (docs/memory.md's zero3 peaks are with it); a cap
-  in bytes per block, not per largest unit, is the tighter bound it leaves open.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple, Protocol, Union
+from typing import Any, ClassVar, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from shardlab.engines import collectives
-from shardlab.engines.collectives import CommCounter, merged_seconds, merged_totals
+from shardlab.engines.measuring import Measurable
+from shardlab.engines.planning import Plannable
 from shardlab.models import outermost_modules, repeated_blocks
 from shardlab.models.init import materialize_
 
@@ -175,11 +116,19 @@ def resolve_units(model: nn.Module, wrap: WrapSpec) -> list[nn.Module]:
     """The wrap units below the root, in module (forward) order.
 
     wrap=None: the model's repeated blocks (children of every nn.ModuleList, ResNet stages).
-    A set/tuple/list of module classes: every module of those classes (outermost only).
+    A set/tuple/list of module classes, or of class names (parallel.wrap_classes): every module
+    of those classes (outermost only); a name no module has is an error.
     A callable: every module for which wrap(module) is true (outermost only).
     """
     if wrap is None:
         return repeated_blocks(model)
+    if isinstance(wrap, (set, frozenset, tuple, list)) and wrap and all(isinstance(c, str) for c in wrap):
+        found = {type(m).__name__ for m in model.modules()}
+        missing = sorted(set(wrap) - found)
+        if missing:
+            raise ValueError(f"wrap (parallel.wrap_classes): no module of class {missing} in the model; its classes "
+                             f"include {sorted(found)[:12]}")
+        return outermost_modules(model, lambda m: type(m).__name__ in wrap)
     if isinstance(wrap, (set, frozenset, tuple, list)):
         classes = tuple(wrap)
         if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
@@ -188,77 +137,6 @@ def resolve_units(model: nn.Module, wrap: WrapSpec) -> list[nn.Module]:
     if callable(wrap):
         return outermost_modules(model, wrap)
     raise TypeError(f"wrap must be None, a set of module classes or a predicate, not {type(wrap).__name__}")
-
-
-class LocalTensor(NamedTuple):
-    """One tensor a rank keeps between steps, as plan counts its model state: elements,
-    bytes per element, and whether it trains (then it has a gradient and optimizer state)."""
-
-    numel: int
-    element_size: int
-    trainable: bool
-
-
-@dataclass(frozen=True)
-class ModelTraffic:
-    """What an engine's traffic per step depends on, measured on the (meta) model: parameter
-    bytes in the dtype they are communicated in, and the wrap units."""
-
-    param_bytes: float          # every parameter
-    trainable_bytes: float      # those that get a gradient
-    root_bytes: float           # those outside every wrap unit (the root's own)
-    units: int                  # wrap units, the root not counted
-    micro_batches: int          # forward/backward passes per rank per step
-    world: int
-
-
-class Collective(NamedTuple):
-    """One kind of collective in a step: its full (unsharded) bytes per call, calls per step,
-    and ranks in the group it runs over."""
-
-    kind: str
-    nbytes: float
-    calls: int
-    ranks: int
-
-
-def bucketed_all_reduce(model: ModelTraffic, bucket_bytes: int) -> list[Collective]:
-    """DDP's traffic: every trainable gradient all-reduced once per step, in buckets."""
-    calls = max(1, math.ceil(model.trainable_bytes / bucket_bytes))
-    return [Collective("all_reduce", model.trainable_bytes / calls, calls, model.world)]
-
-
-def gathered_unit_traffic(model: ModelTraffic, gather: str, reduce: str, group: int, *,
-                          root_kept: bool) -> list[Collective]:
-    """A sharded engine's traffic: every unit (the root one of them) gathered for forward at
-    every micro batch and again for backward (`root_kept`: the root stays gathered between the
-    two, so it is not gathered again), and its gradients reduced once per step, all within a
-    group of `group` ranks; with hybrid sharding (group < world) each unit's reduced 1/group
-    slice is then all-reduced across the world/group replicas."""
-    n = model.units + 1
-    again = n - 1 if root_kept else n
-    out = [Collective(gather, model.param_bytes / n, n * model.micro_batches, group),
-           Collective(gather, (model.param_bytes - (model.root_bytes if root_kept else 0)) / max(1, again),
-                      again * model.micro_batches, group),
-           Collective(reduce, model.trainable_bytes / n, n, group)]
-    if group < model.world:
-        out.append(Collective("all_reduce", model.trainable_bytes / n / group, n, model.world // group))
-    return out
-
-
-class MemoryTracking(Protocol):
-    """What the live-memory tracker (shardlab.memory.LiveMemoryTracker) offers an engine."""
-
-    tracking: bool              # a step is being tracked now
-
-    def hook_leaf(self, leaf: torch.Tensor, part: str) -> None:
-        """Claim as `part` the gradient autograd accumulates into `leaf`, after the engine's hooks."""
-
-    def hook_incoming(self, leaf: torch.Tensor, part: str) -> None:
-        """Claim as `part` the gradient flowing into `leaf`, before AccumulateGrad and its hooks."""
-
-    def keep_handle(self, handle: Any) -> None:
-        """Remove `handle` (a hook the engine registered for the tracker) when the tracker closes."""
 
 
 @dataclass(frozen=True)
@@ -280,16 +158,14 @@ class ShardPiece:
 
 
 class Engine:
-    """Per-model state of one strategy. The defaults suit replicated engines (every rank holds
-    the whole module); sharded engines set `grads_sharded` and override `full_state_dict`,
-    `load_full_state_dict`, `shard_layout` and, where storage is not plain, `model_state_bytes`.
+    """What the training loop calls: the training contract (module docstring), for one model
+    and one strategy. The defaults suit replicated engines (every rank holds the whole module);
+    sharded engines set `grads_sharded` and override `full_state_dict`, `load_full_state_dict`
+    and `shard_layout`. Every engine class also composes `Plannable` (engines/planning.py) and
+    `Measurable` (engines/measuring.py): docs/architecture.md, "The engine contract".
 
-    Besides training, an engine answers what the tools ask of it (plan, memory, bench, config;
-    they hold no engine names): the class attributes below, `planned_state` (its exact state per
-    rank), `step_traffic` (what it sends per step), `memory_buffers` and `hook_memory_tracker`
-    (what it holds in flight, by part), `comm_counters` (what it counted)."""
+    Built by `parallelize` only, which passes the registry's name for it (`strategy`)."""
 
-    strategy: ClassVar[str]
     #: True when each rank's gradients are a disjoint part of the whole (sharded engines),
     #: False when every rank holds the whole gradient (replicated engines).
     grads_sharded: ClassVar[bool] = False
@@ -300,17 +176,10 @@ class Engine:
     #: False for an engine that runs in one process without torch.distributed (`single`): no
     #: process group is made for it and it runs at world size 1 only.
     distributed: ClassVar[bool] = True
-    #: False when plan cannot probe the engine on real tensors on a fake process group, whose
-    #: collectives return at once without peers (the future of PyTorch DDP's all-reduce hook needs a
-    #: real one); plan's real-tensor probe then runs it on a real one-rank group, which is exact only
-    #: when a rank's memory does not depend on N. Fake-tensor probes always run on the fake group.
-    fake_group_probe: ClassVar[bool] = True
-    #: False when plan cannot run the engine's step under FakeTensorMode (plan/probe.py, [Note:
-    #: fake-tensor probes]); plan then probes it on real tensors at a reduced micro batch.
-    fake_tensor_probe: ClassVar[bool] = True
 
-    def __init__(self, module: nn.Module, *, group: dist.ProcessGroup | None, device: torch.device,
-                 units: list[nn.Module]):
+    def __init__(self, module: nn.Module, *, strategy: str, group: dist.ProcessGroup | None,
+                 device: torch.device, units: list[nn.Module]):
+        self.strategy = strategy  # its key in STRATEGIES (checkpoints record it)
         self.group = group
         self.device = device
         self.units = units
@@ -321,11 +190,9 @@ class Engine:
         #: except for hybrid sharding (HSDP), where replicas hold equal gradients and the norm
         #: must count each shard once (the shard group).
         self.grad_norm_group = group
-
-    # -- the contract ---------------------------------------------------------------------------
-    #: False inside `no_sync()`. Engines that do their own communication read it in backward:
-    #: while it is False they accumulate local gradients and send nothing.
-    sync_grads: bool = True
+        #: False inside `no_sync()`. Engines that do their own communication read it in backward:
+        #: while it is False they accumulate local gradients and send nothing.
+        self.sync_grads = True
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -360,13 +227,6 @@ class Engine:
             g.mul_(coef.to(g.device, g.dtype))
         return total
 
-    def model_state_bytes(self) -> dict[str, int]:
-        """Bytes of parameters and gradients this rank holds now (tensors the engine keeps
-        between steps; transient gathered buffers excluded)."""
-        params = self.local_parameters()
-        return {"params": sum(_nbytes(p) for p in params),
-                "grads": sum(_nbytes(p.grad) for p in params if p.grad is not None)}
-
     def shard_layout(self) -> list[tuple[nn.Parameter, list[ShardPiece]]]:
         """For each local Parameter, the pieces of original parameters it holds.
         Default (replicated engines): every local parameter is one whole original parameter.
@@ -378,76 +238,6 @@ class Engine:
     def unwrapped(self) -> nn.Module:
         """The user's module (for engines that wrap it in another module, the inner one)."""
         return getattr(self, "inner", self.module)
-
-    def comm_counters(self) -> list[CommCounter]:
-        """The counters this engine's collectives add to (engines/collectives.py); none: not counted."""
-        return []
-
-    def comm_stats(self) -> dict[str, dict[str, int]] | None:
-        """Bytes per collective kind since wrap, when the engine counts them."""
-        counters = self.comm_counters()
-        return merged_totals(counters) if counters else None
-
-    def comm_seconds(self) -> dict[str, float] | None:
-        """Seconds per collective kind since wrap, when the engine times them (what is timed:
-        engines/collectives.py's docstring)."""
-        counters = self.comm_counters()
-        return merged_seconds(counters) if counters else None
-
-    # -- what the tools ask (plan, memory) ------------------------------------------------------
-    @classmethod
-    def planned_state(cls, params: list[nn.Parameter], world: int, options: Mapping[str, Any]
-                      ) -> list[list[LocalTensor]] | None:
-        """The tensors each rank keeps between steps (its local parameters), by the engine's rule,
-        without building it: `params` are the model's unique parameters (on the meta device),
-        `options` the engine's. One list per distinct rank (plan takes the largest). None when
-        only building the engine tells: plan then builds it on the meta device on a fake
-        process group of `world` ranks, at the ranks `planned_ranks(world)`, and asks
-        `rank_states()`. Default (replicated): every rank holds every parameter whole."""
-        return [[LocalTensor(p.numel(), p.element_size(), p.requires_grad) for p in params]]
-
-    @classmethod
-    def planned_ranks(cls, world: int) -> list[int]:
-        """The ranks plan builds the engine at when `planned_state` says None (the largest state
-        is taken over what they report)."""
-        return [0]
-
-    def rank_states(self) -> list[list[LocalTensor]]:
-        """What a built engine knows of the ranks' local tensors: by default this rank's own."""
-        return [[LocalTensor(p.numel(), p.element_size(), p.requires_grad) for p in self.local_parameters()]]
-
-    @classmethod
-    def step_traffic(cls, model: ModelTraffic, options: Mapping[str, Any]) -> list[Collective]:
-        """The collectives one training step issues, by design (docs/engines.md), for the time
-        model of `shardlab plan`. Default: none (one process)."""
-        return []
-
-    def memory_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(part, tensor) for the transient buffers this engine holds right now, by the part
-        names of shardlab.memory ("gathered_params", "unsharded_grads", "comm", "grads"), for
-        the live-memory tracker. Read-only. Local parameters, their `.grad` and optimizer state
-        are not listed (the tracker reads them directly). Default: none."""
-        return iter(())
-
-    def hook_memory_tracker(self, tracker: MemoryTracking) -> None:
-        """Let `tracker` claim the gradients autograd delivers to the leaves this engine makes
-        (gathered parameters), the moment they arrive ([Note: a gradient is a gradient from
-        birth], shardlab/memory.py). Called when the tracker starts and at every step's end
-        (leaves made since); a leaf already hooked is skipped by the tracker. Default: none."""
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    total = 0
-    for state in optimizer.state.values():
-        for v in state.values():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                local = v.to_local() if hasattr(v, "to_local") else v
-                total += _nbytes(local)
-    return total
 
 
 def global_grad_norm(grads: Iterable[torch.Tensor], norm_type: float, group: dist.ProcessGroup | None,
@@ -510,10 +300,9 @@ def unwrapped_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict(keep_vars=False).items()}
 
 
-class LocalEngine(Engine):
+class LocalEngine(Engine, Plannable, Measurable):
     """`single`: one process (or each rank on its own, unsynchronized). The reference."""
 
-    strategy = "single"
     distributed = False
 
     def __init__(self, module: nn.Module, **kw: Any):

@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -52,8 +53,8 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 @dataclass
 class CommCounter:
     """Per-kind totals: {"all_gather": {"calls": n, "payload_bytes": b, "bus_bytes": w}, ...},
-    and per-kind seconds apart (`seconds_snapshot()`), so the byte counts stay exact integers
-    that tests compare across engines."""
+    and per-kind seconds apart (`seconds`: the module docstring says what is timed), so the
+    byte counts stay exact integers that tests compare across engines."""
 
     totals: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
@@ -67,17 +68,6 @@ class CommCounter:
 
     def add_seconds(self, kind: str, seconds: float) -> None:
         self.seconds[kind] += seconds
-
-    def snapshot(self) -> dict[str, dict[str, int]]:
-        return {k: dict(v) for k, v in self.totals.items()}
-
-    def seconds_snapshot(self) -> dict[str, float]:
-        """Seconds per kind since the counter was made: see the module docstring for what is timed."""
-        return dict(self.seconds)
-
-    def reset(self) -> None:
-        self.totals.clear()
-        self.seconds.clear()
 
 
 def merged_totals(counters: list[CommCounter]) -> dict[str, dict[str, int]]:
@@ -111,6 +101,8 @@ class TimedWork(dist.Work):
         self.timed = False
 
     def wait(self, timeout=None):  # noqa: ANN001 - torch's signature
+        if not self.timed:  # from here the rank is blocked: the collective's exposed time (observe/)
+            _flight.waiting(self.entry)
         done = self.inner.wait() if timeout is None else self.inner.wait(timeout)
         if not self.timed:
             self.timed = True
@@ -150,8 +142,9 @@ def issue(counter: CommCounter | None, kind: str, size: int, world: int, group) 
 
 
 def complete(entry: int) -> None:
-    """Mark flight entry `entry` (from `issue`) completed: for hooks that see the end themselves."""
-    _flight.complete(entry)
+    """Mark flight entry `entry` (from `issue`) completed: for hooks that see the end themselves
+    (a future's callback, which this rank's main thread did not wait on: not exposed time)."""
+    _flight.complete(entry, waited=False)
 
 
 def timed(counter: CommCounter | None, kind: str, issued: float, work: dist.Work | None, entry: int = 0):
@@ -181,44 +174,43 @@ def _dist_broadcast(tensor: torch.Tensor, src: int, group, async_op: bool):
                           group=group, async_op=async_op)
 
 
+def _in_place(kind: str, tensor: torch.Tensor, group, counter: CommCounter | None,
+              call: Callable[[], dist.Work | None], *, average: bool = False):
+    """One collective on `tensor` in place, counted, recorded and timed; `call()` issues it (on
+    one rank nothing is sent: the tensor already is the result). average: divide by the world
+    size before the sum, which keeps low-precision values in range, and the result is the mean."""
+    world = _world(group)
+    issued, entry = issue(counter, kind, nbytes(tensor), world, group)
+    if world == 1:
+        return timed(counter, kind, issued, None)
+    if average:
+        tensor.div_(world)
+    return timed(counter, kind, issued, call(), entry)
+
+
 def all_reduce(tensor: torch.Tensor, group=None, *, average: bool = False, async_op: bool = False,
                counter: CommCounter | None = None, op: dist.ReduceOp.RedOpType = ReduceOp.SUM):
     """Sum (or average, or `op`: MAX for a flag or an inf-norm) `tensor` in place across the group."""
     if average and op != ReduceOp.SUM:
         raise ValueError("average=True is a sum divided by the world size; it takes no other op")
-    world = _world(group)
-    issued, entry = issue(counter, "all_reduce", nbytes(tensor), world, group)
-    if world == 1:
-        return timed(counter, "all_reduce", issued, None)
-    if average:
-        # Divide before the sum: keeps low-precision values in range, and the result is the mean.
-        tensor.div_(world)
-    return timed(counter, "all_reduce", issued, dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
-                 entry)
+    return _in_place("all_reduce", tensor, group, counter,
+                     lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), average=average)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, *, async_op: bool = False,
               counter: CommCounter | None = None):
     """Copy `tensor` from group rank `src` to every rank, in place."""
-    world = _world(group)
-    issued, entry = issue(counter, "broadcast", nbytes(tensor), world, group)
-    if world == 1:
-        return timed(counter, "broadcast", issued, None)
-    return timed(counter, "broadcast", issued, _dist_broadcast(tensor, src, group, async_op), entry)
+    return _in_place("broadcast", tensor, group, counter, lambda: _dist_broadcast(tensor, src, group, async_op))
 
 
 def reduce(tensor: torch.Tensor, dst: int, group=None, *, average: bool = False, async_op: bool = False,
            counter: CommCounter | None = None):
     """Sum (or average) `tensor` onto group rank `dst`; other ranks' tensors are undefined after."""
-    world = _world(group)
-    issued, entry = issue(counter, "reduce", nbytes(tensor), world, group)
-    if world == 1:
-        return timed(counter, "reduce", issued, None)
-    if average:
-        tensor.div_(world)
-    return timed(counter, "reduce", issued,
-                 dist.reduce(tensor, dst=dist.get_global_rank(group, dst) if group is not None else dst,
-                             op=ReduceOp.SUM, group=group, async_op=async_op), entry)
+    def call() -> dist.Work | None:
+        rank = dist.get_global_rank(group, dst) if group is not None else dst
+        return dist.reduce(tensor, dst=rank, op=ReduceOp.SUM, group=group, async_op=async_op)
+
+    return _in_place("reduce", tensor, group, counter, call, average=average)
 
 
 # [Note: flat collectives on CPU, without gloo's temporaries]

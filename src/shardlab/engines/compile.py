@@ -18,8 +18,8 @@ as torchtitan lays out a block (checkpoint wrapper, then torch.compile, then ful
   the selective policy below becomes its save list. In eager mode the same function
   recomputes by calling the original forward again inside backward: the unit's hooks do not
   fire again (the engines' pre-backward hook has re-gathered the parameters by then), only
-  hooks of modules nested inside the unit do ([Note: activation checkpointing] in zero3.py
-  and fsdp.py: `_hooks.in_backward()` still tells them apart);
+  hooks of modules nested inside the unit do ([Note: forward hooks inside backward] in
+  engines/_hooks.py: `_hooks.in_backward()` still tells them apart);
 - the module's parameters and names are untouched: no `_orig_mod.` wrapper (what
   `torch.compile(module)` would add) reaches state dicts, checkpoints or exports.
 

@@ -1,35 +1,20 @@
 """`ddp`: data parallelism from scratch, every rank holding the whole model.
 
-Algorithm
----------
-At wrap: give a meta model real storage (initialized as a direct build would be), then
-broadcast every parameter and buffer from rank 0, so all replicas start identical.
+At wrap, a meta model gets real storage (initialized as a direct build would be) and every
+parameter and buffer is broadcast from rank 0, so all replicas start identical. Then, in the
+order a step meets it:
 
-Each step, every rank runs forward and backward on its own slice of the global batch. The
-parameters are split into buckets of about `bucket_size_bytes`, in *reverse* registration
-order (roughly the order backward produces gradients). A hook on each parameter fires when
-its gradient is final for this backward; it copies the gradient into its bucket's flat
-buffer, and when a bucket is full it is all-reduced asynchronously (averaged), so the
-communication of late layers overlaps the backward of early layers. Before backward returns,
-a callback waits for every bucket and points each `p.grad` at its averaged slice of the
-bucket: a view, nothing is copied back (see [Note: gradients as bucket views]). The
-optimizer then takes the same step on every rank, which keeps the replicas identical.
-Frozen parameters (requires_grad=False) are broadcast at wrap like the others and are in
-no bucket: their gradients are never communicated.
+    backward         the trainable parameters' gradients, in buckets of about
+                     `bucket_size_bytes` in reverse registration order (roughly the order
+                     backward produces them): each gradient, once final, is copied into its
+                     bucket's flat buffer, and a full bucket is all-reduced (averaged)
+                     asynchronously, overlapping the backward of earlier layers
+    end of backward  reduce the buckets left, wait for all, point each `p.grad` at its
+                     averaged slice of its bucket ([Note: gradients as bucket views])
 
-Memory per rank (fp32 AdamW, Ψ parameters): 4Ψ params + 4Ψ grads + 8Ψ Adam moments = 16Ψ
-bytes. Gradients live in the bucket buffers between steps (views, as PyTorch's
-gradient_as_bucket_view); during backward autograd's fresh gradients add up to 4Ψ
-transiently. With a bf16 reduce dtype the buckets are a separate 2Ψ.
-Traffic per step: one all-reduce of all gradients, payload Ψ x 4 bytes; a ring sends
-2(N-1)/N of that per rank, i.e. about 2Ψ elements.
-
-Options
--------
-bucket_size_bytes: target bucket size (default 25 MiB, as PyTorch's DDP).
-mixed_precision: only its `reduce_dtype` applies here: gradients are communicated in that
-    dtype and cast back. Parameters, compute and gradients stay in their own dtype (a
-    low-precision compute copy is what `zero3`/`fsdp` offer; use torch.autocast for DDP).
+The optimizer then takes the same step on every rank, which keeps the replicas identical.
+Frozen parameters are in no bucket. Memory, traffic and how it relates to PyTorch's DDP:
+docs/engines.md.
 """
 
 from __future__ import annotations
@@ -43,14 +28,9 @@ from torch import nn
 
 from shardlab.engines import _hooks
 from shardlab.engines import collectives as C
-from shardlab.engines.api import (
-    Collective,
-    Engine,
-    MixedPrecision,
-    ModelTraffic,
-    bucketed_all_reduce,
-    materialize_whole_,
-)
+from shardlab.engines.api import Engine, MixedPrecision, materialize_whole_
+from shardlab.engines.measuring import Measurable
+from shardlab.engines.planning import Collective, ModelTraffic, Plannable, bucketed_all_reduce
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
@@ -71,8 +51,12 @@ class _Bucket:
         return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()].view(p.shape)
 
 
-class DDPEngine(Engine):
-    strategy = "ddp"
+class DDPEngine(Engine, Plannable, Measurable):
+    """bucket_size_bytes: target bucket size (default 25 MiB, as PyTorch's DDP).
+    mixed_precision: only its `reduce_dtype` applies: gradients are communicated in that dtype
+    and cast back. Parameters, compute and gradients stay in their own dtype (a low-precision
+    compute copy is what `zero3`/`fsdp` offer; use torch.autocast for DDP)."""
+
     grads_sharded = False
     options = ("bucket_size_bytes", "mixed_precision")
 
@@ -125,7 +109,7 @@ class DDPEngine(Engine):
 
     # -- backward -------------------------------------------------------------------------------
     # Each parameter's post-accumulate-grad hook fires once per backward, with every use
-    # summed ([Note: when the hooks fire], engines/api.py): GPT's tied embedding and head are
+    # summed ([Note: when the hooks fire], engines/_hooks.py): GPT's tied embedding and head are
     # one Parameter, one hook. An activation-checkpointing recompute builds a throwaway graph
     # that is never backpropagated, so it fires no hooks. Inside `no_sync` the hook does
     # nothing: `p.grad` keeps accumulating, and the first synced backward all-reduces the sum.
@@ -166,7 +150,7 @@ class DDPEngine(Engine):
         bucket.launched = True
         self._next_to_launch += 1
 
-    # At the end of backward ([Note: why we wait where we wait], engines/api.py): parameters
+    # At the end of backward ([Note: why we wait where we wait], engines/_hooks.py): parameters
     # that got no gradient in this backward still have a slot in a bucket the other ranks may
     # be reducing: their slot is zeroed and the bucket is reduced here, so every rank issues
     # the same all-reduces. Afterwards they hold the average of the ranks that did use them
@@ -202,7 +186,7 @@ class DDPEngine(Engine):
     # fresh tensor when the optimizer set grads to None (copied into the bucket when ready,
     # freed at zero_grad), or accumulates into the view itself otherwise (then nothing to copy).
 
-    # -- the rest of the contract ---------------------------------------------------------------
+    # -- Measurable (engines/measuring.py) ---------------------------------------------------------
     def comm_counters(self) -> list[C.CommCounter]:
         return [self.counter]
 

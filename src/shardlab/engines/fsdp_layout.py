@@ -7,7 +7,8 @@ shard group's size S; this rank keeps its 1/S slice as an `nn.Parameter`, the sh
 original names become shape-only placeholders. From the meta device one unit is materialized
 at a time (its parameters initialized by name, as a whole build would: models/init.py), so the
 whole model never exists on any rank. `build_flat_units` does it in named steps; the engine
-(engines/fsdp.py) then schedules gathers and reductions over what it returns.
+(engines/fsdp.py) then schedules gathers and reductions over what it returns, and each unit's
+`UnitState` decides when the unit is freed in backward.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardlab.engines._hooks import NoSyncGrad
-from shardlab.engines.api import CPUOffload
+from shardlab.engines._hooks import FrozenRelease, NoSyncGrad
+from shardlab.engines.api import CPUOffload, ShardPiece
 from shardlab.models.init import RANGE_READERS_ATTR, init_parameters_
 
 
-class UnitState(enum.Enum):
+class Storage(enum.Enum):
     """Where a unit's full buffers are: freed, being all-gathered (async), or usable."""
 
     SHARDED = "sharded"
@@ -56,11 +57,67 @@ class FlatGroup:
     handle: Any = None                     # in-flight all-gather
     send: torch.Tensor | None = None       # kept alive while the all-gather runs
     unsynced: NoSyncGrad = field(default_factory=NoSyncGrad)  # no_sync accumulation (full size, the shard's dtype)
-    grads_computed: bool = False           # its parameters' gradients are all in (SplitBackward is next)
 
     @property
     def trainable(self) -> bool:
         return self.shard.requires_grad
+
+
+class UnitState:
+    """Where one unit is in this step, and so when it is freed in backward: the one place that
+    decides it. The engine's hooks report each transition; those returning a bool answer "free
+    the unit now". A unit without frozen groups is freed as soon as every trainable group's
+    parameters have their gradients, before the flat gradients are made ([Note: freeing a unit
+    before its flat gradient exists] in engines/fsdp.py); one with frozen groups once the flat
+    gradients are in and its inputs' gradients too (`FrozenRelease`); any unit still held, at the
+    end of backward."""
+
+    def __init__(self, trainable: int = 0, frozen: bool = False):
+        self.trainable = trainable          # trainable groups: the gradients a backward brings
+        self.release = FrozenRelease(frozen)
+        self.backward_due = False           # ran forward with grad: its backward will come
+        self.views_tracked = False          # autograd-connected views installed for this step
+        self.grads_due = 0                  # trainable groups whose flat gradient has not arrived
+        self.computed: set[int] = set()     # trainable groups (ids) whose parameters' gradients are all in
+
+    @property
+    def idle(self) -> bool:
+        """Nothing of a backward is due: the state between steps."""
+        return not (self.backward_due or self.views_tracked)
+
+    def ran_forward(self) -> None:
+        """A forward with grad enabled used the unit: its backward will come."""
+        self.backward_due = True
+
+    def connected_views(self) -> None:
+        """Autograd-connected views were installed: each trainable group's gradient is now due."""
+        self.views_tracked = True
+        self.grads_due = self.trainable
+
+    def grads_computed(self, group: int) -> bool:
+        """A trainable group's parameters all have their gradients (its SplitBackward runs next).
+        True: it was the unit's last, and no frozen group holds the unit longer."""
+        if not self.views_tracked or group in self.computed:
+            return False
+        self.computed.add(group)
+        return len(self.computed) == self.trainable and not self.release.frozen
+
+    def grad_arrived(self) -> bool:
+        """A trainable group's flat gradient reached its leaf. True: the unit is done."""
+        self.grads_due = max(0, self.grads_due - 1)
+        return self.release.may_free(self.grads_due == 0)
+
+    def inputs_arrived(self) -> bool:
+        """The gradients of one forward call's inputs are complete. True: the unit is done."""
+        self.release.fired()
+        return self.backward_due and self.release.may_free(self.grads_due == 0)
+
+    def finished(self) -> None:
+        """Done for this step (freed by the engine): back to idle."""
+        self.backward_due = self.views_tracked = False
+        self.grads_due = 0
+        self.computed.clear()
+        self.release.reset()
 
 
 @dataclass(eq=False)
@@ -71,17 +128,8 @@ class FlatUnit:
     module: nn.Module
     is_root: bool
     groups: list[FlatGroup] = field(default_factory=list)
-    state: UnitState = UnitState.SHARDED
-    tracked_views: bool = False            # autograd-connected views installed for this step
-    needs_backward: bool = False           # ran forward with grad; its post-backward is due
-    grads_due: int = 0                     # trainable groups whose gradient has not arrived yet
-    splits_due: int = 0                    # trainable groups whose SplitBackward has not started yet
-    input_hooks: int = 0                   # input-gradient hooks armed this step (units with frozen groups)
-    inputs_due: int = 0                    # ... of which not fired yet
-
-    @property
-    def has_frozen(self) -> bool:
-        return any(not g.trainable for g in self.groups)
+    storage: Storage = Storage.SHARDED
+    state: UnitState = field(default_factory=UnitState)   # set once the groups are made
 
 
 @dataclass(frozen=True)
@@ -225,6 +273,7 @@ def _flatten_unit(owner: nn.Module, is_root: bool, tree: _Tree, pids: list[int],
                   for pid in group_pids]
         unit.groups.append(_make_group(unit, params, name, spec))
         del params  # the full tensors die here: one unit materialized at a time
+    unit.state = UnitState(sum(g.trainable for g in unit.groups), any(not g.trainable for g in unit.groups))
     return unit
 
 
@@ -238,18 +287,24 @@ def _make_group(unit: FlatUnit, params: list, shard_name: str, spec: ShardSpec) 
     for name, p, binds, _read in params:
         entries.append(FlatEntry(name, p.shape, offset, p.numel(), binds))
         offset += p.numel()
+    # [Note: padding]
+    # The flat buffer is padded to a multiple of S so that every rank's slice has the same size:
+    # all-gather and reduce-scatter are then single calls, and a rank may hold no piece of some
+    # parameters. The padded tail belongs to no parameter. SplitBackward fills its gradient with
+    # zeros, so after averaging it is exactly zero, the optimizer (even with weight decay) keeps
+    # it zero, and `clip_grad_norm_` is unaffected.
     padded = -(-offset // spec.shard_size) * spec.shard_size
     shard_numel = padded // spec.shard_size
-    lo = spec.shard_rank * shard_numel
     if spec.offload is not None:
         shard = spec.offload.host_tensor(params[0][1], shard_numel).zero_()
     else:
         shard = torch.zeros(shard_numel, dtype=dtype, device=spec.device)
-    for e, (_, p, _, read) in zip(entries, params):
-        a, b = max(lo, e.offset), min(lo + shard_numel, e.offset + e.numel)
-        if a < b:
-            value = read(a - e.offset, b - e.offset) if read is not None else p.detach().reshape(-1)[a - e.offset:b - e.offset]
-            shard[a - lo:b - lo].copy_(value)
+    sources = {name: (p, read) for name, p, _binds, read in params}
+    for piece in slice_pieces(entries, spec.shard_rank * shard_numel, shard_numel):
+        p, read = sources[piece.name]
+        start, end = piece.offset, piece.offset + piece.numel
+        value = read(start, end) if read is not None else p.detach().reshape(-1)[start:end]
+        shard[piece.local_start:piece.local_start + piece.numel].copy_(value)
     for e in entries:  # the full tensors are freed here: no attribute refers to them now
         for m, attr in e.bindings:
             del m._parameters[attr]
@@ -264,3 +319,16 @@ def _make_group(unit: FlatUnit, params: list, shard_name: str, spec: ShardSpec) 
         for m, attr in e.bindings:
             setattr(m, attr, torch.empty(e.shape, dtype=compute_dtype, device="meta"))
     return group
+
+
+def slice_pieces(entries: list[FlatEntry], start: int, numel: int) -> list[ShardPiece]:
+    """The pieces of original parameters that elements [start, start + numel) of a flat buffer
+    hold (a rank's slice): one per entry overlapping the slice, its offsets counted as ShardPiece
+    counts them (in the flattened parameter, and in the slice). An entry outside the slice gives
+    none: a rank may hold no piece of some parameters ([Note: padding])."""
+    pieces = []
+    for e in entries:
+        lo, hi = max(start, e.offset), min(start + numel, e.offset + e.numel)
+        if lo < hi:
+            pieces.append(ShardPiece(e.name, e.shape, lo - e.offset, lo - start, hi - lo))
+    return pieces

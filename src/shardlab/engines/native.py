@@ -42,19 +42,15 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardlab.engines import collectives, raw_collectives
-from shardlab.engines.api import (
+from shardlab.engines.api import CPUOffload, Engine, MixedPrecision, ShardPiece, is_meta, materialize_whole_
+from shardlab.engines.measuring import Measurable, MemoryTracking
+from shardlab.engines.planning import (
     Collective,
-    CPUOffload,
-    Engine,
     LocalTensor,
-    MemoryTracking,
-    MixedPrecision,
     ModelTraffic,
-    ShardPiece,
+    Plannable,
     bucketed_all_reduce,
     gathered_unit_traffic,
-    is_meta,
-    materialize_whole_,
 )
 from shardlab.models.init import (
     INITIALIZER_ATTR,
@@ -69,8 +65,7 @@ from shardlab.models.init import (
 )
 
 
-class TorchDDPEngine(Engine):
-    strategy = "torch-ddp"
+class TorchDDPEngine(Engine, Plannable, Measurable):
     options = ("bucket_size_bytes", "find_unused_parameters", "gradient_as_bucket_view")
     # On real tensors its hook's future needs a real group (plan probes it on a one-rank gloo group: a
     # replica's memory does not depend on N); on fake tensors it runs on the fake group, with the three
@@ -103,7 +98,7 @@ class TorchDDPEngine(Engine):
         return bucketed_all_reduce(model, options.get("bucket_size_bytes", 25 * 2**20))
 
 
-class TorchFSDPEngine(Engine):
+class TorchFSDPEngine(Engine, Plannable, Measurable):
     """FSDP2. shard_size=S < N: hybrid sharding (HSDP) on a 2-D mesh ("replicate", "shard") of
     shape (N/S, S): parameters are DTensors placed (Replicate(), Shard(0)), sharded over the S
     consecutive ranks of a row, replicated down its columns; FSDP2 reduce-scatters gradients
@@ -112,7 +107,6 @@ class TorchFSDPEngine(Engine):
     offload=CPUOffload: FSDP2's CPUOffloadPolicy (sharded parameters, gradients and optimizer
     state on the host, pinned where CUDA exists)."""
 
-    strategy = "torch-fsdp"
     grads_sharded = True
     options = ("reshard_after_forward", "mixed_precision", "shard_size", "offload")
 
@@ -212,7 +206,7 @@ class TorchFSDPEngine(Engine):
         return {"params": sum(t.numel() * t.element_size() for t in loc),
                 "grads": sum(t.numel() * t.element_size() for t in grads)}
 
-    # -- what the tools ask (engines/api.py) ----------------------------------------------------
+    # -- Plannable (engines/planning.py), Measurable (engines/measuring.py) -----------------------
     @classmethod
     def planned_state(cls, params: list[nn.Parameter], world: int, options: Mapping[str, Any]
                       ) -> list[list[LocalTensor]] | None:

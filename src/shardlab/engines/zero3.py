@@ -1,66 +1,21 @@
-"""`zero3`: ZeRO stage 3 from scratch: every parameter tensor lives on exactly one rank.
+"""`zero3`: ZeRO stage 3 from scratch. Every parameter tensor lives, whole, on exactly one rank
+(its owner); the others hold a meta-device placeholder in its place, so `module.parameters()`
+yields what this rank owns and any `torch.optim` optimizer keeps state for exactly that.
 
-Algorithm
----------
-Ownership. Each parameter tensor is owned whole by one rank, largest first onto the least
-loaded rank, trainable tensors before frozen ones (engines/zero3_layout.py says how and
-why; `ownership_imbalance()` reports max/mean). A non-owner keeps no storage: the parameter is
-removed from its module's `_parameters` and a meta-device placeholder of the same shape
-stands in its place, so `module.parameters()` yields what this rank owns and nothing else,
-and any `torch.optim` optimizer built from it holds state for exactly that.
+engines/zero3_layout.py decides who owns what and cuts the model into units (the repeated
+blocks, and the root for the rest), each owner's tensors of a unit travelling in one flat
+buffer. This file is the schedule, in the order a step meets it:
 
-Units. The model is cut into units (its repeated blocks by default) plus the root, which
-holds everything outside them (embeddings, the tied head, the final norm). A unit's
-parameters are those registered in its modules that are not inside a nested unit
-(engines/zero3_layout.py: who owns what, the units, what each rank keeps; this file is the
-engine: when units are gathered, freed and reduced).
+    pre-forward      each owner broadcasts its tensors of the unit into fresh buffers (a
+                     `Gather`), and the unit's modules see the full tensors
+    post-forward     free the buffers (reshard_after_forward) and hook the outputs' gradients
+    pre-backward     the buffers get their storage back and are broadcast again
+    each gradient    copied into its owner's flat gradient buffer; a complete buffer is
+                     reduced (averaged) onto the owner, who adds it into `p.grad`
+    gradients in     free the gather (with frozen parameters: `_hooks.FrozenRelease` says when)
+    end of backward  reduce what is incomplete, wait for every reduce, free what is left
 
-Forward. Just before a unit runs (forward pre-hook), each owner broadcasts its tensors of
-the unit (one flat buffer per owner) and the unit's modules see the full tensors; right
-after it (forward hook) the buffers' storage is freed (resized to zero bytes). What autograd
-saved for backward are views of these buffers: they keep their shape, hold no memory until
-backward, and see the values again once the buffers are refilled.
-
-Backward. A hook on the unit's outputs fires before any of the unit's backward runs: the
-buffers get their storage back and are broadcast again. Each full tensor is a fresh
-autograd leaf; when its gradient is final (post-accumulate-grad hook) it is copied into a
-flat gradient buffer per owner, and when an owner's buffer is complete it is reduced
-(averaged) onto that owner, who adds it to `p.grad`. Then the unit's storage is freed.
-
-Frozen parameters (requires_grad=False, e.g. the base weights around LoRA adapters) are
-owned, gathered and freed like the others, and stay in `parameters()` with
-requires_grad=False (torch optimizers and clip_grad_norm_ skip them: they never get a
-`.grad`). Their gradients are never computed nor reduced: the gradient buffers hold the
-trainable parameters only. A unit holding frozen parameters is freed in backward only
-once the gradients of its inputs are complete (see the Note at `_backward_done`).
-
-Memory per rank (fp32 AdamW, Ψ parameters, N ranks): (4 + 4 + 8)Ψ/N = 16Ψ/N bytes of
-parameters, gradients and Adam moments, plus one unit's gathered parameters at a time
-(and in backward up to two units' gradients in flight); under `no_sync` every rank keeps a
-gradient accumulator (in the parameters' dtype) for the whole model (as FSDP's no_sync does).
-Traffic per step: broadcast Ψ in forward, Ψ again in backward, reduce Ψ: about 3Ψ
-elements, each rank sending roughly its own share.
-
-Limits
-------
-A rank that owns no tensor (fewer tensors than ranks) has an empty `parameters()`, which
-`torch.optim` refuses: build no optimizer there. With fewer trainable tensors than ranks some
-ranks own only frozen ones. The engine warns of either when it is built. Units or parameters
-used on some ranks and not others (data-dependent control flow) make the ranks' collectives
-differ, as with any FSDP. A parameter no rank used in a backward gets a zero gradient, not None.
-
-Options
--------
-reshard_after_forward (default True): free each unit's full parameters after its forward.
-    False keeps them until its backward (one broadcast less, memory of the whole model).
-offload (default None): CPUOffload keeps owned parameters, their gradients and so the
-    optimizer state in host memory (pinned where CUDA exists); the owner copies them to the
-    device when it broadcasts, and a reduced gradient goes back to the host after the reduce.
-mixed_precision: gathered parameters and compute in `param_dtype`, gradients reduced in
-    `reduce_dtype`; owned parameters, gradients and optimizer state stay in the parameters'
-    own dtype (fp32, or fp64 in the parity tests). Floating point inputs of each unit are
-    cast to `param_dtype`. Parameters of modules that hold floating-point buffers
-    (BatchNorm) are gathered in their own dtype.
+Who holds what when, memory and traffic per step, and the limits: docs/engines.md.
 """
 
 from __future__ import annotations
@@ -77,18 +32,9 @@ from torch import nn
 
 from shardlab.engines import _hooks
 from shardlab.engines import collectives as C
-from shardlab.engines.api import (
-    Collective,
-    CPUOffload,
-    Engine,
-    LocalTensor,
-    MemoryTracking,
-    MixedPrecision,
-    ModelTraffic,
-    ShardPiece,
-    gathered_unit_traffic,
-    is_meta,
-)
+from shardlab.engines.api import CPUOffload, Engine, MixedPrecision, ShardPiece, is_meta
+from shardlab.engines.measuring import Measurable, MemoryTracking
+from shardlab.engines.planning import Collective, LocalTensor, ModelTraffic, Plannable, gathered_unit_traffic
 from shardlab.engines.zero3_layout import (
     Slot,
     SlotGroup,
@@ -121,30 +67,37 @@ class Gather:
     unit: SlotUnit
     buffers: list[torch.Tensor]                 # per group, flat
     fulls: list[torch.Tensor]                   # per slot, views into buffers (autograd leaves)
+    release: _hooks.FrozenRelease               # when it may be freed, holding frozen parameters
     state: GatherState = GatherState.FORWARD
     grad_buffers: dict[int, torch.Tensor] = field(default_factory=dict)   # group index -> flat grads
     arrived: set[int] = field(default_factory=set)      # slot positions whose gradient is in
     reduced: set[int] = field(default_factory=set)      # group indices already reduced
-    input_hooked: bool = False                  # a hook waits for the gradients of the unit's inputs
-    inputs_done: bool = False                   # ... and it fired in this backward
 
 
-class Zero3Engine(Engine):
-    strategy = "zero3"
+class Zero3Engine(Engine, Plannable, Measurable):
+    """reshard_after_forward: free each unit's full parameters after its forward (False: keep
+    them until its backward, one broadcast less for the whole model's parameters in memory).
+    mixed_precision: gather and compute in `param_dtype`, reduce gradients in `reduce_dtype`;
+    owned parameters, their gradients and the optimizer state stay in the parameters' own dtype,
+    and the floating-point inputs of each unit are cast to `param_dtype` ([Note: which parameters
+    mixed precision casts]).
+    offload: CPUOffload keeps the owned parameters, their gradients and so the optimizer state in
+    host memory (pinned where CUDA exists): the owner copies them to the device when it
+    broadcasts, and a reduced gradient goes back to the host (`_hooks.ReducedGrads`)."""
+
     grads_sharded = True
     options = ("reshard_after_forward", "mixed_precision", "offload")
 
     def __init__(self, module: nn.Module, *, reshard_after_forward: bool = True, mixed_precision: Any = None,
                  offload: Any = None, **kw: Any):
         super().__init__(module, **kw)
-        # offload: owned parameters, their gradients and the optimizer state on the host (see Options)
         self.offload = CPUOffload.parse(offload)
-        self._host_grads = _hooks.HostGrads(self.offload, self.device) if self.offload is not None else None
+        self._grads = _hooks.ReducedGrads(self.offload, self.device)
         self.counter = C.CommCounter()
         self.reshard_after_forward = bool(reshard_after_forward)
-        mp = MixedPrecision.parse(mixed_precision)
-        self.param_dtype = mp.param_dtype if mp else None
-        self.reduce_dtype = (mp.reduce_dtype or mp.param_dtype) if mp else None
+        mp = MixedPrecision.parse(mixed_precision) or MixedPrecision()
+        self.param_dtype = mp.param_dtype
+        self.reduce_dtype = mp.reduce_dtype or mp.param_dtype
         self.sync_grads = True
         self._backward_end = _hooks.BackwardEnd(self._finish_backward)
         self._live: list[Gather] = []              # gathers that may hold storage, oldest first
@@ -166,7 +119,7 @@ class Zero3Engine(Engine):
         self.state_keys = _hooks.StateDictMirror(module, lambda p: slot_of[id(p)])
         self.unit_list = make_units(module, [module, *self.units], slot_of)
         self.unit_param_bytes = [u.param_bytes for u in self.unit_list]
-        # see [Note: how many reductions may be in flight] (engines/api.py)
+        # see [Note: how many reduces may be in flight]
         self.max_inflight_bytes = 2 * max(self.unit_param_bytes)
         keep_owned_only(module, slot_of, self.rank, self.device, meta)
         if meta:
@@ -204,7 +157,7 @@ class Zero3Engine(Engine):
             for pos, off in zip(group.positions, group.offsets):
                 slot = unit.slots[pos]
                 fulls[pos] = buffer[off:off + slot.numel].view(slot.shape)
-        gather = Gather(unit, buffers, fulls)
+        gather = Gather(unit, buffers, fulls, _hooks.FrozenRelease(unit.trainable < len(unit.slots)))
         self._fill(gather, everything=True)
         if torch.is_grad_enabled():
             for pos, (slot, full) in enumerate(zip(unit.slots, fulls)):
@@ -217,11 +170,8 @@ class Zero3Engine(Engine):
     @torch.no_grad()
     def _fill(self, gather: Gather, everything: bool = False) -> None:
         """Broadcast every owner's tensors into the gather's buffers: all of them for a new
-        gather, else those whose storage was freed (they get it back first).
-
-        Writes go through `.data`: autograd saved views of these buffers in forward, and a
-        write through the tensor itself would bump the version counter those saved views
-        are checked against in backward, although the values written are the same."""
+        gather, else those whose storage was freed (they get it back first). Writes go through
+        `.data` ([Note: freeing storage under autograd's feet] in engines/fsdp.py)."""
         handles = []
         for group, buffer in zip(gather.unit.groups, gather.buffers):
             storage = buffer.untyped_storage()
@@ -278,18 +228,11 @@ class Zero3Engine(Engine):
             del self._in_backward_of[id(gather.unit)]
 
     # -- forward --------------------------------------------------------------------------------
-    # [Note: activation checkpointing]
-    # shardlab checkpoints inside a unit's forward ([Note: hooks outside, checkpoint and
-    # compile inside], engines/compile.py): the recompute calls the unit's original forward,
-    # not the module, so its own hooks do not fire again; it reads the parameters the
-    # pre-backward hook re-gathered and bound (`_pre_backward` binds them for that). A
-    # checkpoint that calls a *module* again in backward (a unit nested in a checkpointed
-    # region, or a user's own `torch.distributed._composable.checkpoint`) makes our forward
-    # hooks fire a second time, inside backward: by then the pre-backward hook has
-    # re-gathered and bound the parameters, so the recompute must neither gather (that would
-    # be a fresh, unrelated set of leaves) nor free (backward still needs them). The
-    # recompute may also stop early, skipping the forward hook altogether, so nothing may
-    # depend on the post hook running.
+    # A unit's forward hooks may fire again inside backward ([Note: forward hooks inside backward]
+    # in engines/_hooks.py): the recompute then reads the gather whose backward runs, which
+    # `_pre_backward` re-gathered and bound (bound again here: a unit run twice has two gathers,
+    # and the other may be bound by now); a forward inside backward with no backward of its unit
+    # running gathers for itself, and that gather is freed at the end of backward.
 
     def _pre_forward(self, unit: SlotUnit, module: nn.Module, args: tuple, kwargs: dict):
         args, kwargs = self._cast_inputs(args), self._cast_inputs(kwargs)
@@ -306,14 +249,14 @@ class Zero3Engine(Engine):
             if in_backward:
                 gather.state = GatherState.RECOMPUTE
             self._bind(gather)
-            if not in_backward and unit.trainable < len(unit.slots) and torch.is_grad_enabled():
-                # frozen parameters: see [Note: when a gather with frozen parameters may be freed]
-                gather.input_hooked = _hooks.hook_input_grads(args, kwargs, partial(self._on_inputs_grad, gather))
+            if not in_backward and torch.is_grad_enabled():
+                # frozen parameters: see [Note: when a unit with frozen parameters may be freed] in engines/_hooks.py
+                gather.release.arm(args, kwargs, partial(self._on_inputs_grad, gather))
         return args, kwargs
 
     def _post_forward(self, unit: SlotUnit, module: nn.Module, args: tuple, output: Any) -> None:
         if _hooks.in_backward():
-            return  # activation-checkpoint recompute: see the Note above
+            return  # activation-checkpoint recompute: see the comment above _pre_forward
         gather = unit.bound
         if gather is None:
             return
@@ -342,13 +285,14 @@ class Zero3Engine(Engine):
 
     # -- backward -------------------------------------------------------------------------------
     # [Note: one gradient per gathered tensor]
-    # The output-gradient hook re-gathers ([Note: when the hooks fire], engines/api.py).
+    # The output-gradient hook re-gathers ([Note: when the hooks fire], engines/_hooks.py).
     # Each full tensor is its own autograd leaf, so its post-accumulate-grad hook fires once
     # per gather with the whole gradient: both uses of GPT's tied embedding/head weight arrive together. A
     # unit that runs twice gathers twice, into two sets of leaves; each set's gradient is
     # reduced to the owner, who adds them up, as autograd would have. A parameter shared by
-    # two units likewise arrives once per unit. Once every leaf of a gather has its
-    # gradient, no backward node needs the gathered values any more: they are freed.
+    # two units likewise arrives once per unit. Once every leaf of a gather has its gradient, no
+    # backward node reads the gathered values any more, unless frozen parameters are among them
+    # ([Note: when a unit with frozen parameters may be freed] in engines/_hooks.py): they are freed.
 
     def _pre_backward(self, gather: Gather, grad: torch.Tensor) -> None:
         if gather.state is GatherState.BACKWARD:
@@ -356,7 +300,7 @@ class Zero3Engine(Engine):
         # "released" too: a second backward through a graph kept with retain_graph=True
         gather.arrived.clear()
         gather.reduced.clear()
-        gather.inputs_done = False
+        gather.release.restart()
         self._backward_end.arm()
         self._fill(gather)
         gather.state = GatherState.BACKWARD
@@ -385,31 +329,35 @@ class Zero3Engine(Engine):
         if self._backward_done(gather):
             self._release(gather)
 
-    # [Note: when a gather with frozen parameters may be freed]
-    # Its values may be freed once no backward node reads them any more. Every node that read
-    # a trainable parameter has it as a differentiable input, so it runs before that
-    # parameter's gradient arrives: for a unit without frozen parameters, "all gradients in"
-    # is the moment. A frozen parameter gives no such signal, and nodes reading it (a frozen
-    # LayerNorm computing its input's gradient) can run after the unit's last trainable
-    # gradient: freeing then crashed ("setStorage: ... storage of size 0"). Every node of the
-    # unit does precede the gradient of the unit's inputs, so a unit with frozen parameters
-    # also waits for a hook on those (all of them: register_multi_grad_hook, mode "all").
-    # When no input needs a gradient (the first block after a frozen embedding; the root,
-    # which takes token ids) there is no such signal: the gather is freed at the end of
-    # backward. Reduces never wait for this: an owner's gradients go as soon as they are in.
-
-    def _backward_done(self, gather: Gather) -> bool:
-        unit = gather.unit
-        if len(gather.arrived) < unit.trainable:
-            return False
-        return unit.trainable == len(unit.slots) or (gather.input_hooked and gather.inputs_done)
+    @staticmethod
+    def _backward_done(gather: Gather) -> bool:
+        return gather.release.may_free(len(gather.arrived) >= gather.unit.trainable)
 
     def _on_inputs_grad(self, gather: Gather, _grads: Any) -> None:
         if gather.state is not GatherState.BACKWARD:
             return
-        gather.inputs_done = True
+        gather.release.fired()
         if self._backward_done(gather):
             self._release(gather)
+
+    # [Note: how many reduces may be in flight]
+    # A reduce is launched asynchronously as soon as an owner's gradient buffer of a unit is
+    # complete, so it overlaps the backward of earlier units, and the buffer must stay alive
+    # until it completes: bounding what is in flight bounds the backward peak. A unit leaves as up
+    # to N reduces of very different sizes (a whole embedding owned by one rank, a bias by
+    # another), launched at different moments and interleaved with the next unit's: no unit is
+    # ever "in flight" as one thing, and counting reduces would let a bias-sized one stand for a
+    # unit's worth of bytes. So zero3 counts bytes: once the buffers of the reduces in flight
+    # exceed `max_inflight_bytes`, twice the largest unit's parameter bytes, the oldest reduce is
+    # waited for. fsdp counts units instead ([Note: how many reduce-scatters may be in flight] in
+    # engines/fsdp.py), and its objection applies here: with a large root unit (a GPT's embedding)
+    # the cap admits several blocks' gradients at once. It is kept as measured (docs/memory.md's
+    # zero3 peaks are with it); a cap in bytes per block, not per largest unit, is the tighter
+    # bound it leaves open. The broadcasts that re-gather a unit, by contrast, are waited for at
+    # once: backward needs the values. At the end of backward ([Note: why we wait where we wait]
+    # in engines/_hooks.py) the gradient buffers left incomplete because some parameter got no
+    # gradient this time are reduced (in the same order on every rank, so the reduces pair up),
+    # every reduce is waited for, and whatever is still gathered is freed.
 
     def _reduce_complete_groups(self, gather: Gather, flush: bool = False) -> None:
         """Reduce each owner's gradient buffer once all its gradients are in (or, at the end
@@ -441,21 +389,7 @@ class Zero3Engine(Engine):
             return
         for pos, off in zip(group.grad_positions, group.grad_offsets):
             slot = unit.slots[pos]
-            g = buffer[off:off + slot.numel].view(slot.shape)
-            if self._host_grads is not None:
-                self._host_grads.copy(slot.param, g)  # added at the end of backward, once landed
-            else:
-                _hooks.accumulate_grad_(slot.param, g)
-
-    # [Note: when reduces are waited for]
-    # A reduce is launched asynchronously as soon as an owner's gradient buffer is complete,
-    # so it overlaps the backward of earlier units; to bound memory, the oldest is waited
-    # for once the buffers in flight exceed `max_inflight_bytes` ([Note: how many reductions
-    # may be in flight], engines/api.py). The broadcasts that re-gather a unit are waited for
-    # at once: backward needs the values. At the end of backward ([Note: why we wait where we wait], engines/api.py) gradient
-    # buffers left incomplete because some parameter got no gradient this time are reduced
-    # (in the same order on every rank, so the reduces pair up), every reduce is waited
-    # for, and whatever is still gathered is freed.
+            self._grads.add(slot.param, buffer[off:off + slot.numel].view(slot.shape))
 
     def _finish_backward(self) -> None:
         for gather in list(self._live):
@@ -466,10 +400,9 @@ class Zero3Engine(Engine):
         while self._inflight:
             self._complete_oldest_reduce()
         self._in_backward_of.clear()
-        if self._host_grads is not None:
-            self._host_grads.flush()
+        self._grads.flush()
 
-    # -- the rest of the contract ---------------------------------------------------------------
+    # -- the training contract (engines/api.py) ----------------------------------------------------
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         full: dict[Slot, torch.Tensor] = {}
@@ -494,21 +427,7 @@ class Zero3Engine(Engine):
         """Every owned Parameter is one whole original parameter."""
         return [(s.param, [ShardPiece(s.name, s.shape, 0, 0, s.numel)]) for s in self.slots if s.param is not None]
 
-    def ownership_imbalance(self) -> float:
-        """max/mean of the parameter bytes each rank owns (1.0 is perfect balance)."""
-        mean = sum(self.owned_bytes) / len(self.owned_bytes)
-        return max(self.owned_bytes) / mean if mean else 1.0
-
-    def gathered_bytes(self, module: nn.Module | None = None) -> int:
-        """Bytes of full parameters gathered right now (0 between steps when resharding), of the
-        unit whose module is `module` when given."""
-        return sum(b.untyped_storage().nbytes() for g in self._live if module is None or g.unit.module is module
-                   for b in g.buffers)
-
-    def comm_counters(self) -> list[C.CommCounter]:
-        return [self.counter]
-
-    # -- what the tools ask (engines/api.py) ----------------------------------------------------
+    # -- Plannable (engines/planning.py) -----------------------------------------------------------
     @classmethod
     def planned_state(cls, params: list[nn.Parameter], world: int, options: Mapping[str, Any]
                       ) -> list[list[LocalTensor]] | None:
@@ -528,6 +447,10 @@ class Zero3Engine(Engine):
         """Every unit broadcast in forward and again in backward (the root too), gradients reduced
         to their owners once per step, over all ranks."""
         return gathered_unit_traffic(model, "broadcast", "reduce", model.world, root_kept=False)
+
+    # -- Measurable (engines/measuring.py) ---------------------------------------------------------
+    def comm_counters(self) -> list[C.CommCounter]:
+        return [self.counter]
 
     def memory_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         for gather in self._live:

@@ -1,5 +1,5 @@
 """`shardlab plan`: predict the peak memory per rank of every engine before launch, say whether it
-fits a GPU, and predict step time and tokens/s at K nodes (docs/memory.md, "shardlab plan").
+fits a GPU, and predict step time and tokens/s at K nodes (docs/plan.md; the model: docs/memory.md, "How shardlab plan predicts the peak").
 
   shardlab plan CONFIG.yaml [key=value ...] --gpu T4|L4|A100-40|A100-80|H100|H200 --nproc N [--nodes K]
                 [--interconnect NAME] [--engines a,b] [--json]
@@ -7,7 +7,7 @@ fits a GPU, and predict step time and tokens/s at K nodes (docs/memory.md, "shar
 How the peak is predicted (per engine, per rank):
 
 1. Model state, exactly (plan/model.py). The model is built on the meta device (no memory) and
-   each engine says what a rank holds (`Engine.planned_state`): by its rule where it has one
+   each engine says what a rank holds (`Plannable.planned_state`): by its rule where it has one
    (replicated engines hold every tensor whole; FSDP2, which cannot be built on meta, splits
    every parameter on dim 0 into S chunks of ceil(d0/S) rows, each rank's storage padded to
    one chunk), else built for real on the meta device on a fake process group of N ranks
@@ -42,7 +42,7 @@ FLOPs) or, for a GPU, the FLOPs counted on the probe's own step (`step_flops`; w
 the real shape, 6 * params * tokens plus what checkpointing recomputes) at
 `GPUS[...].peak_flops * MFU`; communication
 from an alpha-beta model per collective (plan/catalogue.py's `INTERCONNECTS`) over the
-collectives each engine says a step issues (`Engine.step_traffic`).
+collectives each engine says a step issues (`Plannable.step_traffic`).
 
 The package, one concern a module: catalogue (GPUs, links), model (the meta model and exact
 state), probe, scaling, predict (the prediction per engine), traffic (step time), fit (the

@@ -9,7 +9,7 @@ import multiprocessing as mp
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardlab.config import ConfigError, validate_for_world
+from shardlab.config import Config, ConfigError, ParallelConfig, validate_for_world
 from shardlab.engines import STRATEGIES, engine_class
 from shardlab.memory import PARTS
 from shardlab.plan import probe as P
@@ -53,7 +53,7 @@ def default_engines(nproc: int) -> list[str]:
     return [e for e in STRATEGIES if engine_class(e).distributed or nproc == 1]
 
 
-def predict_all(cfg, nproc: int, engines: list[str] | None = None, per_node: int | None = None,
+def predict_all(cfg: Config, nproc: int, engines: list[str] | None = None, per_node: int | None = None,
                 probe: str = "auto") -> dict[str, Prediction]:
     """Predicted peak per rank (device memory), by part, for each engine at world size nproc
     (per_node: ranks per node, hybrid sharding's default shard group). probe: "auto" (fake
@@ -79,13 +79,13 @@ def _predict_all(cfg, nproc: int, engines: list[str] | None, per_node: int | Non
         validate_for_world(c, nproc)
     fake = {e: probe_kind(e, probe) == "fake" for e in engines}
     L = n_layer(cfg)
-    layers = P.probe_layers(cfg, L)
+    layers = P.probe_layers(cfg.train, L)
     accumulation = cfg.train.global_batch_size // (nproc * cfg.train.micro_batch_size)
     states = {e: state_by_rule(cfgs[e], e, nproc) for e in engines}
     to_build = {e: cfgs[e].to_dict() for e in engines if states[e] is None}
     probe_psi = probe_param_bytes(cfg, max(x or 0 for x in layers))
     probe_ok = [e for e in engines
-                if fake[e] or _probe_state_estimate(probe_psi, cfgs[e], e, nproc) <= P.PROBE_MAX_BYTES]
+                if fake[e] or _probe_state_estimate(probe_psi, cfgs[e].parallel, e, nproc) <= P.PROBE_MAX_BYTES]
     why_not = {e: f"a real-tensor probe would need over {P.PROBE_MAX_BYTES / 2**30:.0f} GiB here "
                   "(SHARDLAB_PLAN_PROBE_MAX_GIB raises the limit)" for e in engines if e not in probe_ok}
     shapes = {e: P.probe_shape(cfg, fake[e]) for e in engines}
@@ -143,7 +143,7 @@ def _not_probed(engine: str, nproc: int, state: dict[str, int], why: str) -> Pre
                              "state, all live at the optimizer step (a lower bound)"])
 
 
-def _predicted(engine: str, cfg, nproc: int, state: dict[str, int], per_layer: dict, shape: tuple) -> Prediction:
+def _predicted(engine: str, cfg: Config, nproc: int, state: dict[str, int], per_layer: dict, shape: tuple) -> Prediction:
     """An engine's probes scaled to the real model, with params and optimizer exact; the peak is
     the larger of the step candidate and the forward candidate."""
     micro, seq, act_scale, L, layers = shape
@@ -189,12 +189,12 @@ def _predicted(engine: str, cfg, nproc: int, state: dict[str, int], per_layer: d
     return out
 
 
-def predict(cfg, engine: str, nproc: int) -> Prediction:
+def predict(cfg: Config, engine: str, nproc: int) -> Prediction:
     return predict_all(cfg, nproc, [engine])[engine]
 
 
-def _probe_state_estimate(psi: int, cfg, engine: str, nproc: int) -> int:
+def _probe_state_estimate(psi: int, p: ParallelConfig, engine: str, nproc: int) -> int:
     """Rough bytes the probe of `engine` holds (model state of the probe model, of `psi` parameter
     bytes, + one gathered copy), to refuse probes that would not fit on this machine."""
-    group = cfg.parallel.shard_size or nproc
+    group = p.shard_size or nproc
     return int(psi * (5 if not engine_class(engine).grads_sharded else 4 / group + 2))

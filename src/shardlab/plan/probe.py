@@ -44,18 +44,18 @@ import time
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
-from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardlab
 from shardlab import memory
-from shardlab.config import config_from_dict
+from shardlab.config import Config, TrainConfig, config_from_dict
 from shardlab.data import build_datasets, collate
 from shardlab.engines import engine_class
+from shardlab.loop.runtime import Runtime
 from shardlab.models import MODELS
+from shardlab.observe.flops import CountFlops
 from shardlab.plan.fake_ddp import ddp_on_fake_tensors
 from shardlab.plan.model import cut_depth, init_fake_group, vocab_size
-from shardlab.runtime import Runtime
 
 #: Blocks of the model the probes run with (GPT's n_layer, an HF decoder's num_hidden_layers;
 #: other models run whole).
@@ -73,19 +73,19 @@ PROBE_MAX_BYTES = int(float(os.environ.get("SHARDLAB_PLAN_PROBE_MAX_GIB", "6")) 
 PROBE_TIMEOUT_S = float(os.environ.get("SHARDLAB_PLAN_PROBE_TIMEOUT_S", "1800"))
 
 
-def probe_layers(cfg, depth: int | None) -> list[int | None]:
+def probe_layers(t: TrainConfig, depth: int | None) -> list[int | None]:
     """The depths the probes run at: PROBE_LAYERS, or with train.ac_every=K (checkpointing every K-th
     block) two depths K apart, so that the blocks added between them hold the mix of checkpointed and
     plain blocks the real model has (the scaling takes the mean per block). None: the model runs whole."""
     if depth is None:
         return [None]
     lo, hi = PROBE_LAYERS
-    if cfg.train.activation_checkpointing != "none" and cfg.train.ac_every > 1:
-        hi = lo + cfg.train.ac_every
+    if t.activation_checkpointing != "none" and t.ac_every > 1:
+        hi = lo + t.ac_every
     return sorted({min(lo, depth), min(hi, depth)})
 
 
-def probe_shape(cfg, fake: bool = False) -> tuple[int, int, float]:
+def probe_shape(cfg: Config, fake: bool = False) -> tuple[int, int, float]:
     """(micro batch, seq) the probe runs at and the factor activations scale by: a fake probe
     runs at the real shape; a real one at most `PROBE_TOKENS` tokens."""
     b, seq = cfg.train.micro_batch_size, cfg.data.seq_len
@@ -99,7 +99,7 @@ def probe_shape(cfg, fake: bool = False) -> tuple[int, int, float]:
     return pb, ps, (b * seq) / (pb * ps)
 
 
-def probe_config(cfg, n_layer: int | None, micro: int, seq: int, world: int, steps: int, accumulation: int,
+def probe_config(cfg: Config, n_layer: int | None, micro: int, seq: int, world: int, steps: int, accumulation: int,
                  tmpdir: str):
     raw = cfg.to_dict()
     if n_layer is not None:
@@ -118,7 +118,7 @@ def probe_config(cfg, n_layer: int | None, micro: int, seq: int, world: int, ste
     raw["data"].update(source="synthetic", path=None, tokenizer=None, tokenizer_path=None, packing=False,
                        synthetic_samples=max(64, 4 * micro * world))
     raw["checkpoint"].update(every_steps=0, resume="none")
-    raw["output"].update(tensorboard=False, progress=False, run_name="plan-probe")
+    raw["output"].update(tensorboard=False, trackers=None, progress=False, run_name="plan-probe")
     return config_from_dict(raw)
 
 
@@ -165,63 +165,6 @@ class _ScalarReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class _CountFlops(TorchDispatchMode):
-    """FLOPs of the step as it runs: every operator torch's flop counter has a formula for
-    (matmuls, convolutions, attention), by its shapes, recomputation included (what checkpointing
-    runs again is dispatched again; what selective keeps is not). torch's FlopCounterMode is not
-    used because it also tracks modules with autograd hooks of its own, which would change what
-    the memory tracker beside it measures."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.flops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        formula = flop_counter.flop_registry.get(func._overloadpacket)
-        if formula is not None:
-            self.flops += formula(*args, **kwargs, out_val=out)
-        return out
-
-
-def _cpu_flash_attention_formulas() -> None:
-    """torch counts the CUDA attention kernels; the probes run on CPU, where SDPA is
-    `_scaled_dot_product_flash_attention_for_cpu`: the same products, counted the same way."""
-    aten = torch.ops.aten
-    pairs = ((getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None), flop_counter.sdpa_flop_count, 3),
-             (getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None),
-              flop_counter.sdpa_backward_flop_count, 4))
-    for op, count, shapes in pairs:
-        if op is None or op in flop_counter.flop_registry:
-            continue
-        flop_counter.register_flop_formula(op)(
-            lambda *a, out_shape=None, _count=count, _n=shapes, **kw: _count(*a[:_n]))
-
-
-_cpu_flash_attention_formulas()
-
-
-def _chunked_loss_formula() -> None:
-    """torch's chunked cross-entropy (the chunked loss in float32/float64, models/lm_loss.py) is one
-    custom operator whose matmuls run inside it: the logits' 2 x tokens x vocabulary x width, and the
-    same again for each gradient it computes in its forward (the input's, the weight's)."""
-    import torch.nn.modules.linear_cross_entropy  # noqa: F401  (registers the operator)
-
-    op = torch.ops.torch_nn._linear_cross_entropy_batch_chunked
-    if op in flop_counter.flop_registry:
-        return
-
-    def count(h, w, *rest, out_shape=None, **kw) -> int:
-        (n, width), vocab = h, w[0]
-        return 2 * n * vocab * width * (1 + int(rest[10]) + int(rest[11]))  # + compute_input_grad, _weight_grad
-
-    flop_counter.register_flop_formula(op)(count)
-
-
-_chunked_loss_formula()
-
-
 @contextlib.contextmanager
 def fake_tensors():
     """Every tensor made inside is a FakeTensor: real shapes and sizes, no data."""
@@ -263,11 +206,12 @@ class _HostBatches:
             return self.inner.next(step)
 
 
-def _probe_once(cfg, rt, fake: bool) -> dict:
+def _probe_once(cfg: Config, rt, fake: bool) -> dict:
     """One engine at one depth: the tracked step's peak and breakdown, and the forward peak's."""
-    # deferred: shardlab.train costs about 1 s to import (torch.distributed.checkpoint and the
+    # deferred: shardlab.loop.train costs about 1 s to import (torch.distributed.checkpoint and the
     # loop's dependencies); the probes run in a child, and `shardlab --help` need not pay it
-    from shardlab.train import build_run, train_step
+    from shardlab.loop.run import build_run
+    from shardlab.loop.train import train_step
 
     data = build_datasets(cfg)  # real tensors, outside any fake mode
     with fake_tensors() if fake else contextlib.nullcontext():
@@ -281,7 +225,7 @@ def _probe_once(cfg, rt, fake: bool) -> dict:
         run.state.step += 1
         tracker = memory.LiveMemoryTracker(rt.device, engine=run.engine, optimizer=run.opt, fake=fake)
         t0 = time.perf_counter()
-        with tracker.step(1), _CountFlops() as counted:
+        with tracker.step(1), CountFlops() as counted:
             train_step(run, tracker)
         seconds = time.perf_counter() - t0
         full = tracker.summary()
@@ -297,7 +241,7 @@ def _probe_once(cfg, rt, fake: bool) -> dict:
 
 
 def _forward_peak(run, rt, fake: bool) -> dict:
-    from shardlab.amp import autocast  # deferred: torch.distributed.fsdp costs 0.7 s to import
+    from shardlab.loop.amp import autocast  # deferred: torch.distributed.fsdp costs 0.7 s to import
 
     t = run.cfg.train
     with unset_fake_temporarily():

@@ -9,7 +9,7 @@ import math
 import sys
 from typing import Any
 
-from shardlab.config import ConfigError, load_config
+from shardlab.config import Config, ConfigError, TrainConfig, load_config
 from shardlab.engines import STRATEGIES, engine_class
 from shardlab.plan.allocator import reserved
 from shardlab.plan.catalogue import GPU, GPUS, INTERCONNECTS, MFU, default_link, usable_bytes
@@ -18,7 +18,7 @@ from shardlab.plan.predict import PROBE_KINDS, Prediction, predict_all
 from shardlab.plan.traffic import hiding_limit, step_time
 
 
-def verdict(cfg, p: Prediction, gpu: GPU, others: dict[str, Prediction], world: int) -> dict[str, Any]:
+def verdict(cfg: Config, p: Prediction, gpu: GPU, others: dict[str, Prediction], world: int) -> dict[str, Any]:
     usable = usable_bytes(gpu)
     precision_problem = None
     if not gpu.bf16 and "bf16" in (cfg.train.precision, cfg.parallel.mixed_precision):
@@ -50,7 +50,7 @@ def verdict(cfg, p: Prediction, gpu: GPU, others: dict[str, Prediction], world: 
     for change, peak in p.alternatives.items():
         if peak < p.peak_bytes:
             ch.append(f"{change}: {peak / 2**30:.1f} GiB (probed; the logits are never held whole: docs/training.md)")
-    whole = without_accumulation(cfg, p, world)
+    whole = without_accumulation(cfg.train, p, world)
     if whole:
         ch.append(_no_accumulation(p, whole))
     act = p.parts["activations"]
@@ -73,7 +73,7 @@ def verdict(cfg, p: Prediction, gpu: GPU, others: dict[str, Prediction], world: 
     return out
 
 
-def fit_limits(cfg, p: Prediction, usable: int) -> dict[str, int | None]:
+def fit_limits(cfg: Config, p: Prediction, usable: int) -> dict[str, int | None]:
     """The largest micro batch (at this sequence length) and the largest sequence length (at this
     micro batch) whose peak fits: activations are linear in tokens per micro batch (the quadratic
     attention term is not modelled: docs/memory.md), everything else stays. None: not probed."""
@@ -86,11 +86,10 @@ def fit_limits(cfg, p: Prediction, usable: int) -> dict[str, int | None]:
     return {"max_micro_batch": tokens // cfg.data.seq_len, "max_seq_len": tokens // cfg.train.micro_batch_size}
 
 
-def without_accumulation(cfg, p: Prediction, world: int) -> tuple[int, float] | None:
+def without_accumulation(t: TrainConfig, p: Prediction, world: int) -> tuple[int, float] | None:
     """(micro batch, peak) of the same global batch in one micro batch per rank, when the step
     accumulates and the engine keeps gradients unsharded between micro batches (inside `no_sync`):
     those go, activations grow with the micro batch. None where there is nothing to gain."""
-    t = cfg.train
     whole = t.global_batch_size // world
     held = p.parts.get("unsharded_grads", 0)
     if whole <= t.micro_batch_size or held <= 0:
@@ -113,7 +112,7 @@ def cheapest_change(cfg, p: Prediction, usable: int, others: dict[str, Predictio
     fitting = sorted((q.peak_bytes, e) for e, q in others.items() if q.probed and q.peak_bytes <= usable)
     if fitting:
         return f"parallel.strategy={fitting[0][1]} ({fitting[0][0] / 2**30:.2f} GiB)"
-    whole = without_accumulation(cfg, p, world)
+    whole = without_accumulation(cfg.train, p, world)
     if whole and whole[1] <= usable:
         return _no_accumulation(p, whole)
     limits = fit_limits(cfg, p, usable)
@@ -209,7 +208,7 @@ def _gib(b: float) -> str:
     return f"{b / _UNIT[0]:.2f}"
 
 
-def print_report(cfg, report: dict[str, Any]) -> None:
+def print_report(cfg: Config, report: dict[str, Any]) -> None:
     gpu = report["gpu"]
     print(f"shardlab plan: {cfg.model.name} ({param_count(cfg) / 1e6:.1f} M parameters), micro batch "
           f"{cfg.train.micro_batch_size} x {cfg.data.seq_len}, global batch {cfg.train.global_batch_size}, "
@@ -219,7 +218,8 @@ def print_report(cfg, report: dict[str, Any]) -> None:
     _UNIT[:] = [2**20, "MiB"] if small else [2**30, "GiB"]
     print(f"predicted peak per rank, {_UNIT[1]}, by part:")
     cols = ["params", "gathered_params", "grads", "unsharded_grads", "optimizer", "activations", "comm"]
-    head = (f"{'engine':11s} {'peak':>7s} " + " ".join(f"{c[:10]:>10s}" for c in cols)
+    w = max(11, *(len(e) for e in report["engines"]))  # the engine column: as wide as the longest name
+    head = (f"{'engine':{w}s} {'peak':>7s} " + " ".join(f"{c[:10]:>10s}" for c in cols)
             + f" {'reserved':>9s} {'device':>8s}  verdict")
     print(head)
     for e, r in report["engines"].items():
@@ -227,7 +227,7 @@ def print_report(cfg, report: dict[str, Any]) -> None:
         word = (f"fits, {_gib(v['margin_bytes'])} {_UNIT[1]} spare" if v["fits"] else
                 ("does not fit" if r["probed"] else "does not fit (lower bound)" if v["margin_bytes"] < 0
                  else "unknown (not probed)"))
-        print(f"{e:11s} {_gib(r['peak_bytes']):>7s} " + " ".join(f"{_gib(r['parts'][c]):>10s}" for c in cols)
+        print(f"{e:{w}s} {_gib(r['peak_bytes']):>7s} " + " ".join(f"{_gib(r['parts'][c]):>10s}" for c in cols)
               + f" {_gib(r['reserved_bytes']):>9s} {_gib(r['device_bytes']):>8s}  {word}")
     print("  peak: live tensor bytes; reserved: the CUDA caching allocator's peak (torch.cuda.max_memory_reserved); "
           "device: reserved + CUDA context + NCCL (nvidia-smi) (docs/memory.md, [Note: live, reserved, device])")
@@ -249,7 +249,7 @@ def print_report(cfg, report: dict[str, Any]) -> None:
     for e, r in report["engines"].items():
         t = r["time"]
         lim = t["comm_stops_hiding_at_nodes"]
-        print(f"  {e:11s} compute {t['compute_s'] * 1e3:9.1f} ms  comm {t['comm_s'] * 1e3:9.1f} ms  step "
+        print(f"  {e:{w}s} compute {t['compute_s'] * 1e3:9.1f} ms  comm {t['comm_s'] * 1e3:9.1f} ms  step "
               f"{t['step_s'] * 1e3:9.1f} ms  {t['tokens_per_s'] or 0:12.0f} tokens/s "
               f"({(t['tokens_per_s'] or 0) / report['world']:.0f} per rank, {t['flops_per_token']:.3g} FLOP/token)  comm "
               f"{'hidden' if t['comm_hidden'] else 'EXPOSED'}"

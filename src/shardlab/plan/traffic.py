@@ -1,6 +1,6 @@
 """Step time: compute from FLOPs (or the probe's measured CPU step) and communication from an
 alpha-beta model per collective kind, over the collectives each engine says a step issues
-(`Engine.step_traffic`, engines/api.py)."""
+(`Plannable.step_traffic`, engines/planning.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from typing import Any
 
 import torch
 
-from shardlab.config import engine_options
+from shardlab.config import Config, engine_options
 from shardlab.engines import engine_class
-from shardlab.engines.api import Collective, MixedPrecision, ModelTraffic
+from shardlab.engines.api import MixedPrecision
 from shardlab.engines.compile import Checkpointing
+from shardlab.engines.planning import Collective, ModelTraffic
 from shardlab.models import MODELS, repeated_blocks
 from shardlab.plan.catalogue import GPU, MFU, Link
 from shardlab.plan.model import meta_model, n_layer, param_count
@@ -34,7 +35,7 @@ def collective_time(kind: str, nbytes: float, world: int, link: Link) -> float:
     return steps * alpha + bus * nbytes / bandwidth
 
 
-def model_traffic(cfg, world: int, mixed_precision: MixedPrecision | None = None) -> ModelTraffic:
+def model_traffic(cfg: Config, world: int, mixed_precision: MixedPrecision | None = None) -> ModelTraffic:
     """What the engines' traffic depends on, from the meta model: parameter bytes in the dtype
     they are gathered in (the engine's `mixed_precision.param_dtype`), trainable bytes in the
     dtype gradients are reduced in (its `reduce_dtype`, parallel.reduce_dtype), root bytes, wrap
@@ -53,26 +54,26 @@ def model_traffic(cfg, world: int, mixed_precision: MixedPrecision | None = None
                         trainable_bytes=nbytes([p for p in params if p.requires_grad], reduced),
                         root_bytes=nbytes([p for p in params if id(p) not in in_units], gathered), units=len(units),
                         micro_batches=max(1, cfg.train.global_batch_size // (world * cfg.train.micro_batch_size)),
-                        world=world)
+                        world=world, tensors=len(params), trainable_tensors=sum(p.requires_grad for p in params))
 
 
-def comm_plan(cfg, engine: str, world: int) -> list[Collective]:
+def comm_plan(cfg: Config, engine: str, world: int) -> list[Collective]:
     """(kind, full bytes per call, calls per step, ranks in the group) of an engine's training
-    collectives, as its design says (`Engine.step_traffic`); groups of one rank send nothing."""
+    collectives, as its design says (`Plannable.step_traffic`); groups of one rank send nothing."""
     if world == 1:
         return []
     c = copy.deepcopy(cfg)
     c.parallel.strategy = engine
-    options = engine_options(c)
+    options = engine_options(c.parallel)
     planned = engine_class(engine).step_traffic(model_traffic(cfg, world, options.get("mixed_precision")), options)
     return [x for x in planned if x.ranks > 1]
 
 
-def comm_seconds(cfg, engine: str, world: int, link: Link) -> float:
+def comm_seconds(cfg: Config, engine: str, world: int, link: Link) -> float:
     return sum(calls * collective_time(kind, b, ranks, link) for kind, b, calls, ranks in comm_plan(cfg, engine, world))
 
 
-def step_time(cfg, engine: str, world: int, link: Link, gpu: GPU | None, probe_seconds: float | None,
+def step_time(cfg: Config, engine: str, world: int, link: Link, gpu: GPU | None, probe_seconds: float | None,
               nodes: int = 1, step_flops: float | None = None) -> dict[str, Any]:
     """Predicted step time: compute and communication (alpha-beta); overlapped = max(compute,
     comm) for engines that overlap (all do: bucketed all-reduce, prefetch), serial = compute + comm.
@@ -101,7 +102,7 @@ def step_time(cfg, engine: str, world: int, link: Link, gpu: GPU | None, probe_s
             "compute_source": source, "comm_hidden": comm <= compute, "link": link.name}
 
 
-def hiding_limit(cfg, engine: str, per_node: int, link: Link, compute_s: float, world: int | None = None,
+def hiding_limit(cfg: Config, engine: str, per_node: int, link: Link, compute_s: float, world: int | None = None,
                  max_nodes: int = 1024) -> int | None:
     """The first node count at which the step's communication exceeds its compute, i.e. stops
     hiding behind it; None if it never does up to max_nodes. Each rank's work stays as configured

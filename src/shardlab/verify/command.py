@@ -101,7 +101,7 @@ def make_plan(cfg, args, workdir: str) -> Plan:
     raw["checkpoint"].update(every_steps=0, resume="none")
     raw["preemption"]["enabled"] = False
     raw["export"]["format"] = "none"
-    raw["output"].update(dir=workdir, run_name="verify", tensorboard=False, progress=False)
+    raw["output"].update(dir=workdir, run_name="verify", tensorboard=False, trackers=None, progress=False)
     if args.dtype == "float64":
         mp = raw["parallel"]["mixed_precision"]
         if mp in ("bf16", "fp16"):  # the engine keeps its mixed-precision path, computing in float64
@@ -136,7 +136,7 @@ def make_plan(cfg, args, workdir: str) -> Plan:
 def _worker_entry(plan: Plan):
     """One worker under the elastic agent: runtime from the environment, the runs, the report (rank 0)."""
     from shardlab.config import config_from_dict
-    from shardlab.runtime import init_runtime, shutdown
+    from shardlab.loop.runtime import init_runtime, shutdown
     from shardlab.verify.compare import compare
     from shardlab.verify.runs import verify_worker
 
@@ -155,7 +155,7 @@ def launch(plan: Plan, timeout_s: float):
     """Start plan.nproc local workers through torchrun's elastic agent; rank 0's report."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from shardlab.runtime import free_port
+    from shardlab.loop.runtime import free_port
 
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.nproc)))
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=plan.nproc, run_id=f"verify-{uuid.uuid4().hex[:8]}",

@@ -1,6 +1,6 @@
 """The runs `shardlab verify` compares, and what each records.
 
-Every run goes through `train.build_run` and `train.train_step`, the code `shardlab train`
+Every run goes through `run.build_run` and `train.train_step`, the code `shardlab train`
 runs; verify only chooses the config, the order of the samples and what to read:
 
   reference  one process (`--against single`) whose micro batch i is the N ranks' micro
@@ -40,9 +40,10 @@ from shardlab.config import config_from_dict
 from shardlab.data import build_datasets, collate
 from shardlab.data.loader import StepBatches
 from shardlab.engines import ONE_PROCESS
-from shardlab.loss import count_targets
-from shardlab.runtime import Runtime
-from shardlab.train import build_run, train_step
+from shardlab.loop.loss import count_targets
+from shardlab.loop.run import build_run
+from shardlab.loop.runtime import Runtime
+from shardlab.loop.train import train_step
 from shardlab.verify.float64 import Float64Everywhere
 
 # How long the ranks not running a one-process reference wait for it (a cut 7B in float64

@@ -34,7 +34,10 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shardlab.config import Config
 
 PREEMPTED_EXIT_CODE = 75
 PREEMPTED_FILE = "preempted.json"
@@ -128,7 +131,7 @@ class PreemptionGuard:
             "unix_time": time.time(),
         }
         if rt.is_main:
-            from shardlab.metrics import write_json_atomic
+            from shardlab.atomic import write_json_atomic
 
             os.makedirs(run.out_dir, exist_ok=True)
             write_json_atomic(os.path.join(run.out_dir, PREEMPTED_FILE), record)
@@ -213,7 +216,7 @@ class GraceEstimate:
         return f"preemption grace {self.grace_s} s (save {self.save_s:.1f} s, {self.source})"
 
 
-def measured_save_seconds(cfg: Any) -> tuple[float, str] | None:
+def measured_save_seconds(cfg: Config) -> tuple[float, str] | None:
     """The newest complete checkpoint's recorded save time, if the config's checkpoint
     directory already holds one (a previous run or attempt of the same job)."""
     from shardlab.checkpoint import list_checkpoints, read_manifest
@@ -233,7 +236,7 @@ def measured_save_seconds(cfg: Any) -> tuple[float, str] | None:
     return None
 
 
-def state_bytes(cfg: Any) -> int:
+def state_bytes(cfg: Config) -> int:
     """fp32 parameters plus optimizer state, as a checkpoint holds them (shapes on the meta device)."""
     from shardlab.models import MODELS, build_model, count_parameters
 
@@ -248,7 +251,7 @@ def state_bytes(cfg: Any) -> int:
     return n * per_param
 
 
-def grace_estimate(cfg: Any) -> GraceEstimate:
+def grace_estimate(cfg: Config) -> GraceEstimate:
     """preemption.grace_s if set, else ceil(2 x save + preemption.margin_s), where the save time is
     preemption.save_s, else measured (the newest checkpoint's manifest), else estimated from the
     model's state bytes at preemption.write_mb_s. Twice the save: a preempted fleet saves at

@@ -31,11 +31,12 @@ import os
 import signal
 import sys
 import uuid
+from dataclasses import dataclass
 
-from shardlab import preemption
 from shardlab.config import Config, dump_config
 from shardlab.doctor import agent as doctor
-from shardlab.runtime import free_port
+from shardlab.loop import elastic, preemption
+from shardlab.loop.runtime import free_port
 
 _AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 
@@ -54,8 +55,49 @@ class _AgentNoise(logging.Filter):
         return not str(record.msg).startswith(self.dropped)
 
 
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the agents of one job meet: one agent with its own store (launch_local's default),
+    or MIN..MAX agents at a shared c10d endpoint (launch_elastic)."""
+
+    min_nodes: int = 1
+    max_nodes: int = 1
+    endpoint: str | None = None   # None: a free port on loopback
+    run_id: str | None = None     # None: a fresh id (one agent: nothing to agree on)
+
+
+# [Note: the last call]
+# A restart after a lost node waits twice before the group re-forms. First for the dead node to
+# leave the rendezvous: c10d drops a node whose heartbeat (every KEEP_ALIVE_S) was missed 3 times,
+# and until then the survivors cannot start the next round (torch's default: 5 s x 3). Then, once
+# MIN agents have joined the new round, c10d waits LAST_CALL_S for more before it closes it
+# (torch's default is 30 s), in full whenever fewer than MAX agents are left. Both are part of the
+# time from the loss to the first step at the new size; agents starting together join well within
+# the last call, and one that comes later joins at the next round (a membership change:
+# docs/elastic.md). SHARDLAB_LAST_CALL_S and SHARDLAB_KEEP_ALIVE_S (whole seconds) change them:
+# tests/test_elastic_agents.py shortens both.
+LAST_CALL_S = 5
+KEEP_ALIVE_S = 5
+
+
+def _seconds(env: str, default: int) -> int:
+    value = os.environ.get(env) or str(default)
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{env}={value!r}: give whole seconds >= 1, e.g. {env}={default}")
+    return int(value)
+
+
+def launch_elastic(cfg: Config, nproc: int, nodes: tuple[int, int], endpoint: str, rdzv_id: str | None,
+                   max_restarts: int, verbose: bool = False) -> int:
+    """One agent (node) of an elastic job of MIN..MAX agents with `nproc` workers each, meeting
+    at `endpoint` (docs/elastic.md). A restart re-forms the group at whatever agents are left or
+    have joined; the workers resume from the latest checkpoint at the same global batch."""
+    return launch_local(cfg, nproc, max_restarts, {elastic.ENV: "1"}, verbose=verbose,
+                        rdzv=Rendezvous(nodes[0], nodes[1], endpoint, rdzv_id or cfg.output.run_name))
+
+
 def launch_local(cfg: Config, nproc: int, max_restarts: int = 0, extra_env: dict[str, str] | None = None,
-                 verbose: bool = False) -> int:
+                 verbose: bool = False, rdzv: Rendezvous = Rendezvous()) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -72,12 +114,15 @@ def launch_local(cfg: Config, nproc: int, max_restarts: int = 0, extra_env: dict
     os.environ[preemption.MARKER_ENV] = marker
     grace = preemption.grace_estimate(cfg) if cfg.preemption.enabled else None
     doctor.forget_exits(out)
-    run_id = f"shardlab-{uuid.uuid4().hex[:8]}"  # the workers' TORCHELASTIC_RUN_ID: the doctor's launch id
+    # the workers' TORCHELASTIC_RUN_ID: the doctor's launch id
+    run_id = rdzv.run_id or f"shardlab-{uuid.uuid4().hex[:8]}"
     launch = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+        min_nodes=rdzv.min_nodes, max_nodes=rdzv.max_nodes, nproc_per_node=nproc,
         run_id=run_id,
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        rdzv_configs={"timeout": int(cfg.parallel.timeout_s)},
+        rdzv_backend="c10d", rdzv_endpoint=rdzv.endpoint or f"127.0.0.1:{free_port()}",
+        rdzv_configs={"timeout": int(cfg.parallel.timeout_s),  # [Note: the last call]
+                      "last_call_timeout": _seconds("SHARDLAB_LAST_CALL_S", LAST_CALL_S),
+                      "keep_alive_interval": _seconds("SHARDLAB_KEEP_ALIVE_S", KEEP_ALIVE_S)},
         max_restarts=max_restarts, monitor_interval=0.2,
         # the agent forwards these to the workers; on one it waits shutdown_timeout, then SIGKILL
         signals_to_handle=preemption.AGENT_SIGNALS if grace else "SIGTERM,SIGINT,SIGHUP,SIGQUIT",

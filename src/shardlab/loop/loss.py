@@ -75,3 +75,11 @@ def token_weights(targets: list[torch.Tensor], world_size: int, device: torch.de
         collectives.all_reduce(box)  # through collectives: in the hang doctor's record (docs/debugging.md)
         total = int(box.item())
     return TokenWeights(counts, total, world_size)
+
+
+def mean_over_ranks(value: torch.Tensor, world_size: int, distributed: bool) -> torch.Tensor:
+    """The ranks' values averaged (the logged loss: the sum of a rank's weighted terms, over N)."""
+    if distributed and world_size > 1:
+        collectives.all_reduce(value)  # through collectives: in the hang doctor's record
+        value = value / world_size
+    return value

@@ -1,4 +1,4 @@
-"""Measurement and run outputs: step timers, peak memory per rank, run_args.json, metrics.json.
+"""Measurement and run outputs: step timers, peak memory per rank, what run_args.json holds.
 
 Peak memory is measured, not modelled: on CUDA `torch.cuda.max_memory_allocated`; on CPU
 the process's peak resident set size (getrusage), which includes the Python interpreter
@@ -9,15 +9,12 @@ as exact tensor byte counts (`model_state_bytes`).
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import resource
 import statistics
 import subprocess
 import sys
-import tempfile
-from typing import Any
 
 import torch
 
@@ -42,20 +39,6 @@ def git_commit(path: str | None = None) -> str | None:
         return out.stdout.strip() or None if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
-
-
-def write_json_atomic(path: str, data: Any, *, default: Any = None) -> None:
-    """Write to a temporary file in the same directory, flush it to disk, then rename: readers
-    never see half a file, even after a crash. `default` as in json.dump (None: non-JSON
-    values are an error, as a checkpoint manifest wants)."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2, default=default)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def run_args(cfg_dict: dict, world_size: int, hostnames: list[str], extra: dict | None = None) -> dict:

@@ -1,19 +1,37 @@
-"""What a training run reports at its end: `summarize` (the metrics.json of train.py's loop)
-and `print_summary` (the table rank 0 prints). `run` is train.Run."""
+"""What a training run reports at its end: `summarize` (metrics.json, from every rank's
+measurements: measurements.py) and `print_summary` (the table rank 0 prints). `run` is run.Run."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from shardlab import metrics as M
+from shardlab.atomic import write_json_atomic
 from shardlab.data.mixture import MixtureSampler, source_counts
 from shardlab.engines import is_sharded
+from shardlab.loop import metrics as M
+from shardlab.loop.runtime import all_gather_object
 
 
-def summarize(run: Any, timer: M.StepTimer, per_rank: list[dict], val_losses: dict, wall: float) -> dict[str, Any]:
-    """metrics.json: throughput counts only the steps this process trained (a resumed run's
-    earlier steps are in `losses` but not in its timings)."""
+def step_tokens(run: Any, step_index: int) -> int | None:
+    """Tokens of the global batch of step `step_index` (0-based): its samples' real tokens where
+    the data says (padding excluded), else samples x tokens per sample; None for other data."""
+    if run.data.real_tokens is not None:
+        return int(run.data.real_tokens[run.sampler.rank_indices(step_index, 0, 1)].sum())
+    if run.data.tokens_per_sample:
+        return run.cfg.train.global_batch_size * run.data.tokens_per_sample
+    return None
+
+
+def summarize(run: Any, timer: M.StepTimer, mine: dict, val_losses: dict, wall: float,
+              extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """metrics.json, written by rank 0 and returned on every rank: `mine` (this rank's peak
+    memory, model state, traffic, live-memory breakdown, compile time) gathered from every rank.
+    Throughput counts only the steps this process trained (a resumed run's earlier steps are in
+    `losses` but not in its timings). val_losses: step -> evaluate.Evaluation. `extra`: rank 0's
+    further keys (MFU: measurements.py)."""
     cfg, rt, state = run.cfg, run.rt, run.state
+    per_rank = all_gather_object(mine, rt)
     steps_run = len(timer.times)
     train_seconds = sum(timer.times)
     samples = steps_run * cfg.train.global_batch_size
@@ -49,27 +67,30 @@ def summarize(run: Any, timer: M.StepTimer, per_rank: list[dict], val_losses: di
         "data_wait_fraction": sum(waits) / train_seconds if train_seconds else None,
         "final_loss": state.losses[-1] if state.losses else None,
         "losses": state.losses,
-        "val_loss": val_losses[state.step],
-        "val_losses": val_losses,
+        "val_loss": val_losses[state.step].loss,
+        "val_losses": {step: v.loss for step, v in val_losses.items()},
+        # a mixture's corpora (data.mix): each one's validation loss at the end, and at each evaluation
+        **{f"val_loss/{name}": loss for name, loss in val_losses[state.step].by_source.items()},
+        "val_losses_by_source": {step: v.by_source for step, v in val_losses.items() if v.by_source} or None,
         "restart_count": rt.restart_count,
         # train.compile: seconds compiling (slowest rank; in the first step and samples/s, not the median step)
         "compile_s": max(r["compile"][0] for r in per_rank) if cfg.train.compile else None,
         "compiled_graphs": per_rank[0]["compile"][1] if cfg.train.compile else None,
     }
+    if run.cost is not None:  # every checkpoint's cost, rank 0's record (checkpoint/cost.py)
+        result.update(run.cost.summary(wall))
     if run.scaler is not None:
         result["loss_scale"] = run.scaler.get_scale()
         result["skipped_steps"] = state.skipped_steps
-    if run.data.real_tokens is not None:  # padding excluded: the samples' real tokens, step by step
-        steps = range(state.step - steps_run, state.step)
-        result["tokens_processed"] = int(sum(run.data.real_tokens[run.sampler.rank_indices(s, 0, 1)].sum()
-                                             for s in steps))
-        result["tokens_per_s"] = result["tokens_processed"] / train_seconds if train_seconds else None
-    elif run.data.tokens_per_sample:
-        result["tokens_processed"] = samples * run.data.tokens_per_sample
+    if run.data.real_tokens is not None or run.data.tokens_per_sample:  # padding excluded where the data says
+        result["tokens_processed"] = sum(step_tokens(run, s) for s in range(state.step - steps_run, state.step))
         result["tokens_per_s"] = result["tokens_processed"] / train_seconds if train_seconds else None
     if isinstance(run.sampler, MixtureSampler):  # data.mix: samples and tokens per corpus, exact
         result["data_sources"] = source_counts(run.sampler, state.step - steps_run, state.step,
                                                run.data.tokens_per_sample)
+    result.update(extra or {})
+    if rt.is_main:
+        write_json_atomic(os.path.join(run.out_dir, "metrics.json"), result, default=str)
     return result
 
 
@@ -86,11 +107,15 @@ def print_summary(result: dict[str, Any], out_dir: str) -> None:
         row("final loss", f"{result['final_loss']:.4f}")
     if result.get("val_loss") is not None:
         row("validation loss", f"{result['val_loss']:.4f}")
+    for key in (k for k in result if k.startswith("val_loss/")):
+        row(f"validation loss, {key[len('val_loss/'):]}", f"{result[key]:.4f}")
     if result["steps_this_run"]:
         row("samples/s", f"{result['samples_per_s']:.1f}")
         if result.get("tokens_per_s"):
             row("tokens/s", f"{result['tokens_per_s']:.0f}")
         row("median step time", f"{result['step_time_median_s'] * 1000:.1f} ms")
+        if result.get("mfu") is not None:
+            row("MFU (median step)", f"{result['mfu']:.2%} of {result['peak_flops_per_s'] / 1e9:.1f} GFLOP/s per rank")
     else:
         row("trained in this run", f"nothing: resumed at step {result['steps']}, the last")
     for source in result.get("data_sources") or []:
@@ -107,6 +132,10 @@ def print_summary(result: dict[str, Any], out_dir: str) -> None:
     if result.get("peak_live_bytes"):
         row("peak live tensors / rank (phase)", ", ".join(
             f"{b / 2**20:.1f} MiB ({d['phase']})" for b, d in zip(result["peak_live_bytes"], result["peak_breakdown"])))
+    if result.get("checkpoint_saves"):
+        row("checkpoints: held up / written", f"{len(result['checkpoint_saves'])} saves: "
+            f"{result['checkpoint_blocking_total_s']:.2f} s ({result['checkpoint_blocking_fraction']:.1%} of the "
+            f"wall clock) / {result['checkpoint_write_total_s']:.2f} s")
     row("wall clock", f"{result['wall_clock_s']:.1f} s")
     Console().print(table)
     print(f"run directory: {out_dir}")

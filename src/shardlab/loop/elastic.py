@@ -1,0 +1,139 @@
+"""Elastic training (docs/elastic.md): the node range of `--nnodes MIN:MAX`, checked at every
+world size before any worker starts, and the membership line of a group that lost or gained a
+node. The batch layout at the new world size is data/layout.py's rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from shardlab.data.layout import Layout
+from shardlab.errors import ConfigError
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """`--nnodes N` or `--nnodes MIN:MAX` -> (MIN, MAX); ConfigError on a bad range."""
+    parts = text.split(":")
+    try:
+        lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
+    except ValueError:
+        raise ConfigError(f"--nnodes {text}: give N or MIN:MAX with whole numbers, e.g. --nnodes 1:2") from None
+    if len(parts) > 2 or lo < 1 or hi < lo:
+        raise ConfigError(f"--nnodes {text}: needs 1 <= MIN <= MAX (MIN:MAX nodes, e.g. --nnodes 1:2)")
+    return lo, hi
+
+
+def check_node_range(check: Callable[[int], None], nproc: int, lo: int, hi: int) -> None:
+    """Run `check(world size)` (config.validate_for_world: the layout rule, data/layout.py, among its checks) at
+    every world size an elastic launch of `nproc` workers per node may reach, before any worker
+    starts; a ConfigError names the first node count that fails."""
+    for nodes in range(lo, hi + 1):
+        try:
+            check(nodes * nproc)
+        except ConfigError as e:
+            raise ConfigError(f"--nnodes {lo}:{hi} x --nproc {nproc}: at {nodes} node(s), {e}") from None
+
+
+# -- membership: who trained before this (re)start, and the one line a change gets -----------------
+# [Note: the membership line]
+# A node lost shows to the survivors as a failed collective; the agent then stops them and re-forms
+# the group at whatever agents are left (or joined), and the new workers resume from the latest
+# checkpoint. Nothing in that new group remembers the old one, so the run directory does: each
+# worker that ends by a peer's failure or by the agent's stop (a membership change) leaves a note
+# (its step and the time), and at every start rank 0 writes who the members are (node = host and
+# agent pid). The first rank 0 of a new group compares, and after its first step prints one line:
+# the nodes lost or joined, the new world size and accumulation, the step resumed from, the steps
+# lost (the furthest step a note reports, less the step resumed), and the seconds from the first
+# note (when the old group noticed) to the end of that first step.
+_DIR = "elastic"
+ENV = "SHARDLAB_ELASTIC"  # set by launch_elastic for its workers: membership is watched only then
+
+
+def launched() -> bool:
+    return os.environ.get(ENV) == "1"
+
+
+def node_id() -> str:
+    """This worker's node: its host and its agent (the parent process under torch's agent)."""
+    import socket
+
+    return f"{socket.gethostname()}:{os.getppid()}"
+
+
+def note_end(run_dir: str, rank: int, step: int, why: str) -> None:
+    """A worker that ends by a peer's failure ("lost") or the agent's stop ("stopped")."""
+    if not launched():
+        return
+    with contextlib.suppress(OSError):
+        os.makedirs(os.path.join(run_dir, _DIR), exist_ok=True)
+        with open(os.path.join(run_dir, _DIR, f"end-{rank}.json"), "w") as f:
+            json.dump({"step": step, "time": time.time(), "why": why, "node": node_id()}, f)
+
+
+@dataclass
+class Change:
+    before: dict[str, list[int]]     # node -> its ranks, in the group before
+    after: dict[str, list[int]]
+    ends: list[dict[str, Any]]       # the old group's notes
+    layout: Layout                   # the new group's
+    resumed: int                     # the step it resumed from
+
+    def line(self, now: float) -> str:
+        layout, resumed = self.layout, self.resumed
+        lost = [n for n in self.before if n not in self.after]
+        joined = [n for n in self.after if n not in self.before]
+        what = "; ".join([*(f"node {n} lost (ranks {_ranks(self.before[n])})" for n in lost),
+                          *(f"node {n} joined" for n in joined)]) or "the group re-formed"
+        reached = max([e["step"] for e in self.ends], default=resumed)
+        since = min([e["time"] for e in self.ends], default=None)
+        took = f"{now - since:.1f} s from the loss to the first step at this size" if since else "time unknown"
+        return (f"shardlab: {what}: world size {_size(self.before)} -> {layout.world_size}, accumulation "
+                f"{layout.accumulation} x micro batch {layout.micro} (global batch kept), resumed from step "
+                f"{resumed}, {max(0, reached - resumed)} step(s) lost, {took}")
+
+
+def _size(members: dict[str, list[int]]) -> int:
+    return sum(len(r) for r in members.values())
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
+
+
+def membership(run_dir: str, nodes: list[str], is_main: bool, layout: Layout, resumed: int) -> Change | None:
+    """Rank 0, at a start: the change since the group that trained before (None: the same, or the
+    first start). `nodes`: every rank's node_id, gathered. Records this group for the next."""
+    if not is_main:
+        return None
+    folder = os.path.join(run_dir, _DIR)
+    os.makedirs(folder, exist_ok=True)
+    after: dict[str, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        after.setdefault(node, []).append(rank)
+    path = os.path.join(folder, "members.json")
+    before = _read(path)
+    ends = [e for name in sorted(os.listdir(folder)) if name.startswith("end-")
+            for e in [_read(os.path.join(folder, name))] if e]
+    for name in os.listdir(folder):
+        if name.startswith("end-"):
+            os.remove(os.path.join(folder, name))
+    with open(path + ".tmp", "w") as f:
+        json.dump(after, f)
+    os.replace(path + ".tmp", path)
+    if before is None or before == after:
+        return None
+    return Change(before, after, ends, layout, resumed)
+
+
+def _read(path: str) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None

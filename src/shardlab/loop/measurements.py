@@ -1,0 +1,318 @@
+"""What one worker measures of its run, in one object the loop calls (`RunMeasurements`): wall and
+compile time, step times, the traffic and seconds of each step's collectives, live memory by part
+and phase (shardlab.memory), the torch.profiler trace, the model state kept, the validation losses,
+MFU (`StepFlops`); and what it shows and records while training (`StepLogger`: rank 0's progress
+bar, `<run dir>/steps.jsonl` and the trackers of `output.trackers`, observe/trackers.py). At the
+end `summary` gathers every rank's figures into metrics.json (run_summary.py). `shardlab report`
+and `shardlab trace` read what it wrote (observe/, docs/observability.md).
+
+[Note: how MFU is computed]
+FLOPs: the first step this run trains is counted on rank 0 as it runs (`CountFlops`, the
+counter plan's probes use: every matmul, convolution and attention kernel the step dispatches,
+by torch's formulas, recomputation included). Per token: that count over the token positions of
+rank 0's share of the global batch (samples x tokens per sample, padding included: the
+kernels compute them). Every step of a run has the same shapes, so the count holds for each.
+MFU of a step = FLOPs of one rank's step / the step's wall time / one device's peak
+(observe/flops.py's `device_peak`) = FLOPs per token x global tokens/s / (world x peak),
+torchtitan's formula with executed FLOPs in place of its 6N + 12 L H Q T model FLOPs: the same
+without activation checkpointing, more by the recomputed forward with it (docs/observability.md).
+Under `train.compile` the compiled kernels do not pass through the dispatcher: nothing is counted
+and MFU is null, with the reason in metrics.json.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from shardlab import memory
+from shardlab.config import OutputConfig, TrainConfig, dump_config
+from shardlab.engines import optimizer_state_bytes
+from shardlab.engines.compile import CompileClock
+from shardlab.loop import metrics as M
+from shardlab.loop.evaluate import Evaluation
+from shardlab.loop.run_summary import step_tokens, summarize
+from shardlab.observe.flops import CountFlops, device_peak
+from shardlab.observe.runs import STEPS_FILE
+from shardlab.observe.trackers import open_trackers, resolve_trackers
+
+
+class StepLogger:
+    """Rank 0's progress bar and what each step measured: a line of `<run dir>/steps.jsonl` and the
+    scalars of the trackers `output.trackers` names (TensorBoard by default); every rank's
+    non-finite loss check."""
+
+    def __init__(self, run: Any, o: OutputConfig, t: TrainConfig):
+        self.run, self.t = run, t
+        self.bar = self.lines = None
+        self.trackers: list = []
+        if not run.rt.is_main:
+            return
+        os.makedirs(run.out_dir, exist_ok=True)
+        self.lines = open(os.path.join(run.out_dir, STEPS_FILE), "a", buffering=1)
+        self._write({"event": "start", "attempt": run.rt.restart_count, "world": run.rt.world_size,
+                     "step": run.state.step, "launch": os.environ.get("TORCHELASTIC_RUN_ID")})
+        self.trackers = open_trackers(resolve_trackers(o), run.out_dir, o.run_name or "run", run.cfg.to_dict(),
+                                      dump_config(run.cfg))
+        if o.progress:
+            from tqdm import tqdm
+
+            # A worker's stderr goes to a file (launcher.py), so on a terminal the bar is drawn on
+            # stdout, which stays the terminal's; piped (CI, Slurm, tests) it stays on stderr.
+            out = sys.stdout if sys.stdout.isatty() else sys.stderr
+            self.bar = tqdm(total=t.steps, initial=run.state.step, unit="step", dynamic_ncols=True,
+                            desc=f"{run.engine.strategy} x{run.rt.world_size}", file=out)
+
+    def log(self, r: Any, step: int, step_time: float, mfu: float | None) -> None:
+        if not math.isfinite(r.loss):
+            self.close()
+            raise FloatingPointError(
+                f"the loss is {r.loss} at step {step}: training stopped. Lower train.lr, "
+                "enable train.grad_clip, or check the data; the last good checkpoint (if any) is kept.")
+        if self.run.change is not None:  # the first step of an elastic group that changed (loop/elastic.py)
+            print(self.run.change.line(time.time()), flush=True)
+            self.run.change = None
+        if self.lines is None:
+            return
+        with memory.phase_range("log"):  # rank 0's trackers cost time the others may wait for: shown apart
+            self._log(r, step, step_time, mfu)
+
+    def _log(self, r: Any, step: int, step_time: float, mfu: float | None) -> None:
+        run, tokens = self.run, step_tokens(self.run, step - 1)
+        rec: dict[str, Any] = {"step": step, "loss": r.loss, "lr": run.sched.get_last_lr()[0],
+                               "grad_norm": r.grad_norm, "step_time_s": step_time,
+                               "samples_per_s": self.t.global_batch_size / step_time,
+                               "tokens_per_s": tokens / step_time if tokens else None, "mfu": mfu,
+                               "data_wait_s": run.batches.wait_s.get(step - 1) if run.batches else None,
+                               "skipped": r.skipped, "attempt": run.rt.restart_count}
+        if run.scaler is not None:
+            rec["loss_scale"] = run.scaler.get_scale()
+        if step % self.t.log_every == 0:
+            self._write(rec)
+            self._track({"train/loss": r.loss, "train/lr": rec["lr"], "train/grad_norm": r.grad_norm,
+                         "perf/samples_per_s": rec["samples_per_s"], "perf/tokens_per_s": rec["tokens_per_s"],
+                         "perf/mfu": mfu, "train/loss_scale": rec.get("loss_scale")}, step)
+        if self.bar is not None:
+            post = {"loss": f"{r.loss:.4f}", "samples/s": f"{rec['samples_per_s']:.1f}"}
+            if rec["tokens_per_s"]:
+                post["tok/s"] = f"{rec['tokens_per_s']:.0f}"
+            if mfu is not None:
+                post["mfu"] = f"{mfu:.1%}"
+            if r.skipped:
+                post["skipped"] = "fp16 overflow"
+            self.bar.set_postfix(post)
+            self.bar.update(1)
+
+    def validation(self, v: Evaluation, step: int) -> None:
+        """val/loss, and a mixture's val/loss/<corpus> beside it."""
+        if self.lines is None or v.loss is None:
+            return
+        by_source = {f"val_loss/{name}": loss for name, loss in v.by_source.items()}
+        self._write({"step": step, "val_loss": v.loss, **by_source, "attempt": self.run.rt.restart_count})
+        self._track({"val/loss": v.loss, **{k.replace("_", "/", 1): x for k, x in by_source.items()}}, step)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
+        if self.lines is not None:
+            self.lines.close()
+            self.lines = None
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self.lines.write(json.dumps({"time": time.time(), **record}) + "\n")
+
+    def _track(self, scalars: dict[str, float | None], step: int) -> None:
+        present = {k: float(v) for k, v in scalars.items() if v is not None}
+        for tracker in self.trackers:
+            tracker.log(present, step)
+
+
+class StepFlops:
+    """MFU ([Note: how MFU is computed]): the FLOPs of the first step this run trains, counted on
+    rank 0 (`count` around it), over each step's time and the device's peak. The other ranks'
+    object counts nothing and answers None."""
+
+    def __init__(self, run: Any, t: TrainConfig):
+        self.samples_rank = t.global_batch_size // run.rt.world_size
+        self.tokens_per_sample = run.data.tokens_per_sample
+        self.flops: int | None = None
+        self.peak: float | None = None
+        self.peak_source: str | None = None
+        self.note = "trains nothing in this run" if run.state.step >= t.steps else None
+        if t.compile:
+            self.note = "not counted under train.compile: compiled kernels bypass the dispatcher that counts FLOPs"
+        self.counting = run.rt.is_main and self.note is None
+        if self.counting:  # before the first step: measuring the peak (once per machine, cached) is not step time
+            self.peak, self.peak_source = device_peak(run.rt.device, t.precision)
+
+    @contextlib.contextmanager
+    def count(self) -> Iterator[None]:
+        """Around a training step: the first this run trains is counted (rank 0)."""
+        if not self.counting:
+            yield
+            return
+        with CountFlops() as counted:
+            yield
+        self.flops, self.counting = counted.flops, False
+
+    def mfu(self, step_time: float) -> float | None:
+        if self.flops is None or not self.peak or step_time <= 0:
+            return None
+        return self.flops / step_time / self.peak
+
+    def summary(self, step_times: list[float]) -> dict[str, Any]:
+        """metrics.json's MFU keys: per step of this run (as step_times_s), their median over the
+        steps after the first (as step_time_median_s), and what they come from."""
+        per_step = [self.mfu(s) for s in step_times]
+        measured = [m for m in per_step[1:] or per_step if m is not None]
+        per_sample = self.flops / self.samples_rank if self.flops is not None else None
+        return {"mfu": statistics.median(measured) if measured else None,
+                "mfu_per_step": per_step if self.flops is not None else None,
+                "flops_per_step_per_rank": self.flops,
+                "flops_per_sample": per_sample,
+                "flops_per_token": per_sample / self.tokens_per_sample
+                if per_sample is not None and self.tokens_per_sample else None,
+                "peak_flops_per_s": self.peak, "peak_flops_source": self.peak_source,
+                "mfu_note": self.note}
+
+
+class RunMeasurements:
+    """Made before the run is built (its wall clock and compile time count the build), told the run
+    once built (`watch`), then called around every step; `summary` ends it."""
+
+    def __init__(self) -> None:
+        self.t: TrainConfig | None = None
+        self.started = time.perf_counter()
+        self.compile_clock = CompileClock()  # this run's share of torch.compile time
+        self.timer = M.StepTimer(warmup=1)
+        self.val_losses: dict[int, Evaluation] = {}
+        self.step_comm_seconds: list[dict[str, float] | None] = []  # per step: seconds per collective kind
+        self.state_bytes: dict[str, int] | None = None
+        self.run: Any = None
+        self.logger: StepLogger | None = None
+        self.flops: StepFlops | None = None
+        self.tracker: memory.LiveMemoryTracker | None = None
+        self.profiler: memory.StepProfiler | None = None
+        self.comm_at_start: dict | None = None
+        self.train_comm: dict | None = None
+
+    def watch(self, run: Any, t: TrainConfig, o: OutputConfig) -> None:
+        """The built run: its logger, its live-memory tracker ("last" tracks only the last step: the
+        others carry none of its overhead; not under train.compile, where dynamo would stop compiling
+        for the rest of the process: docs/memory.md) and profiler (the run's first step is its
+        warm-up). What the engine sent until now (wrap-time broadcasts, a resume) is not step traffic."""
+        rt = run.rt
+        self.run, self.t = run, t
+        self.logger = StepLogger(run, o, t)
+        self.flops = StepFlops(run, t)
+        if t.memory_tracking != "none" and not t.compile:
+            self.tracker = memory.LiveMemoryTracker(rt.device, engine=run.engine, optimizer=run.opt)
+        if t.profile:
+            first = run.state.step + 1 if t.steps - run.state.step > 1 else run.state.step
+            self.profiler = memory.StepProfiler(run.out_dir, rt.rank, first, t.profile_steps, rt.device)
+        self.comm_at_start = run.engine.comm_stats()
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """One whole step, releasing the gradients included: its time, its collectives' seconds, its
+        place in the profiler's trace; the first one's FLOPs (MFU)."""
+        if self.profiler is not None:
+            self.profiler.before_step(step)
+        start = time.perf_counter()
+        before = self.run.engine.comm_seconds()
+        with self.flops.count():
+            yield
+        self.step_comm_seconds.append(_seconds_since(before, self.run.engine.comm_seconds()))
+        self.timer.add(time.perf_counter() - start)
+        if self.profiler is not None:
+            self.profiler.after_step(step)
+
+    @contextlib.contextmanager
+    def live_memory(self, step: int) -> Iterator[memory.LiveMemoryTracker | None]:
+        """The training part of a step: live memory by part and phase (the tracker `train_step` marks
+        phases in; None when not tracked), then, at the last step, the model state kept (while the
+        gradients and the optimizer state both exist)."""
+        last = step + 1 == self.t.steps
+        if self.tracker is None:
+            yield None
+        else:
+            with self.tracker.step(step, active=self.t.memory_tracking == "all" or last):
+                yield self.tracker
+        if last:
+            self.state_bytes = self._model_state()
+
+    def record(self, result: Any, step: int) -> None:
+        """A step's result, to the progress bar, steps.jsonl and the trackers; a non-finite loss stops the run."""
+        seconds = self.timer.times[-1]
+        self.logger.log(result, step, seconds, self.flops.mfu(seconds))
+
+    def validation(self, step: int, v: Evaluation) -> None:
+        """A validation loss (a mixture's per corpus too): into metrics.json, and to steps.jsonl and
+        the trackers while the steps are logged."""
+        self.val_losses[step] = v
+        if self.logger is not None:
+            self.logger.validation(v, step)
+
+    def training_done(self) -> None:
+        """The last step is done: what the steps' collectives sent (before the final evaluation's,
+        whose loss still goes to the scalars: the logger closes in `close`)."""
+        self.train_comm = _comm_since(self.comm_at_start, self.run.engine.comm_stats())
+
+    def close(self) -> None:
+        if self.logger is not None:
+            self.logger.close()
+            self.logger = None
+        if self.profiler is not None:
+            self.profiler.close()
+
+    def summary(self) -> dict[str, Any]:
+        """metrics.json (run_summary.py): every rank's figures; every rank returns them."""
+        run = self.run
+        if self.state_bytes is None:  # resumed at the last step: nothing trained in this run
+            self.state_bytes = self._model_state()
+        peak = M.peak_memory_bytes(run.rt.device)
+        tracker = self.tracker
+        if tracker is not None:  # on CUDA the tracker resets the allocator's peak between phases
+            peak = max(peak, tracker.allocator_peak_seen)
+        live = tracker.summary() if tracker is not None and tracker.steps_tracked else None
+        mine = {"peak_memory_bytes": peak, "model_state_bytes": self.state_bytes, "comm": self.train_comm,
+                "comm_seconds": _per_kind(self.step_comm_seconds), "live": live,
+                "compile": (self.compile_clock.seconds(), self.compile_clock.graphs())}
+        return summarize(run, self.timer, mine, self.val_losses, time.perf_counter() - self.started,
+                         self.flops.summary(self.timer.times))
+
+    def _model_state(self) -> dict[str, int]:
+        return {**self.run.engine.model_state_bytes(), "optimizer": optimizer_state_bytes(self.run.opt)}
+
+
+def _seconds_since(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    if after is None:
+        return None
+    before = before or {}
+    return {kind: seconds - before.get(kind, 0.0) for kind, seconds in after.items()}
+
+
+def _per_kind(steps: list[dict[str, float] | None]) -> dict[str, list[float]] | None:
+    """[{kind: s}, ...] per step -> {kind: [s per step]} (0.0 in steps without that kind)."""
+    if not steps or any(s is None for s in steps):
+        return None
+    kinds = sorted({k for s in steps for k in s})
+    return {k: [s.get(k, 0.0) for s in steps] for k in kinds}
+
+
+def _comm_since(before: dict | None, after: dict | None) -> dict | None:
+    if after is None:
+        return None
+    before = before or {}
+    return {kind: {k: v - before.get(kind, {}).get(k, 0) for k, v in totals.items()} for kind, totals in after.items()}

@@ -1,0 +1,310 @@
+"""What one worker trains with, built once (`build_run`) and then driven step by step by the loop
+(train.py): the model behind its engine, the optimizer, the LR schedule, the loss scaler, the data
+and its step-indexed sampler, the checkpoint manager and the state a resume restores (`Run`,
+`TrainState`); where the run lives (`run_dir`, `default_run_name`), what it writes and says before
+its first step (`write_run_args`, `announce`), and the runtime a worker starts it in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardlab
+from shardlab import memory
+from shardlab.atomic import write_json_atomic
+from shardlab.checkpoint.cost import CheckpointCost
+from shardlab.config import (
+    Config,
+    OutputConfig,
+    ParallelConfig,
+    dump_config,
+    engine_options,
+    validate_for_world,
+)
+from shardlab.data import GlobalBatchSampler, build_datasets, make_sampler
+from shardlab.data.layout import Layout, layout_for
+from shardlab.data.loader import StepBatches
+from shardlab.data.text import copy_tokenizer_files
+from shardlab.doctor import worker as doctor
+from shardlab.engines import Engine, engine_class, engine_of
+from shardlab.loop import elastic
+from shardlab.loop import metrics as M
+from shardlab.loop.amp import make_loss_scaler
+from shardlab.loop.evaluate import Evaluation, evaluate_sources
+from shardlab.loop.runtime import Runtime, all_gather_object, hostname, init_runtime, seed_everything
+from shardlab.loop.schedule import make_optimizer, make_schedule, schedule_note
+from shardlab.models import build_model, count_parameters
+from shardlab.sync_batchnorm import convert_sync_batchnorm
+
+
+@dataclass
+class TrainState:
+    """Everything besides model and optimizer that a resume must restore. The data position
+    is the step: the sampler's batch for step s is a pure function of (seed, s).
+    loss_scaler: the fp16 scaler's state (None without fp16), so a resume is exact.
+    data_manifest: the SHA-256 of the prepared corpus's manifest (None for other sources); a
+    resume on another corpus is refused, as its step would index other data."""
+
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    skipped_steps: int = 0
+    loss_scaler: dict[str, Any] | None = None
+    data_manifest: str | None = None
+
+    def advance(self, result: Any) -> None:
+        """One more step trained (train.StepResult): its loss, and whether an fp16 overflow skipped it."""
+        self.step += 1
+        self.losses.append(result.loss)
+        self.skipped_steps += result.skipped
+
+
+@dataclass
+class Run:
+    """What one worker trains with: built once, then driven step by step."""
+
+    cfg: Config
+    rt: Runtime
+    out_dir: str
+    data: Any
+    model: nn.Module
+    engine: Engine
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler | None
+    sampler: GlobalBatchSampler  # or a source's own with its interface (data.make_sampler: a mixture's)
+    manager: Any
+    state: TrainState
+    accumulation: int
+    num_parameters: int
+    num_trainable: int                # parameters with requires_grad (LoRA: the adapters)
+    resumed_from: str | None = None   # the checkpoint this run resumed from
+    batches: StepBatches | None = None  # this rank's micro batches, step by step (data/loader.py)
+    cost: CheckpointCost | None = None  # when saves are due and what each cost (checkpoint/cost.py)
+    layout: Layout | None = None      # micro batch and accumulation at this world size (data/layout.py)
+    change: elastic.Change | None = None  # an elastic group's change since the last start (its line: StepLogger)
+
+    def eval_due(self) -> bool:
+        """train.eval_every: a validation loss at this step (the last step's comes after the final save)."""
+        t, step = self.cfg.train, self.state.step
+        return bool(t.eval_every) and step % t.eval_every == 0 and step < t.steps
+
+    def evaluate(self) -> Evaluation:
+        """The validation loss now (evaluate.py), every rank taking its share; a mixture's per corpus too."""
+        with memory.phase_range("eval"):
+            return evaluate_sources(self.model, self.data.val, self.cfg.train, self.rt)
+
+    def save_if_due(self, final: bool = False) -> None:
+        """The checkpoint due at this step (checkpoint.every_steps, every_seconds), or with final the
+        last one; each save timed and its line printed once committed (checkpoint/cost.py)."""
+        if self.manager is None:
+            return
+        with self._saving() as m:
+            step, args, cost = self.state.step, (self.model, self.opt, self.sched, self.state), self.cost
+            if final and (m.final or m.every_steps > 0) and step != m.last_saved_step:
+                cost.timed(step, lambda: m.finalize(*args))
+            elif final:
+                m.finalize(*args)  # nothing to write: an async save in flight is committed
+            elif m.every_steps > 0 and step % m.every_steps == 0 and step != m.last_saved_step:
+                cost.timed(step, lambda: m.maybe_save(*args))
+            elif cost.due(step, m.last_saved_step):  # every_seconds, by rank 0's clock
+                m.refuse_non_finite(self.model, step)
+                cost.timed(step, lambda: m.save(*args))
+            cost.report()  # an async save committed since
+
+    def save_now(self) -> str:
+        """A synchronous checkpoint of the current step (a preemption's), unless that step is
+        saved already; any in-flight asynchronous save is committed first."""
+        from shardlab.checkpoint import step_dir_name
+
+        with self._saving() as m:
+            if m.last_saved_step != self.state.step:
+                m.refuse_non_finite(self.model, self.state.step)
+                self.cost.timed(self.state.step, lambda: m.save(self.model, self.opt, self.sched, self.state,
+                                                                blocking=True))
+            m.wait()
+            self.cost.report()
+        return os.path.join(m.root, step_dir_name(self.state.step))
+
+    @contextlib.contextmanager
+    def _saving(self) -> Iterator[Any]:
+        if self.scaler is not None:  # a resume is exact only with the fp16 scaler's state
+            self.state.loss_scaler = self.scaler.state_dict()
+        with memory.phase_range("checkpoint"):
+            yield self.manager
+
+    def export(self) -> None:
+        """export.format=hf: the Hugging Face directory at the end of training (every rank gathers,
+        rank 0 writes: export_hf.py)."""
+        if self.cfg.export.format == "hf":
+            from shardlab.export_hf import export_at_end  # deferred: only runs that export need it
+
+            export_at_end(self)
+
+
+# -- building the run -------------------------------------------------------------------------------
+def build_run(cfg: Config, rt: Runtime, *, data: Any = None,
+              adapt_model: Callable[[nn.Module], nn.Module] | None = None) -> Run:
+    """data: datasets already built (default: built here). adapt_model: applied to the model
+    on the meta device before the engine wraps it (`shardlab verify`: float64, dropout off)."""
+    validate_for_world(cfg, rt.world_size)
+    seed_everything(cfg.seed)
+    t, p = cfg.train, cfg.parallel
+    data = data if data is not None else build_datasets(cfg)
+    # Sharded engines materialize only their shard from the meta device; the others materialize whole.
+    model = build_model(cfg.model, seed=cfg.seed, vocab_size=data.vocab_size, device="meta", loss=t.loss)
+    if cfg.model.sync_batchnorm and engine_class(p.strategy).distributed:
+        model = convert_sync_batchnorm(model, rt.device)
+    if adapt_model is not None:
+        model = adapt_model(model)
+    n_params, n_trainable = count_parameters(model), count_parameters(model, trainable_only=True)
+    model = shardlab.parallelize(model, p.strategy, wrap=p.wrap_classes or None, device=rt.device,
+                                 activation_checkpointing=t.activation_checkpointing, ac_every=t.ac_every,
+                                 compile=t.compile, compile_mode=t.compile_mode, **engine_options(p))
+    engine = engine_of(model)
+    if not engine.local_parameters():
+        raise ValueError(f"rank {rt.rank} holds no parameter with parallel.strategy={p.strategy} at world "
+                         f"size {rt.world_size} (the engine's warning above says why): use fewer workers or a "
+                         "parallel.strategy that slices every tensor.")
+    opt = make_optimizer(t, model.parameters())
+    sched = make_schedule(t, opt)
+    # fp16 anywhere in the compute (autocast or the engine's gathered parameters) needs scaling
+    scaler = make_loss_scaler("fp16" in (t.precision, p.mixed_precision), rt.device,
+                              rt.distributed and rt.world_size > 1, init_scale=t.loss_scale,
+                              growth_interval=t.loss_scale_growth_interval)
+    state, out_dir = TrainState(), run_dir(cfg.output)
+    manager, resumed_from = _resume(cfg, out_dir, rt, model, opt, sched, state)
+    if scaler is not None and state.loss_scaler is not None:
+        scaler.load_state_dict(state.loss_scaler)
+    _check_same_corpus(state, data.manifest_sha256, manager)
+    sampler = make_sampler(data, t.global_batch_size, cfg.seed, cfg.data.shuffle)
+    layout = layout_for(t.global_batch_size, t.micro_batch_size, rt.world_size)  # data/layout.py: any world size
+    if layout.lowered and rt.is_main:
+        print(layout.note(t.global_batch_size), flush=True)
+    batches = StepBatches(data.train, sampler, rt.rank, rt.world_size, layout.micro, t.steps, rt.device,
+                          cfg.data.num_workers)
+    c = cfg.checkpoint
+    cost = CheckpointCost(manager.root, rt, c.every_steps, c.every_seconds) if manager is not None else None
+    return Run(cfg, rt, out_dir, data, model, engine, opt, sched, scaler, sampler, manager, state,
+               layout.accumulation, n_params, n_trainable, resumed_from, batches, cost, layout)
+
+
+def _resume(cfg: Config, out_dir: str, rt: Runtime, model: nn.Module, opt, sched, state: TrainState
+            ) -> tuple[Any, str | None]:
+    """The checkpoint manager when anything is saved or resumed (docs/checkpointing.md), and the
+    checkpoint the state was restored from, if any."""
+    c = cfg.checkpoint
+    if not (c.every_steps > 0 or c.every_seconds or c.final or c.resume != "none" or cfg.preemption.enabled):
+        return None, None
+    from shardlab.checkpoint import (
+        CheckpointManager,  # deferred: torch.distributed.checkpoint is slow to import
+    )
+
+    manager = CheckpointManager.from_config(cfg, out_dir, rt)
+    return manager, manager.maybe_resume(model, opt, sched, state)
+
+
+def _check_same_corpus(state: TrainState, manifest_sha256: str | None, manager) -> None:
+    """A checkpoint trained on one prepared corpus resumes on that corpus only."""
+    if state.data_manifest is not None and manifest_sha256 is not None and state.data_manifest != manifest_sha256:
+        from shardlab.checkpoint import CheckpointError
+
+        raise CheckpointError(
+            f"the checkpoint in {manager.root} was trained on the corpus with manifest SHA-256 "
+            f"{state.data_manifest[:16]}..., but this run's data has {manifest_sha256[:16]}...: its step would "
+            "index other data. Point data.path (or data.mix, with the same weights) at the corpus it was trained on, "
+            "or start a new run (checkpoint.resume=none, or another output.run_name)")
+    state.data_manifest = manifest_sha256
+
+
+def start_runtime(p: ParallelConfig) -> Runtime:
+    """This worker's place in the job and its process group (runtime.py): the distributed engines
+    need one even at world size 1."""
+    return init_runtime(p.backend, p.timeout_s, force_group=engine_class(p.strategy).distributed)
+
+
+def start_run(cfg: Config, rt: Runtime) -> Run:
+    """The run, watched by this rank's hang doctor (doctor.enabled; docs/debugging.md): its flight
+    file under <run dir>/debug, named by the rank in the process group the collectives run on,
+    from before the build (a hang while building shows too); its units label the collectives."""
+    if cfg.doctor.enabled:
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (rt.rank, rt.world_size)
+        doctor.start(run_dir(cfg.output), rank, world, rt.restart_count, capacity=cfg.doctor.record_size,
+                     strategy=cfg.parallel.strategy, timeout_s=cfg.parallel.timeout_s)
+    run = build_run(cfg, rt)
+    doctor.run_built(run.engine)  # phase "loop" from here
+    write_start(run)
+    return run
+
+
+# -- what a run writes and says before its first step ---------------------------------------------
+def run_dir(o: OutputConfig) -> str:
+    return os.path.join(o.dir, o.run_name)
+
+
+def write_start(run: Run) -> None:
+    """Before the first step: run_args.json, config.yaml and the tokenizer into the run directory,
+    and rank 0's opening lines: the checkpoint it resumed, a schedule kept from it (schedule.py),
+    what happened to the data (Datasets.report), how the model attends."""
+    cfg, rt = run.cfg, run.rt
+    nodes = all_gather_object((hostname(), elastic.node_id()), rt)
+    hosts = [host for host, _ in nodes]
+    if elastic.launched():  # an elastic job whose group changed: one line after the first step (loop/elastic.py)
+        run.change = elastic.membership(run.out_dir, [node for _, node in nodes], rt.is_main,
+                                        run.layout, run.state.step)
+    if not rt.is_main:
+        return
+    describe = getattr(run.engine.unwrapped(), "attention_record", None)  # models/hf.py: implementation, packing
+    attention = describe(cfg.data.packing) if describe is not None else None
+    os.makedirs(run.out_dir, exist_ok=True)
+    write_json_atomic(os.path.join(run.out_dir, "run_args.json"), M.run_args(
+        cfg.to_dict(), rt.world_size, hosts,
+        {"num_parameters": run.num_parameters, "num_trainable_parameters": run.num_trainable,
+         "accumulation_steps": run.accumulation, "data": run.data.info,
+         "restart_count": rt.restart_count, "resumed_from_step": run.state.step, "attention": attention}),
+        default=str)
+    with open(os.path.join(run.out_dir, "config.yaml"), "w") as f:
+        f.write(dump_config(cfg))
+    if run.data.tokenizer_dir:  # exports read it from here (a trained one lives in a cache)
+        from shardlab.data.sft import SFTTokenizer
+
+        SFTTokenizer(run.data.tokenizer_dir).save(os.path.join(run.out_dir, "tokenizer"))
+    elif run.data.tokenizer_files:  # a prepared corpus's tokenizer: `generate` decodes with it
+        copy_tokenizer_files(run.data.tokenizer_files, os.path.join(run.out_dir, "tokenizer"))
+    lines = list(run.data.report)
+    if attention is not None:
+        packed = attention["packed_examples"]
+        lines.append(f"model: attention {attention['implementation']}"
+                     + (f"; packed examples kept apart by {packed}" if packed else ""))
+    if run.resumed_from:
+        lines.insert(0, f"shardlab: resumed from step {run.state.step} of {run.out_dir} ({run.resumed_from})")
+        note = schedule_note(cfg.train, run.sched)
+        lines[1:1] = [note] if note else []
+    for line in lines:
+        print(line, flush=True)
+
+
+# how a run is watched, stopped or resumed, not what it trains: changing these keeps the run name
+RUN_NAME_IGNORES = ("train.steps", "train.log_every", "train.eval_every", "train.memory_tracking", "train.profile",
+                    "train.profile_steps", "parallel.timeout_s", "checkpoint", "preemption", "output", "export", "doctor")
+
+
+def default_run_name(cfg: Config) -> str:
+    """<model>-<strategy>-<8 hex digits of the config without RUN_NAME_IGNORES>: the same command
+    names the same run directory, so it resumes from that run's latest checkpoint (also with a
+    higher train.steps, to train longer), under any launcher, restart or requeue."""
+    d = cfg.to_dict()
+    for key in RUN_NAME_IGNORES:
+        section, _, name = key.partition(".")
+        d[section].pop(name) if name else d.pop(section)
+    digest = hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return f"{cfg.model.name}-{cfg.parallel.strategy}-{digest}"

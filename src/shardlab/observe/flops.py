@@ -1,0 +1,164 @@
+"""FLOPs and the device's peak, for MFU (docs/observability.md) and for plan's step time.
+
+`CountFlops` counts what a step executes, by torch's own formulas: plan's probes count their
+step with it (plan/probe.py), and the training loop counts the first step of each run with it
+(loop/measurements.py, `StepFlops`), so a run's FLOPs per token and plan's are the same count of the same step.
+
+`device_peak`: the FLOP/s MFU divides by. A GPU in plan's catalogue: its dense bf16/fp16
+peak (plan/catalogue.py, with its source). Any other device, the CPU included: this machine's
+matmul peak, measured once (the best of a few rounds of square matmuls at the training dtype
+and the process's thread count) and cached under the shardlab cache directory, so every run
+on the machine divides by the same number.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+
+import torch
+from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: Side of the square matmuls the peak is measured with (CPU; a GPU takes 8x), and the rounds.
+PEAK_SIDE = 1024
+PEAK_ROUNDS = 8
+
+
+class CountFlops(TorchDispatchMode):
+    """FLOPs of the step as it runs: every operator torch's flop counter has a formula for
+    (matmuls, convolutions, attention), by its shapes, recomputation included (what checkpointing
+    runs again is dispatched again; what selective keeps is not). torch's FlopCounterMode is not
+    used because it also tracks modules with autograd hooks of its own, which would change what
+    the memory tracker beside it measures."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_counter.flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.flops += formula(*args, **kwargs, out_val=out)
+        return out
+
+
+def _cpu_flash_attention_formulas() -> None:
+    """torch counts the CUDA attention kernels; on CPU SDPA is
+    `_scaled_dot_product_flash_attention_for_cpu`: the same products, counted the same way."""
+    aten = torch.ops.aten
+    pairs = ((getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None), flop_counter.sdpa_flop_count, 3),
+             (getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None),
+              flop_counter.sdpa_backward_flop_count, 4))
+    for op, count, shapes in pairs:
+        if op is None or op in flop_counter.flop_registry:
+            continue
+        flop_counter.register_flop_formula(op)(
+            lambda *a, out_shape=None, _count=count, _n=shapes, **kw: _count(*a[:_n]))
+
+
+_cpu_flash_attention_formulas()
+
+
+def _chunked_loss_formula() -> None:
+    """torch's chunked cross-entropy (the chunked loss in float32/float64, models/lm_loss.py) is one
+    custom operator whose matmuls run inside it: the logits' 2 x tokens x vocabulary x width, and the
+    same again for each gradient it computes in its forward (the input's, the weight's)."""
+    import torch.nn.modules.linear_cross_entropy  # noqa: F401  (registers the operator)
+
+    op = torch.ops.torch_nn._linear_cross_entropy_batch_chunked
+    if op in flop_counter.flop_registry:
+        return
+
+    def count(h, w, *rest, out_shape=None, **kw) -> int:
+        (n, width), vocab = h, w[0]
+        return 2 * n * vocab * width * (1 + int(rest[10]) + int(rest[11]))  # + compute_input_grad, _weight_grad
+
+    flop_counter.register_flop_formula(op)(count)
+
+
+_chunked_loss_formula()
+
+
+# -- the peak -------------------------------------------------------------------------------------
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype matmuls run in under `train.precision` (autocast's)."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+
+
+def device_peak(device: torch.device, precision: str) -> tuple[float, str]:
+    """(peak FLOP/s of one rank's device, where the figure comes from)."""
+    if device.type == "cuda":
+        known = _catalogue_gpu(device)
+        if known is not None:
+            return known.peak_flops, f"plan's catalogue: {known.name}, dense bf16/fp16 ({known.source[:80]}...)"
+    return measured_peak(device, compute_dtype(precision))
+
+
+def _catalogue_gpu(device: torch.device):
+    """The catalogue's GPU this device is (by name; two of one name told apart by memory), else None."""
+    # deferred: plan's package imports its probes; only a CUDA run asks
+    from shardlab.plan.catalogue import GPUS
+
+    name = torch.cuda.get_device_name(device).upper()
+    memory = torch.cuda.get_device_properties(device).total_memory
+    matches = [g for key, g in GPUS.items() if key.split("-")[0].upper() in name.split()]
+    return min(matches, key=lambda g: abs(g.memory_bytes - memory)) if matches else None
+
+
+def measured_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """This machine's matmul peak in `dtype` at this process's threads: read from the cache, or
+    measured now (about a second) and cached."""
+    from shardlab.data.corpus import cache_dir  # deferred: the data package is heavy to import
+
+    threads = torch.get_num_threads()
+    what = {"device": _device_label(device), "dtype": str(dtype).removeprefix("torch."), "threads": threads,
+            "torch": torch.__version__.split("+")[0]}
+    key = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir() / "peaks" / f"{key}.json"
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        record = {**what, "peak_flops": _time_matmuls(device, dtype), "measured": time.time()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record, indent=2))
+        os.replace(tmp, path)
+    return float(record["peak_flops"]), (f"measured matmul peak on this machine ({what['device']}, {what['dtype']}, "
+                                         f"{threads} thread(s)), cached in {path}")
+
+
+def _device_label(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return f"cpu: {model or platform.processor() or platform.machine()}"
+
+
+def _time_matmuls(device: torch.device, dtype: torch.dtype) -> float:
+    """The best FLOP/s of PEAK_ROUNDS rounds of square matmuls (2 n^3 FLOPs each)."""
+    n = PEAK_SIDE * (8 if device.type == "cuda" else 1)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    per_round = 10 if device.type == "cuda" else 2
+    best = 0.0
+    for r in range(PEAK_ROUNDS + 1):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(per_round):
+            torch.mm(a, b)
+        sync()
+        if r:  # the first round warms up
+            best = max(best, per_round * 2 * n**3 / (time.perf_counter() - t0))
+    return best

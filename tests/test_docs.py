@@ -1,0 +1,452 @@
+"""The docs name only what exists, and state the present.
+
+Every inline code span (`...`, outside fenced blocks) of docs/*.md and README.md is read by one
+rule:
+
+- a **path** is a span without spaces that ends in `.py`, or whose first part is a folder of the
+  repository (`src/`, `tests/`, `configs/`, `docs/`, `infra/`), or a package folder itself
+  (`doctor/`). It must exist relative to the repository root, `src/`, `src/shardlab/`, `tests/`
+  or the doc's folder; a bare `name.py` may be anywhere under `src/shardlab/` or `tests/`. A glob
+  (`tests/test_engine_*.py`) must match a file; a placeholder (`<name>`, `{...}`) is checked up to
+  the folder before it; `file.py::test_x` must define `test_x`. GENERATED paths are written by a
+  command and absent from a fresh checkout.
+- a **config key** is a dotted span whose first part is a config section (`train.steps`,
+  `parallel.strategy=fsdp`, `model.lora.*`): it must be a key of the config, or else a code name
+  (`train.train_step`).
+- a **symbol** is a span that reads as a code name: a call `name(...)`, a dotted name `a.b.c`
+  (`shardlab.x.y`, `module.attr`, `Class.method`), a `CamelCase` or `_private` name, a snake_case
+  name (`no_sync`), or an ALL_CAPS name with an underscore. It must be defined in src/ or tests/
+  (`def name`, `class name`, `name =`, an attribute or argument of that name), or be reached by
+  importing (`shardlab.loop.train.train_step`, `train.train_step`, `Engine.shard_layout`,
+  `torch.distributed.all_reduce`); a bare third-party name is looked up in THIRD_PARTY_HOMES, and a
+  dotted name rooted at one of VARIABLES (`model.parameters()`) on the class it stands for. A bare
+  snake_case or ALL_CAPS name that is not a call may also be one the project writes without
+  defining it: a JSON field or environment variable in a string literal, a keyword argument, a
+  config key's last part, a word of infra/ or the Makefile.
+- **prose**, not checked: lowercase words without an underscore (`fsdp`, `bf16`), file names with
+  another extension (`metrics.json`), CLI flags, anything with a space that is not a call (shell
+  commands), and dotted names rooted at a name nothing resolves (`opt.step()`).
+- ALLOWED: the few spans that look like code names but name no Python code (below, each with why).
+
+Besides: link targets and their #anchors exist; `docs/x.md, "Section"` (in docs, code and tests)
+names a section of that doc; a `[Note: ...]` a doc names is in the code; docs/plan.md's GPU and
+link tables are plan's catalogue; no page cites an issue or tells history. Failures list file:line
+and the name, so a rename elsewhere shows every place to update.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "src" / "shardlab"
+DOCS = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
+TOP_DIRS = ("src", "tests", "configs", "docs", "infra")
+PATH_BASES = (ROOT, ROOT / "src", PKG, ROOT / "tests")
+
+# Where a bare third-party name (`FakeTensorMode`, `backward()`) is looked up.
+THIRD_PARTY_HOMES = (
+    "builtins", "mmap.mmap", "torch", "torch.Tensor", "torch.nn", "torch.nn.Module", "torch.nn.parallel",
+    "torch.optim.Optimizer", "torch.optim.lr_scheduler.LRScheduler", "torch.utils.data", "torch.amp",
+    "torch.overrides", "torch.utils._python_dispatch", "torch._subclasses",
+    "torch.distributed", "torch.distributed.Work", "torch.distributed.fsdp", "torch.distributed.fsdp.FSDPModule",
+    "torch.distributed.fsdp.sharded_grad_scaler", "torch.distributed.tensor", "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.metadata", "torch.distributed._shard.sharded_tensor",
+    "torch.distributed._tools.mem_tracker",
+    "torch.distributed._tools.mem_tracker.MemTracker", "torch.distributed.elastic.multiprocessing",
+    "transformers", "transformers.PreTrainedModel",
+    "transformers.PreTrainedTokenizerBase", "transformers.models.llama.modeling_llama",
+    "safetensors", "accelerate",
+    "accelerate.utils.FullyShardedDataParallelPlugin", "torch.utils.checkpoint",
+    "torch.utils.checkpoint.CheckpointPolicy", "torch.distributed.checkpoint.planner_helpers",
+)
+# Roots of dotted names that are import aliases in the docs' prose, and the variables the docs
+# write (`model.parameters()`, `engine.local_parameters()`) with the class each stands for.
+ALIASES = {"dist": "torch.distributed", "nn": "torch.nn", "F": "torch.nn.functional"}
+VARIABLES = {"model": "torch.nn.Module", "module": "torch.nn.Module", "opt": "torch.optim.Optimizer",
+             "engine": "shardlab.engines.api.Engine"}
+ALLOWED = {
+    "DisruptionTarget": "a Kubernetes pod condition",
+    "RuntimeDefault": "a Kubernetes seccomp profile",
+    "EligibleTime": "a Slurm job field",
+    "MALLOC_ARENA_MAX": "a glibc environment variable",
+    "malloc_trim": "a glibc function",
+    "PR_SET_PDEATHSIG": "a Linux prctl option (data/prepare.py sets it through ctypes)",
+    "_darcs": "a version-control folder that prepare skips",
+    "Feistel": "notation: the keyed permutation of data/sampler.py",
+    "shardlab.forward": "a profiler range name", "shardlab.backward": "a profiler range name",
+    "shardlab.optimizer": "a profiler range name",
+    "flat_shard_frozen": "the parameter name fsdp_layout.py composes for a frozen group",
+}
+# Paths that a command writes (absent from a fresh checkout).
+GENERATED = {"docs/gpu-check/": "make gpu-check writes its reports there (tests/gpu/report.py)"}
+FILE_SUFFIXES = (".json", ".yaml", ".yml", ".md", ".txt", ".bin", ".idx", ".safetensors", ".jinja", ".png",
+                 ".pkl", ".zst", ".gz", ".sh", ".toml", ".log", ".flight", ".torch", ".jsonl", ".parquet", ".tf")
+_IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
+_DOTTED = re.compile(rf"{_IDENT}(\.{_IDENT})*")
+
+
+# -- reading the docs ----------------------------------------------------------------------------
+def _prose(doc: Path) -> str:
+    """The doc with fenced blocks blanked (line numbers kept)."""
+    return re.sub(r"^```.*?^```", lambda m: "\n" * m.group(0).count("\n"), doc.read_text(), flags=re.S | re.M)
+
+
+def code_spans(doc: Path) -> list[tuple[int, str]]:
+    text = _prose(doc)
+    return [(text.count("\n", 0, m.start()) + 1, " ".join(m.group(2).split()))
+            for m in re.finditer(r"(`+)(.+?)\1", text, flags=re.S)]
+
+
+def links(doc: Path) -> list[tuple[int, str]]:
+    text = re.sub(r"(`+)(.+?)\1", lambda m: "\n" * m.group(0).count("\n"), _prose(doc), flags=re.S)
+    return [(text.count("\n", 0, m.start()) + 1, m.group(1))
+            for m in re.finditer(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+:", m.group(1))]
+
+
+# -- what the tree defines ----------------------------------------------------------------------
+@functools.cache
+def trees() -> tuple[tuple[Path, ast.Module], ...]:
+    """Every Python file of src/shardlab and tests/, parsed once."""
+    return tuple((p, ast.parse(p.read_text())) for p in [*PKG.rglob("*.py"), *(ROOT / "tests").rglob("*.py")])
+
+
+@functools.cache
+def definitions() -> frozenset[str]:
+    """Every name defined anywhere in src/ and tests/: functions, classes, assigned names and
+    attributes (`self.x =`, `setattr(x, "name", ...)`, `NAME = "attribute_name"`), at any depth."""
+    names: set[str] = set()
+    for _, tree in trees():
+        nodes = list(ast.walk(tree))
+        strings = {n.targets[0].id: n.value.value for n in nodes if isinstance(n, ast.Assign)
+                   and isinstance(n.targets[0], ast.Name) and isinstance(n.value, ast.Constant)}
+        for node in nodes:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Store):
+                names.add(node.id if isinstance(node, ast.Name) else node.attr)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and len(node.args) == 3:
+                arg = node.args[1]
+                names.add(str(arg.value if isinstance(arg, ast.Constant) else strings.get(getattr(arg, "id", ""))))
+    return frozenset(names)
+
+
+@functools.cache
+def written_words() -> frozenset[str]:
+    """Names the project writes without defining them: identifiers inside string literals and
+    keyword arguments of src/ and tests/ (JSON fields, metric and phase names, environment
+    variables, torch's keyword arguments), and every word of infra/ and the Makefile (Terraform
+    variables, manifest fields)."""
+    out: set[str] = set()
+    for _, tree in trees():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                out.update(re.findall(r"\b\w+\b", node.value))
+            elif isinstance(node, ast.keyword) and node.arg:
+                out.add(node.arg)
+    infra = [p for p in (ROOT / "infra").rglob("*") if p.is_file()] + [ROOT / "Makefile"]
+    for path in infra:
+        out.update(re.findall(r"\b\w+\b", path.read_text(errors="replace")))
+    return frozenset(out)
+
+
+@functools.cache
+def config_keys() -> frozenset[str]:
+    from shardlab.config import Config
+
+    out: set[str] = set()
+
+    def walk(d: dict, prefix: str) -> None:
+        for k, v in d.items():
+            out.add(prefix + k)
+            if isinstance(v, dict):
+                walk(v, prefix + k + ".")
+
+    walk(Config().to_dict(), "")
+    return frozenset(out)
+
+
+# -- paths --------------------------------------------------------------------------------------
+def _is_path(span: str) -> bool:
+    """A repository path (`tests/x.py`, `docs/`), a module (`engines/api.py`, `toys.py`) or a package
+    folder (`doctor/`); deeper paths under a package folder's name (`deploy/gpt2-run/`) are a
+    user's folders."""
+    if " " in span or "://" in span or not re.fullmatch(r"[\w./<>{}*…\-:,|@~]+", span):
+        return False
+    first, _, rest = span.partition("/")
+    package_dirs = {p.name for p in PKG.iterdir() if p.is_dir() and not p.name.startswith("_")}
+    return span.split("::")[0].endswith(".py") or first in TOP_DIRS and bool(rest) or first in package_dirs and not rest
+
+
+def path_problem(doc: Path, span: str) -> str | None:
+    path, _, test = span.partition("::")
+    if any(path.startswith(g) for g in GENERATED):
+        return None
+    placeholder = re.search(r"[<{…|]|\.\.\.", path)
+    if placeholder:  # check the folder before the placeholder
+        path = path[:placeholder.start()].rpartition("/")[0] + "/"
+    bases = (*PATH_BASES, doc.parent)
+    if "*" in path:
+        found = [p for base in bases for p in base.glob(path.rstrip("/"))]
+    else:
+        found = [base / path for base in bases if (base / path).exists()]
+        if not found and "/" not in path.rstrip("/"):
+            found = [*PKG.rglob(path), *(ROOT / "tests").rglob(path)]
+    if not found:
+        return "no such file"
+    if test and not any(re.search(rf"^\s*def {re.escape(test)}\b", p.read_text(), re.M) for p in found):
+        return f"{found[0].relative_to(ROOT)} defines no {test}"
+    return None
+
+
+# -- symbols ------------------------------------------------------------------------------------
+def _as_symbol(span: str) -> tuple[str, bool] | None:
+    """(dotted name, called) when the span reads as a code name, else None."""
+    if re.fullmatch(r"[A-Z][A-Z0-9_]+=\S*", span):  # an environment variable set
+        return span.split("=")[0], False
+    m = re.fullmatch(rf"({_DOTTED.pattern})(\(.*\))?(\.{_IDENT}(\(.*\))?)*", span)
+    if not m or span.split("(")[0].endswith(FILE_SUFFIXES) or "=" in span.split("(")[0]:
+        return None
+    name, called = m.group(1), bool(m.group(3))
+    if "." in name or called:
+        return name, called
+    if re.fullmatch(r"[a-z][a-z0-9]*(_[a-z0-9]*)+", name):
+        return name, False  # snake_case: a function, an attribute, a field or a name the code writes
+    if re.fullmatch(r"_?[A-Z][a-z]\w*|_\w+|[A-Z][A-Z0-9]*_[A-Z0-9_]+", name):
+        return name, False
+    return None
+
+
+def _has(obj: object, attrs: list[str]) -> bool:
+    for a in attrs:
+        if hasattr(obj, a):
+            obj = getattr(obj, a)
+        elif a in getattr(obj, "__dataclass_fields__", {}) or a in getattr(obj, "__annotations__", {}):
+            return True  # a field without a class default
+        else:  # an instance attribute (`self.a = ...`) of a class of ours
+            return isinstance(obj, type) and obj.__module__.startswith("shardlab") and a in definitions()
+    return True
+
+
+@functools.cache
+def _import(name: str) -> bool:
+    """Whether `name` is a module or an attribute reached from one (`torch.distributed.all_reduce`)."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            module = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        return _has(module, parts[i:])
+    return False
+
+
+@functools.cache
+def top_level() -> dict[str, list[str]]:
+    """name -> the shardlab modules (and test files, as `tests.x`) whose top level defines it; a
+    module's last name part also maps to the module itself."""
+    out: dict[str, list[str]] = {}
+    for path, tree in trees():
+        if path.parent.name == "gpu":
+            continue
+        base = ["shardlab", *path.relative_to(PKG).parts] if path.is_relative_to(PKG) else ["tests", path.name]
+        module = ".".join(base).removesuffix(".py").removesuffix(".__init__")
+        out.setdefault(module.rpartition(".")[2], []).append(module)
+        for node in tree.body:
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", node)]
+            for t in targets:
+                name = getattr(t, "name", None) or getattr(t, "id", None)
+                if name:
+                    out.setdefault(name, []).append(f"{module}:{name}")
+    return out
+
+
+def _defined_under(place: str, attrs: list[str]) -> bool:
+    """Whether module `place` (or `module:name`) has the attribute path `attrs`. Test modules are
+    read, not imported (some register toy engines when imported)."""
+    module, _, name = place.partition(":")
+    path = [name, *attrs] if name else attrs
+    if module.startswith("tests."):
+        return not path or path[-1] in definitions()
+    return _has(importlib.import_module(module), path)
+
+
+def symbol_problem(name: str, called: bool) -> str | None:
+    parts = name.split(".")
+    root, rest = parts[0], parts[1:]
+    if name in ALLOWED:
+        return None
+    if not rest:
+        if root in definitions() or any(_import(f"{home}.{root}") for home in THIRD_PARTY_HOMES):
+            return None
+        if not called and re.fullmatch(r"[a-z][a-z0-9_]*|[A-Z][A-Z0-9_]+", root) and (
+                root in written_words() or root in {k.rpartition(".")[2] for k in config_keys()}):
+            return None
+        return "defined nowhere in src/ or tests/, nor in THIRD_PARTY_HOMES"
+    if root in VARIABLES and called:
+        return None if _import(".".join([VARIABLES[root], *rest])) else f"{VARIABLES[root]} has no {'.'.join(rest)}"
+    if root == "shardlab" or root in ALIASES or (root not in top_level() and _import(root)):
+        return None if _import(".".join([ALIASES.get(root, root), *rest])) else "cannot be imported"
+    places = top_level().get(root, [])
+    if any(_defined_under(place, rest) for place in places):
+        return None
+    if places:
+        return f"{root} has no {'.'.join(rest)}"
+    return None  # a variable's attribute (`model.parameters()`): nothing to resolve
+
+
+def span_problem(span: str) -> str | None:
+    """Why a span that reads as a config key or a code name names nothing, or None."""
+    key = span.split("=")[0].removesuffix(".*")
+    sections = {k.split(".")[0] for k in config_keys()}
+    if re.fullmatch(_DOTTED.pattern, key) and "." in key and key.split(".")[0] in sections \
+            and not key.endswith(FILE_SUFFIXES):
+        if key in config_keys():
+            return None
+        return None if key == span and not symbol_problem(key, False) else "neither a config key nor a symbol"
+    sym = _as_symbol(span)
+    return symbol_problem(*sym) if sym else None
+
+
+# -- the tests ----------------------------------------------------------------------------------
+def _rel(doc: Path) -> str:
+    return str(doc.relative_to(ROOT))
+
+
+def test_docs_name_only_files_that_exist():
+    missing = [f"{_rel(doc)}:{line}: `{span}` ({why})" for doc in DOCS for line, span in code_spans(doc)
+               if _is_path(span) and (why := path_problem(doc, span))]
+    assert not missing, "files named in the docs that do not exist:\n" + "\n".join(missing)
+
+
+def test_docs_name_only_symbols_that_exist():
+    missing = [f"{_rel(doc)}:{line}: `{span}` ({why})" for doc in DOCS for line, span in code_spans(doc)
+               if not _is_path(span) and (why := span_problem(span))]
+    assert not missing, "code names in the docs that do not exist:\n" + "\n".join(missing)
+
+
+def _anchors(doc: Path) -> set[str]:
+    """GitHub's heading anchors: lowercase, punctuation dropped, spaces to hyphens."""
+    heads = re.findall(r"^#+\s+(.*)$", _prose(doc), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def test_doc_links_resolve():
+    broken = []
+    for doc in DOCS:
+        for line, target in links(doc):
+            path, _, anchor = target.partition("#")
+            dest = (doc.parent / path).resolve() if path else doc
+            if not dest.exists():
+                broken.append(f"{_rel(doc)}:{line}: ({target}) no such file")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                broken.append(f"{_rel(doc)}:{line}: ({target}) no heading #{anchor} in {dest.name}")
+    assert not broken, "links in the docs that lead nowhere:\n" + "\n".join(broken)
+
+
+HISTORY = [
+    (re.compile(r"\b(issues?|PR|pull request)\s+#?\d+", re.I), "an issue number"),
+    (re.compile(r"\bthe issue'?s?\b(?! of)", re.I), "a reference to an issue"),
+    (re.compile(r"\b(previously|formerly|before this change|used to be|was renamed)\b", re.I), "history"),
+    (re.compile(r"^#+ .*\b(history|changelog)\b", re.I | re.M), "a history section"),
+]
+
+
+def test_docs_state_the_present():
+    """Reference pages say what is true now: no issue numbers, no history (dated benchmark
+    figures keep their dates)."""
+    found = []
+    for doc in DOCS:
+        text = _prose(doc)
+        for pattern, what in HISTORY:
+            for m in pattern.finditer(text):
+                found.append(f"{_rel(doc)}:{text.count(chr(10), 0, m.start()) + 1}: {what}: {m.group(0)!r}")
+    assert not found, "\n".join(found)
+
+
+# -- references to docs and Notes, from anywhere ------------------------------------------------
+def _referring_files() -> list[Path]:
+    code = [*PKG.rglob("*.py"), *PKG.rglob("*.yaml"), *(ROOT / "tests").rglob("*.py")]
+    return [p for p in [*DOCS, *code, ROOT / "Makefile"] if p != Path(__file__).resolve()]
+
+
+def _normal(text: str) -> str:
+    return " ".join(text.replace("`", "").lower().split())
+
+
+def _sections(doc: Path) -> tuple[list[str], list[str]]:
+    """(its headings, its paragraphs' bold leads: `**Atomicity.** ...`), normalized."""
+    text = _prose(doc)
+    return ([_normal(h) for h in re.findall(r"^#+\s+(.*)$", text, re.M)],
+            [_normal(b) for b in re.findall(r"^\*\*(.+?)\*\*", text, re.M | re.S)])
+
+
+def test_references_to_docs_and_their_sections_resolve():
+    """`docs/x.md` named anywhere (docs, code, tests) exists; `docs/x.md, "Section"` or
+    `docs/x.md ("Section")` names a section: words of one of its headings (dated headings carry
+    more), or the start of a paragraph's bold lead."""
+    broken = []
+    for path in _referring_files():
+        text = path.read_text()
+        for m in re.finditer(r"\bdocs/([\w.-]+\.md)(?:,?\s+\(?\"([^\"]+)\")?", text):
+            where = f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}"
+            doc = ROOT / "docs" / m.group(1)
+            if not doc.exists():
+                broken.append(f"{where}: docs/{m.group(1)} does not exist")
+            elif m.group(2):
+                section = _normal(m.group(2))
+                heads, leads = _sections(doc)
+                if not any(section in h for h in heads) and not any(b.startswith(section) for b in leads):
+                    broken.append(f"{where}: docs/{m.group(1)} has no section \"{m.group(2)}\"")
+    assert not broken, "references to docs that lead nowhere:\n" + "\n".join(broken)
+
+
+def test_notes_named_in_the_docs_exist():
+    """A `[Note: ...]` a doc points to is written once in src/ or tests/."""
+    code = " ".join(" ".join(p.read_text().replace("#", " ").split())
+                    for p in [*PKG.rglob("*.py"), *(ROOT / "tests").rglob("*.py")])
+    missing = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for m in re.finditer(r"\[Note: ([^\]]+)\]", text):
+            if f"[Note: {' '.join(m.group(1).split())}]" not in code:
+                missing.append(f"{_rel(doc)}:{text.count(chr(10), 0, m.start()) + 1}: [Note: {m.group(1)}]")
+    assert not missing, "Notes the docs name that the code does not have:\n" + "\n".join(missing)
+
+
+# -- docs/plan.md's tables are plan's catalogue -----------------------------------------------------
+def _table(doc: Path, header: str) -> dict[str, list[str]]:
+    """First cell (backticks stripped) -> the row's cells, of the table whose header starts so."""
+    text = doc.read_text()
+    rows = text[text.index(header):].split("\n\n")[0].splitlines()[2:]
+    cells = [[c.strip() for c in r.strip().strip("|").split("|")] for r in rows]
+    return {c[0].replace("`", "").split(" (")[0]: c for c in cells}
+
+
+def test_plan_md_gpu_and_link_tables_match_the_catalogue():
+    from shardlab.plan.catalogue import GPUS, INTERCONNECTS, usable_bytes
+
+    doc = ROOT / "docs" / "plan.md"
+    gpus = _table(doc, "| `--gpu` | memory |")
+    assert set(gpus) == set(GPUS), f"docs/plan.md's GPU table lists {sorted(gpus)}, the catalogue {sorted(GPUS)}"
+    for name, g in GPUS.items():
+        row = gpus[name]
+        assert row[1] == f"{g.memory_bytes / 1e9:.0f} GB", (name, row)
+        assert row[2].startswith("yes" if g.bf16 else "no"), (name, row)
+        assert row[3] == f"{g.peak_flops / 1e12:.0f} T", (name, row)
+        assert row[4].split()[0] == f"`{g.intra_node}`" and row[5] == f"`{g.inter_node}`", (name, row)
+        assert row[6] == f"{usable_bytes(g) / 2**30:.2f} GiB", (name, row)
+    links = _table(doc, "| link | alpha |")
+    assert set(links) == set(INTERCONNECTS), f"docs/plan.md's link table lists {sorted(links)}"
+    for name, link in INTERCONNECTS.items():
+        if link.per_kind:
+            assert links[name][1] == "per kind", (name, links[name])
+            continue
+        assert links[name][1] == f"{link.alpha_s * 1e6:g} us", (name, links[name])
+        assert links[name][2] == f"{link.bandwidth / 1e9:g} GB/s", (name, links[name])

@@ -1,0 +1,343 @@
+"""Observation (shardlab.observe, docs/observability.md): MFU, steps.jsonl, trackers, `shardlab report`
+and `shardlab trace`.
+
+- no processes: a step's time split from a hand-made flight record (a fake clock), the slowest
+  rank named or not, tracker keys checked before any worker starts, a directory that is no run;
+- one module fixture, two short real launches one after the other (tests/doctor_faults.py plants
+  the fault): `run`, 2 ranks of fsdp with every installed tracker, read back by the report (in
+  headless Chromium where installed), the trace, the MFU check and the trackers' stores; then
+  `straggler`, 3 ranks of ddp, rank 1's data loading sleeping 50 ms per step.
+A killed and restarted run's report and trace are checked in tests/test_checkpoint_dist.py's
+SIGKILL test, on the run it already kills and restarts (no launch of its own here).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardlab.doctor import flight as F
+from shardlab.doctor.flight import FlightRecorder, read_flight
+from shardlab.observe import runs
+from shardlab.observe.trace import build_trace
+from tests.doctor_faults import SITECUSTOMIZE
+
+ROOT = Path(__file__).resolve().parents[1]
+SLOW_MS = 50
+STEPS = 6
+
+
+# ------------------------------------------------------------------------------------ no processes
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def time(self) -> float:
+        return self.now
+
+
+def test_step_split_from_a_hand_made_record(tmp_path, monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(F, "time", clock)
+    rec = FlightRecorder()
+    rec.describe_group = lambda g: ("0", [0, 1])
+    rec.open(str(tmp_path / "rank0.flight"), rank=0, world=2, attempt=0, capacity=64)
+
+    def at(t: float) -> FlightRecorder:
+        clock.now = 1000.0 + t
+        return rec
+
+    at(-0.5).enter_phase("loop")                    # the loop begins (step 0: before the first step)
+    for s, t in ((1, 0.0), (2, 1.0)):
+        at(t).set_step(s)
+        at(t + 0.1).enter_phase("data")             # 0.2 s of data wait
+        at(t + 0.3).enter_phase("forward")
+        n = at(t + 0.35).issue("all_gather", 64, None)   # async: waited from 0.5 to 0.6
+        at(t + 0.5).waiting(n)
+        at(t + 0.6).complete(n)
+        m = at(t + 0.6).issue("all_reduce", 8, None)     # blocking: 0.6 to 0.7
+        at(t + 0.7).complete(m)
+        k = at(t + 0.7).issue("all_reduce", 8, None)     # a callback completed it: never exposed
+        at(t + 0.9).complete(k, waited=False)
+        at(t + 0.8).enter_phase("checkpoint")          # 0.1 s
+        at(t + 0.9).enter_phase("loop")
+    at(2.0).enter_phase("finish")
+    rec.close("finished")
+    f = read_flight(str(tmp_path / "rank0.flight"))
+    assert f.entries[0].waited == pytest.approx(1000.5) and f.entries[1].waited == 0.0 and f.entries[2].waited == -1.0
+    splits = runs.step_splits(f)
+    assert [s.step for s in splits] == [1, 2]
+    for s in splits:
+        assert s.total == pytest.approx(1.0)
+        assert s.parts["data"] == pytest.approx(0.2) and s.parts["checkpoint"] == pytest.approx(0.1)
+        assert s.parts["comm"] == pytest.approx(0.2) and s.parts["compute"] == pytest.approx(0.5)
+
+
+def _split(rank: int, step: int, total: float, comm: float, data: float = 0.0) -> runs.Split:
+    return runs.Split(rank, step, 0.0, total, {"data": data, "compute": total - comm - data, "comm": comm,
+                                               "checkpoint": 0.0, "eval": 0.0})
+
+
+def test_slowest_rank_is_named_only_when_it_stands_out():
+    steps = range(1, 12)
+    straggler = {0: [_split(0, s, 0.1, 0.05) for s in steps], 1: [_split(1, s, 0.1, 0.002, 0.05) for s in steps],
+                 2: [_split(2, s, 0.1, 0.05) for s in steps]}
+    s = runs.slowest_rank(straggler)
+    assert s["rank"] == 1 and s["excess_s"] == pytest.approx(0.048) and s["data_s"] == pytest.approx(0.05)
+    jitter = {r: [_split(r, s, 0.1, 0.01 + 0.004 * ((s + r) % 3)) for s in steps] for r in range(3)}
+    assert runs.slowest_rank(jitter)["rank"] is None
+
+
+def test_tracker_keys_are_checked_before_any_worker(monkeypatch):
+    from shardlab.config import ConfigError, load_config
+    from shardlab.observe import trackers
+
+    assert load_config(None, []).output.trackers is None
+    assert trackers.resolve_trackers(load_config(None, []).output) == ["tensorboard"]
+    assert trackers.resolve_trackers(load_config(None, ["output.tensorboard=false"]).output) == []
+    for overrides, words in ((["output.trackers=[nope]"], "unknown tracker"),
+                             (["output.tensorboard=false", "output.trackers=[tensorboard]"], "contradicts")):
+        with pytest.raises(ConfigError, match=words):
+            load_config(None, overrides)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"output.trackers names wandb, which is not installed: pip install "
+                                          r"'shardlab\[wandb\]'") as e:
+        load_config(None, ["output.trackers=[tensorboard,wandb]"])
+    assert "\n" not in str(e.value)
+
+
+def test_a_directory_that_is_no_run_is_one_line(tmp_path, capsys):
+    from shardlab.cli import main
+
+    for command in ("report", "trace"):
+        assert main([command, str(tmp_path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: {tmp_path} is not a shardlab run directory") and "\n" not in err
+
+
+# ------------------------------------------------------------------------------------ real launches
+def _installed(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def _launch(root: Path, name: str, nproc: int, fault: str, *extra: str) -> None:
+    cmd = [sys.executable, "-m", "shardlab", "train", "--nproc", str(nproc), "model.preset=gpt-nano",
+           "data.source=synthetic", "data.seq_len=32", "data.synthetic_samples=256", f"train.steps={STEPS}",
+           f"train.global_batch_size={2 * nproc}", "train.micro_batch_size=2", "train.eval_batches=1",
+           f"output.dir={root}", f"output.run_name={name}", "output.progress=false", "preemption.enabled=false",
+           "parallel.timeout_s=60", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDLAB_TEST_FAULT": fault,
+           "PYTHONPATH": os.pathsep.join(map(str, (root / "site", ROOT / "src", ROOT)))}
+    with open(root / f"{name}.log", "w") as log:
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+        try:
+            assert p.wait(timeout=180) == 0, (root / f"{name}.log").read_text()[-3000:]
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, monkeypatch_module):
+    root = tmp_path_factory.mktemp("observe")
+    monkeypatch_module.setenv("SHARDLAB_CACHE", str(root / "cache"))   # the peak is measured afresh, once
+    (root / "site").mkdir()
+    (root / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    trackers = ["tensorboard"] + [t for t in ("wandb", "mlflow") if _installed(t)]
+    t0 = time.monotonic()
+    # one after the other: side by side, 5 workers on 2 cores made one rank of the 2-rank run busier than
+    # the other, a straggler of our own making
+    _launch(root, "run", 2, "", "parallel.strategy=fsdp", "train.eval_every=3", "checkpoint.every_steps=3",
+            f"output.trackers=[{','.join(trackers)}]")
+    _launch(root, "straggler", 3, f"data-slow:1:{SLOW_MS}", "parallel.strategy=ddp", "checkpoint.every_steps=0",
+            "checkpoint.final=false", "output.trackers=[]")
+    print(f"\nobserve launches (one after the other): {time.monotonic() - t0:.1f} s")
+    return {"root": root, "run": root / "run", "straggler": root / "straggler", "trackers": trackers}
+
+
+def _report(run_dir: Path) -> str:
+    from shardlab.cli import main
+
+    assert main(["report", str(run_dir)]) == 0
+    return (run_dir / "report.html").read_text()
+
+
+def test_report_of_a_run_shows_its_attempt_and_names_no_rank(launched):
+    text = _report(launched["run"])
+    assert " attempt 0" in text and "finished" in text
+    assert "slowest rank: none stands out" in text and "<b>slowest rank" not in text
+    assert "MFU (median step, the first left out)" in text
+    (attempt,) = runs.read_run(str(launched["run"])).attempts
+    assert attempt.state(time.time()) == "finished" and sorted(attempt.flights) == [0, 1]
+
+
+def test_report_opens_in_chromium_with_every_plot_drawn(launched, tmp_path):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("no chromium on this machine (Debian: apt-get install chromium): the report's rendering is "
+                    "not checked")
+    html = _report(launched["run"])
+    # a copy with a probe script: where each figure is and whether its image decoded (the report has no script)
+    probe = ("<script>document.body.dataset.figs=JSON.stringify([...document.querySelectorAll('figure')].map("
+             "f=>{const r=f.getBoundingClientRect(),i=f.querySelector('img');return [f.dataset.plot,r.x,r.y,r.width,"
+             "r.height,i.naturalWidth]}))</script>")
+    probed = tmp_path / "probed.html"
+    probed.write_text(html.replace("</body>", probe + "</body>"))
+    flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1100,6000",
+             "--enable-logging=stderr", "--v=0"]
+    # one headless run: the screenshot and the DOM the probe wrote into
+    shot = subprocess.run([*flags, f"--screenshot={tmp_path / 'shot.png'}", "--dump-dom", probed.as_uri()],
+                          capture_output=True, text=True, timeout=120)
+    assert "CONSOLE" not in shot.stderr and "Uncaught" not in shot.stderr, shot.stderr[-2000:]
+    figs = json.loads(shot.stdout.split('data-figs="')[1].split('"')[0].replace("&quot;", '"'))
+    assert len(figs) >= 6, figs
+    from matplotlib import image
+
+    pixels = image.imread(str(tmp_path / "shot.png"))
+    for name, x, y, w, h, natural in figs:
+        assert natural > 0 and w > 100 and h > 50, (name, natural, w, h)
+        crop = pixels[int(y):int(y + h), int(x):int(x + w), :3]
+        inked = (crop.min(axis=2) < 0.9).mean()
+        assert inked > 0.02, (name, inked)   # drawn: axes, lines, bars, not a blank box
+
+
+def nested(events: list[dict]) -> bool:
+    """Complete events on one track nest (or follow each other): what trace viewers require."""
+    by_track: dict[tuple, list] = {}
+    for e in events:
+        if e["ph"] == "X":
+            by_track.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    for spans in by_track.values():
+        stack: list[float] = []
+        for a, b in sorted(spans, key=lambda s: (s[0], -s[1])):
+            while stack and stack[-1] <= a:
+                stack.pop()
+            if stack and b > stack[-1]:
+                return False
+            stack.append(b)
+    return True
+
+
+def test_trace_of_a_run(launched, tmp_path):
+    from shardlab.cli import main
+
+    assert main(["trace", str(launched["run"]), "--out", str(tmp_path / "t.json")]) == 0
+    trace = json.loads((tmp_path / "t.json").read_text())
+    assert [a["attempt"] for a in trace["otherData"]["attempts"]] == [0]
+    events = trace["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1}
+    steps = [e["args"]["step"] for e in events if e["ph"] == "C" and e["pid"] == 0]
+    assert sorted(set(steps)) == list(range(STEPS + 1)), steps   # 0: the build, before the first step
+    phases = {e["name"] for e in events if e["ph"] == "X" and e["pid"] == 0}
+    assert {"data", "forward", "backward", "optimizer", "checkpoint", "eval", "log"} <= phases, phases
+    assert any(e["name"].startswith("all_gather") for e in events if e["ph"] == "X"), "fsdp's gathers"
+    assert nested(events)
+    assert "attempt 0: finished" in [e["name"] for e in events if e["ph"] == "i"]
+
+
+def test_straggler_is_named_with_its_data_wait(launched):
+    text = _report(launched["straggler"])
+    assert "<b>slowest rank: rank 1</b>" in text, text[text.find("slowest"):][:600]
+    a = runs.read_run(str(launched["straggler"])).attempts[-1]
+    s = runs.slowest_rank({r: runs.step_splits(f) for r, f in a.flights.items()})
+    assert s["rank"] == 1 and s["data_s"] >= 0.9 * SLOW_MS / 1000 and s["others_data_s"] < SLOW_MS / 2000
+    assert s["excess_s"] >= 0.6 * SLOW_MS / 1000, s
+    trace = build_trace(str(launched["straggler"]))["traceEvents"]
+    data = {r: [e["dur"] for e in trace if e["ph"] == "X" and e["pid"] == r and e["name"] == "data"] for r in range(3)}
+    assert min(data[1][1:]) >= 0.9 * SLOW_MS * 1000, data[1]            # each step's data phase, in us
+    assert max(data[0][1:]) < SLOW_MS * 1000 / 2 and max(data[2][1:]) < SLOW_MS * 1000 / 2
+    first = [e for e in trace if e["ph"] == "X" and e["pid"] == 0 and e["name"].startswith("all_reduce")
+             and e["args"]["phase"] == "loop" and e["args"]["step"] > 1]
+    waits = sorted(e["dur"] for e in first)
+    assert waits[len(waits) // 2] >= 0.5 * SLOW_MS * 1000, waits       # rank 0 waits for it in the token count
+
+
+def test_mfu_equals_the_hand_computation(launched):
+    m = json.loads((launched["run"] / "metrics.json").read_text())
+    # gpt-nano: 2 blocks of width 32, 32 tokens, vocabulary 256 (synthetic), head tied to the embedding:
+    # 6 FLOPs per Linear weight and token (forward 2, backward 4), SDPA 4 x T x d forward + 10 x T x d backward
+    d, layers, t, vocab = 32, 2, 32, 256
+    linear = layers * (d * 3 * d + d * d + d * 4 * d + 4 * d * d) + vocab * d
+    assert m["flops_per_token"] == 6 * linear + 14 * layers * t * d
+    tokens_rank = m["samples_processed"] // m["steps_this_run"] // m["world_size"] * t
+    assert m["flops_per_step_per_rank"] == m["flops_per_token"] * tokens_rank
+    cached = [json.loads(Path(p).read_text()) for p in glob.glob(os.path.join(os.environ["SHARDLAB_CACHE"], "peaks",
+                                                                                "*.json"))]
+    assert m["peak_flops_per_s"] in [c["peak_flops"] for c in cached], "the peak is the cached measurement"
+    for step_time, mfu in zip(m["step_times_s"], m["mfu_per_step"]):
+        hand = m["flops_per_step_per_rank"] / step_time / m["peak_flops_per_s"]
+        assert mfu == pytest.approx(hand, rel=0.01)
+    assert 0 < m["mfu"] < 1
+    records = [json.loads(x) for x in (launched["run"] / "steps.jsonl").read_text().splitlines()]
+    assert [r["mfu"] for r in records if "mfu" in r] == m["mfu_per_step"]
+
+
+def _wandb_history(run_dir: Path) -> dict[int, dict]:
+    """The history rows of the offline run, read with wandb's own protobuf records (its offline file is
+    a log of 32 KiB blocks of records, each with a 7-byte header: wandb 0.31 ships no Python reader)."""
+    from wandb.proto import wandb_internal_pb2 as pb2
+
+    path = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))[0]
+    data, pos, pending, rows = Path(path).read_bytes(), 7, b"", {}
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack_from("<IHB", data, pos)
+        pos += 7
+        if kind == 0:
+            pos += left - 7
+            continue
+        chunk, pos = data[pos:pos + length], pos + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            r = pb2.Record()
+            r.ParseFromString(pending)
+            if r.WhichOneof("record_type") == "history":
+                row = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
+                rows[row["_step"]] = row
+    return rows
+
+
+def test_trackers_hold_the_metrics(launched, monkeypatch):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")   # as the tracker sets it in the worker (trackers.py)
+    run_dir = launched["run"]
+    m = json.loads((run_dir / "metrics.json").read_text())
+    tokens_step = m["tokens_processed"] / m["steps_this_run"]
+    expected = {s + 1: (loss, tokens_step / t) for s, (loss, t) in enumerate(zip(m["losses"], m["step_times_s"]))}
+    lines = [json.loads(x) for x in (run_dir / "steps.jsonl").read_text().splitlines()]
+    assert {r["step"]: r["loss"] for r in lines if "loss" in r} == {s: v[0] for s, v in expected.items()}
+    assert [r["step"] for r in lines if "val_loss" in r] == [3, 6]
+    assert [r["val_loss"] for r in lines if "val_loss" in r][-1] == m["val_loss"]
+    if "wandb" not in launched["trackers"] or "mlflow" not in launched["trackers"]:
+        pytest.skip(f"trackers installed: {launched['trackers']} (pip install 'shardlab[wandb]' / '[mlflow]')")
+    rows = _wandb_history(run_dir)
+    for s, (loss, tok) in expected.items():
+        assert rows[s]["train/loss"] == pytest.approx(loss, rel=1e-6)
+        assert rows[s]["perf/tokens_per_s"] == pytest.approx(tok, rel=1e-6)
+    # MLflow's file store as the tracker left it: one run under the experiment, a metric's history a
+    # file of "timestamp value step" lines, each param a file (read directly: importing mlflow costs 2.5 s)
+    (meta,) = glob.glob(str(run_dir / "mlruns" / "*" / "*" / "meta.yaml"))
+    found = Path(meta).parent
+
+    def history(key: str) -> dict[int, float]:
+        rows = [line.split() for line in (found / "metrics" / key).read_text().splitlines()]
+        return {int(step): float(value) for _, value, step in rows}
+
+    assert history("train/loss") == pytest.approx({s: v[0] for s, v in expected.items()}, rel=1e-6)
+    assert history("perf/tokens_per_s") == pytest.approx({s: v[1] for s, v in expected.items()}, rel=1e-6)
+    assert (found / "params" / "parallel.strategy").read_text() == "fsdp"
