@@ -278,6 +278,35 @@ def train_engine(rank: int, world: int, case_name: str, strategy: str, opt_name:
     return losses, shardlab.full_state_dict(model)
 
 
+def micro_batch_sgd(model: nn.Module, batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]], steps: int,
+                    micro: int, global_batch: int, rank: int = 0, world: int = 1) -> tuple[list[float], dict]:
+    """SGD (lr 0.5, trainable parameters) over `steps` global batches (`batch(step)` -> inputs, targets):
+    this rank takes its rows [rank b, (rank + 1) b) in micro batches of `micro`, each loss weighted 1/k,
+    all but the last backward inside no_sync; the step's loss is the mean of every micro batch's mean
+    loss over all ranks. world=1: one process with the whole batch, the reference (the same objective).
+    Returns the losses and the final full state dict."""
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    b, losses = global_batch // world, []
+    k = b // micro
+    for step in range(steps):
+        x, y = batch(step)
+        x, y = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
+        opt.zero_grad(set_to_none=True)
+        total = torch.zeros((), dtype=torch.float64)
+        for m in range(k):
+            with shardlab.no_sync(model) if world > 1 and m < k - 1 else _null():
+                loss = model(x[m * micro:(m + 1) * micro], y[m * micro:(m + 1) * micro]) / k
+                loss.backward()
+            total += loss.detach()
+        opt.step()
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append(total.item() / world)
+    if world > 1:
+        return losses, shardlab.full_state_dict(model)
+    return losses, {name: v.detach().clone() for name, v in model.state_dict().items()}
+
+
 class _null:
     def __enter__(self):
         return self

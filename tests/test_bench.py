@@ -27,6 +27,8 @@ from shardlab.testing import run_workers
     (["--offload", "gpu"], "--offload takes comma-separated values from none, cpu"),
     (["--strategies", "ddp", "--offload", "cpu"], "every cell was skipped"),
     (["train.stpes=3"], "unknown config key 'train.stpes'"),
+    (["--loss", "chunky"], "--loss takes comma-separated values from auto, chunked, full"),
+    (["configs/resnet-cifar10.yaml", "data.source=synthetic", "--loss", "full,chunked"], "train.loss=chunked: model.name=resnet"),
 ])
 def test_bad_arguments_fail_cleanly(args, fragment, tmp_path, capsys):
     from shardlab import cli

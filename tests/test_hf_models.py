@@ -115,6 +115,9 @@ def _all_runs(rank: int, world: int, cases, saved: dict[str, str], lora_sft_dir:
         out[("load-lora-offload", arch)] = _load_runs(rank, world, path, arch, strategies=("torch-fsdp",),
                                                       lora=True, offload="cpu")
     out["lora_resume"] = _lora_sft_straight_and_resumed(rank, world, lora_sft_dir)
+    from tests.test_chunked_loss import chunked_runs  # here: that module takes sft_batch from this one
+
+    out["chunked"] = chunked_runs(rank, world)  # the chunked loss on every engine at 2 ranks
     return out
 
 
@@ -164,6 +167,12 @@ def test_engines_match_single(parity_runs, case):
     ref = reference(arch, 2, packed, lora)
     got, _, _ = parity_runs[0][case]
     assert_parity(ref, got, f"{arch}/{strategy}", rtol=F64_RTOL, atol=F64_ATOL)
+
+
+def test_the_chunked_loss_on_every_engine_at_2_ranks(parity_runs):
+    from tests.test_chunked_loss import check_chunked_runs
+
+    check_chunked_runs(parity_runs[0]["chunked"], 2)
 
 
 @pytest.mark.parametrize("case", LORA_CASES, ids=lambda c: f"lora-{c[0]}-{c[1]}")

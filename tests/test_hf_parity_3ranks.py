@@ -18,7 +18,8 @@ import shardlab  # noqa: E402
 from shardlab.models.hf import HFCausalLM  # noqa: E402
 from shardlab.testing import run_workers  # noqa: E402
 from shardlab.verify.float64 import Float64Everywhere  # noqa: E402
-from tests.parity import F64_ATOL, F64_RTOL, assert_parity  # noqa: E402
+from tests.parity import F64_ATOL, F64_RTOL, assert_parity, micro_batch_sgd  # noqa: E402
+from tests.test_chunked_loss import check_chunked_runs, chunked_runs  # noqa: E402
 from tests.test_hf_models import sft_batch  # noqa: E402
 
 VOCAB, T, WORLD, MICRO, STEPS = 53, 10, 3, 2, 3
@@ -47,52 +48,20 @@ def batch(step: int, packed: bool):
     return sft_batch(step, packed, vocab=VOCAB, T=T, rows=GLOBAL, seed=200)
 
 
-def _sgd(model):
-    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
-
-
 def reference(arch: str, packed: bool, lora: bool):
     """One process: the mean over every rank's micro batches of their mean losses."""
     with Float64Everywhere():
-        model = build(arch, "cpu", lora)
-        opt, losses = _sgd(model), []
-        for step in range(STEPS):
-            x, y = batch(step, packed)
-            opt.zero_grad(set_to_none=True)
-            parts = [model(x[i:i + MICRO], y[i:i + MICRO]) for i in range(0, GLOBAL, MICRO)]
-            loss = sum(parts) / len(parts)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return micro_batch_sgd(build(arch, "cpu", lora), lambda step: batch(step, packed), STEPS, MICRO, GLOBAL)
 
 
 def _train(rank: int, world: int, arch: str, strategy: str, packed: bool, lora: bool):
-    import torch.distributed as dist
-
     with Float64Everywhere():
         model = shardlab.parallelize(build(arch, "meta", lora), strategy, device="cpu")
-        opt, losses, per_rank = _sgd(model), [], GLOBAL // world
-        for step in range(STEPS):
-            x, y = batch(step, packed)
-            x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
-            opt.zero_grad(set_to_none=True)
-            total = torch.zeros((), dtype=torch.float64)
-            k = per_rank // MICRO
-            for m in range(k):
-                last = m == k - 1
-                with (shardlab.no_sync(model) if not last else torch.enable_grad()):
-                    loss = model(x[m * MICRO:(m + 1) * MICRO], y[m * MICRO:(m + 1) * MICRO]) / k
-                    loss.backward()
-                total += loss.detach()
-            opt.step()
-            dist.all_reduce(total)
-            losses.append(total.item() / world)
-        return losses, shardlab.full_state_dict(model)
+        return micro_batch_sgd(model, lambda step: batch(step, packed), STEPS, MICRO, GLOBAL, rank, world)
 
 
 def _all(rank: int, world: int, cases):
-    return {case: _train(rank, world, *case) for case in cases}
+    return {**{case: _train(rank, world, *case) for case in cases}, "chunked": chunked_runs(rank, world)}
 
 
 # each engine on both architectures; LoRA and packing alternate so every combination meets each arch
@@ -111,6 +80,11 @@ def runs():
 def test_hf_decoder_engines_match_one_process_at_3_ranks(runs, case):
     arch, strategy, packed, lora = case
     assert_parity(reference(arch, packed, lora), runs[case], f"{arch}/{strategy}", rtol=F64_RTOL, atol=F64_ATOL)
+
+
+@pytest.mark.slow
+def test_the_chunked_loss_on_every_engine_at_3_ranks(runs):
+    check_chunked_runs(runs["chunked"], WORLD)  # tests/test_chunked_loss.py
 
 
 def test_the_cases_cover_every_combination():

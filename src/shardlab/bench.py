@@ -27,7 +27,9 @@ each world size does the same work per rank (weak scaling):
   shardlab bench --strategies single,fsdp --nproc 1,2 --activation-checkpointing none,selective,full \\
       --compile false,true
 
---activation-checkpointing and --compile set train.* keys, which every engine takes.
+  shardlab bench --strategies fsdp,torch-fsdp --nproc 2 --loss chunked,full model.vocab_size=32000
+
+--activation-checkpointing, --compile and --loss set train.* keys, which every engine takes.
 A cell an engine cannot run (a shard size that does not divide N, offload for an engine
 without it) is skipped with its reason, printed and kept in bench.json; an axis an engine does
 not take at all (ddp and reshard_after_forward or shard_size) is not a variant of it.
@@ -51,10 +53,11 @@ from shardlab.config import ConfigError, load_config, strategies_taking
 from shardlab.engines import STRATEGIES, engine_class
 from shardlab.engines.collectives import resolve_shard_size
 from shardlab.models import GPT_PRESETS
+from shardlab.models.lm_loss import LOSS_MODES
 
 BYTES_FP32 = 4
 #: Axes that set a `train.*` key, which every engine takes (the others are `parallel.*` engine options).
-TRAIN_AXES = ("activation_checkpointing", "compile")
+TRAIN_AXES = ("activation_checkpointing", "compile", "loss")
 #: axes that are part of another engine option: parallel.reduce_dtype reaches the engine inside its
 #: mixed-precision policy (config.engine_options), so the engines taking that take it
 OPTION_OF_AXIS = {"reduce_dtype": "mixed_precision"}
@@ -414,6 +417,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated axis of train.activation_checkpointing values: none,selective,full")
     p.add_argument("--compile", default=None,
                    help="comma-separated axis of train.compile values: false,true (torch.compile per block)")
+    p.add_argument("--loss", default=None,
+                   help="comma-separated axis of train.loss values: auto,chunked,full (the LM loss without whole logits)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default=None, help="output folder (default: runs/bench-<timestamp>)")
 
@@ -514,13 +519,15 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], lis
             "offload": _axis(args.offload, "offload", ("none", "cpu")),
             "activation_checkpointing": _axis(args.activation_checkpointing, "activation_checkpointing",
                                               ("none", "selective", "full")),
-            "compile": _axis(args.compile, "compile", ("false", "true"))}
+            "compile": _axis(args.compile, "compile", ("false", "true")),
+            "loss": _axis(args.loss, "loss", LOSS_MODES)}
     variants: list[dict[str, str]] = [{}]
     for key, values in axes.items():
         if values:
             variants = [{**v, key: value} for v in variants for value in values]
-    try:  # the config and overrides themselves, before any worker starts
-        load_config(args.config, args.overrides)
+    try:  # the config and overrides themselves, with each train.* axis value, before any worker starts
+        for v in variants:
+            load_config(args.config, [*args.overrides, *(f"{_axis_key(k)}={x}" for k, x in v.items() if k in TRAIN_AXES)])
     except ConfigError as e:
         raise ValueError(str(e)) from None
     return strategies, worlds, variants

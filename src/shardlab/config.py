@@ -27,6 +27,7 @@ from shardlab.engines.collectives import resolve_shard_size
 from shardlab.engines.compile import AC_MODES, COMPILE_MODES
 from shardlab.errors import ConfigError
 from shardlab.models import MODELS
+from shardlab.models.lm_loss import LOSS_MODES
 from shardlab.observe.trackers import resolve_trackers
 from shardlab.shipped import config_path, shipped_configs
 
@@ -83,6 +84,7 @@ class TrainConfig:
     precision: str = "fp32"                # fp32 | bf16 | fp16 (autocast; fp16 adds dynamic loss scaling)
     loss_scale: float = 65536.0            # fp16: initial loss scale (halved on overflow)
     loss_scale_growth_interval: int = 2000  # fp16: good steps in a row before the scale doubles
+    loss: str = "auto"                     # auto | chunked | full: the LM loss without whole logits (docs/training.md)
     activation_checkpointing: str = "none"  # none | full | selective (docs/training.md); true/false: old spellings
     ac_every: int = 1                      # checkpoint blocks 0, K, 2K, ... (1: every block)
     compile: bool = False                  # torch.compile each block (inductor; hooks stay outside)
@@ -453,6 +455,10 @@ def _validate_train(cfg: Config, spec: Any) -> None:
     _check(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1)")
     _check(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 = off), got {t.grad_clip}")
     _choice("train.precision", t.precision, ("fp32", "bf16", "fp16"))
+    _choice("train.loss", t.loss, LOSS_MODES)
+    heads = [name for name, other in MODELS.items() if other.loss_head]
+    _check(t.loss != "chunked" or spec.loss_head, f"train.loss=chunked: model.name={m.name} has no output projection "
+           f"over a vocabulary to chunk (models with one: {', '.join(heads)}); set train.loss=auto or full")
     _check(t.loss_scale > 0 and t.loss_scale_growth_interval >= 1,
            "train.loss_scale must be > 0 and train.loss_scale_growth_interval >= 1")
     _check(t.eval_every >= 0 and t.eval_batches >= 1 and t.log_every >= 1,

@@ -39,8 +39,7 @@ from fractions import Fraction
 import torch
 
 from shardlab.engines import collectives
-
-IGNORE_INDEX = -100
+from shardlab.models.lm_loss import IGNORE_INDEX  # noqa: F401  (this module's API too: the models' one value)
 
 
 def count_targets(targets: torch.Tensor) -> int:

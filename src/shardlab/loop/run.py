@@ -161,7 +161,7 @@ def build_run(cfg: Config, rt: Runtime, *, data: Any = None,
     t, p = cfg.train, cfg.parallel
     data = data if data is not None else build_datasets(cfg)
     # Sharded engines materialize only their shard from the meta device; the others materialize whole.
-    model = build_model(cfg.model, seed=cfg.seed, vocab_size=data.vocab_size, device="meta")
+    model = build_model(cfg.model, seed=cfg.seed, vocab_size=data.vocab_size, device="meta", loss=t.loss)
     if cfg.model.sync_batchnorm and engine_class(p.strategy).distributed:
         model = convert_sync_batchnorm(model, rt.device)
     if adapt_model is not None:

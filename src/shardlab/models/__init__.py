@@ -18,6 +18,7 @@ from torch import nn
 from shardlab.models import gpt, hf, mlp, resnet
 from shardlab.models.gpt import GPT, GPT_PRESETS, GPTConfig
 from shardlab.models.init import canonical_names, init_parameters_
+from shardlab.models.lm_loss import announce
 from shardlab.models.mlp import MLPModel
 from shardlab.models.resnet import ResNet
 from shardlab.models.spec import ModelSpec
@@ -37,14 +38,19 @@ def model_spec(name: str) -> ModelSpec:
 
 
 def build_model(section: Any, *, seed: int = 0, vocab_size: int | None = None,
-                device: str | torch.device = "cpu") -> nn.Module:
+                device: str | torch.device = "cpu", loss: str | None = None) -> nn.Module:
     """Build the model a config's `model:` section describes. On device="meta" only shapes
     exist; an engine then materializes what it holds. vocab_size: what the data offers.
+    loss: train.loss for a model with a loss head (ModelSpec.loss_head); None keeps its full loss.
     A meta model is built outside any active FakeTensorMode (plan's fake probes): its
     parameters must be plain meta tensors, which an engine materializes into fake ones; a
     FakeTensor parameter could only be swapped, and the fake mode's memo forbids that."""
+    spec = model_spec(section.name)
     with _no_fake_mode() if torch.device(device).type == "meta" else contextlib.nullcontext(), torch.device(device):
-        return model_spec(section.name).build(section, seed, vocab_size)
+        model = spec.build(section, seed, vocab_size)
+    if loss is not None and spec.loss_head:
+        announce(model.use_loss(loss))
+    return model
 
 
 def _no_fake_mode():

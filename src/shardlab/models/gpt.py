@@ -12,6 +12,7 @@ from torch import nn
 
 from shardlab.errors import ConfigError
 from shardlab.models.init import INIT_STD_ATTR, init_parameters_
+from shardlab.models.lm_loss import choose_loss, chunked_loss, full_loss
 from shardlab.models.spec import ModelSpec
 
 
@@ -83,7 +84,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """forward(idx, targets=None) -> logits, or the mean cross-entropy loss when targets are given."""
+    """forward(idx, targets=None) -> logits, or the mean cross-entropy loss when targets are given
+    (whole or chunked: `use_loss`, models/lm_loss.py)."""
 
     def __init__(self, cfg: GPTConfig, seed: int = 0):
         super().__init__()
@@ -96,6 +98,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight  # weight tying
+        self.loss = "full"  # what use_loss chose (train.loss); a model built outside training keeps the full loss
         if self.tok_emb.weight.device.type != "meta":
             init_parameters_(self, seed)
 
@@ -107,12 +110,16 @@ class GPT(nn.Module):
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))
-        if targets is None:
-            return logits
-        # the loss in at least fp32: low-precision logits are upcast, fp64 ones stay fp64
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        x = self.ln_f(x)
+        if targets is not None and self.loss == "chunked":
+            return chunked_loss(x, self.lm_head.weight, targets)
+        logits = self.lm_head(x)
+        return logits if targets is None else full_loss(logits, targets)
+
+    def use_loss(self, requested: str) -> str | None:
+        """train.loss (auto | chunked | full) -> the loss forward computes; a line to print, or None."""
+        self.loss, note = choose_loss(requested, self.config.vocab_size, self.config.n_embd, None)
+        return note
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
@@ -173,5 +180,6 @@ SPEC = ModelSpec(
     synthetic=lambda section: {"vocab_size": section.vocab_size or 256},
     max_seq_len=lambda section: gpt_config(section).block_size,
     depth=lambda section: gpt_config(section).n_layer,
+    loss_head=True,
     cut_depth=lambda raw, n_layer, tmpdir: raw.update(n_layer=n_layer),
     vocab_key="vocab_size")

@@ -46,10 +46,10 @@ from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardlab.errors import ConfigError
+from shardlab.models.hf_head import head_scale
 from shardlab.models.hf_load import (  # noqa: F401  (SafetensorsReader, weight_files: this module's API too)
     ADDITIVE,
     BOOLEAN,
@@ -70,10 +70,10 @@ from shardlab.models.hf_load import (  # noqa: F401  (SafetensorsReader, weight_
     weight_files,
 )
 from shardlab.models.init import materialize_
+from shardlab.models.lm_loss import choose_loss, chunked_loss, full_loss
 from shardlab.models.safetensors_check import check_safetensors_dir
 from shardlab.models.spec import ModelSpec
 
-IGNORE_INDEX = -100
 HF_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
@@ -125,6 +125,9 @@ class HFCausalLM(nn.Module):
                     if _is_lora_leaf(name):
                         m.to(dtype)
         self.model = model
+        # the scale the family puts on lm_head's output, or why the chunked loss cannot follow it
+        self.head_scale, self.head_problem = head_scale(self.hf_model)
+        self.loss = "full"  # what use_loss chose (train.loss); a model built outside training keeps the full loss
         self._reader: SafetensorsReader | None = None
         self._names: dict[str, str] | None = None  # model key -> checkpoint key (see _find)
         self._converted: list[str] = []
@@ -181,11 +184,18 @@ class HFCausalLM(nn.Module):
                 kwargs["attention_mask"] = packed_mask(pos, route, next(self.parameters()).dtype)
         else:
             ids = inputs
+        if targets is not None and self.loss == "chunked":  # the decoder's last hidden state, then the head
+            hidden = self.hf_model.get_decoder()(input_ids=ids, use_cache=False, **kwargs).last_hidden_state
+            head = self.hf_model.get_output_embeddings()
+            return chunked_loss(hidden, head.weight, targets, bias=head.bias, scale=self.head_scale)
         logits = self.model(input_ids=ids, use_cache=False, **kwargs).logits
-        if targets is None:
-            return logits
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX)
+        return logits if targets is None else full_loss(logits, targets)
+
+    def use_loss(self, requested: str) -> str | None:
+        """train.loss (auto | chunked | full) -> the loss forward computes; a line to print, or None."""
+        vocab, width = self.hf_model.get_output_embeddings().weight.shape
+        self.loss, note = choose_loss(requested, vocab, width, self.head_problem)
+        return note
 
     # -- filling tensors (see the Note at the top) ----------------------------------------------
     def checkpoint_key(self, canonical: str) -> str:
@@ -570,4 +580,4 @@ SPEC = ModelSpec(
     packing_problem=_packing_problem,
     max_seq_len=_max_seq_len,
     depth=lambda section: load_hf_config(section).num_hidden_layers,
-    cut_depth=_cut_depth)
+    cut_depth=_cut_depth, loss_head=True)

@@ -56,6 +56,10 @@ class ModelSpec:
     # plan pins it to what the real data offers, so the probe's synthetic tokens build the same
     # model. None: the model fixes its own (an HF config's vocab_size).
     vocab_key: str | None = None
+    # True for a language model whose loss is its output projection's cross-entropy, whole or
+    # chunked (train.loss, models/lm_loss.py): its module has `use_loss(mode) -> a line or None`.
+    # False: train.loss=chunked is refused; auto and full leave the model as it is.
+    loss_head: bool = False
 
     def tokens_per_sample(self, seq_len: int) -> int:
         """Tokens one sample holds, for FLOP and throughput counts: the sequence for a token

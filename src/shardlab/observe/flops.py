@@ -65,6 +65,26 @@ def _cpu_flash_attention_formulas() -> None:
 _cpu_flash_attention_formulas()
 
 
+def _chunked_loss_formula() -> None:
+    """torch's chunked cross-entropy (the chunked loss in float32/float64, models/lm_loss.py) is one
+    custom operator whose matmuls run inside it: the logits' 2 x tokens x vocabulary x width, and the
+    same again for each gradient it computes in its forward (the input's, the weight's)."""
+    import torch.nn.modules.linear_cross_entropy  # noqa: F401  (registers the operator)
+
+    op = torch.ops.torch_nn._linear_cross_entropy_batch_chunked
+    if op in flop_counter.flop_registry:
+        return
+
+    def count(h, w, *rest, out_shape=None, **kw) -> int:
+        (n, width), vocab = h, w[0]
+        return 2 * n * vocab * width * (1 + int(rest[10]) + int(rest[11]))  # + compute_input_grad, _weight_grad
+
+    flop_counter.register_flop_formula(op)(count)
+
+
+_chunked_loss_formula()
+
+
 # -- the peak -------------------------------------------------------------------------------------
 def compute_dtype(precision: str) -> torch.dtype:
     """The dtype matmuls run in under `train.precision` (autocast's)."""

@@ -52,6 +52,15 @@ def meta_model(cfg: Config):
     return build_model(cfg.model, seed=cfg.seed, vocab_size=vocab_size(cfg), device="meta")
 
 
+def chunked_instead(cfg: Config) -> bool:
+    """Whether plan probes `train.loss=chunked` beside the config: it asks for the full loss of a
+    model whose `auto` would chunk (a vocabulary larger than its width, a head the chunked loss follows)."""
+    if cfg.train.loss != "full" or not MODELS[cfg.model.name].loss_head:
+        return False
+    model = meta_model(cfg)
+    return model.use_loss("auto") is None and model.loss == "chunked"
+
+
 def n_layer(cfg: Config) -> int | None:
     """Blocks of a model whose depth the probes cut (`ModelSpec.depth`); None for models that run whole."""
     return MODELS[cfg.model.name].depth(cfg.model)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import multiprocessing as mp
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from shardlab.memory import PARTS
 from shardlab.plan import probe as P
 from shardlab.plan.model import (
     built_state,
+    chunked_instead,
     engine_config,
     in_child,
     model_state,
@@ -39,6 +41,8 @@ class Prediction:
     #: FLOPs one rank executes per step (matmuls, convolutions, attention; recomputation included),
     #: counted on the probe's step and scaled in depth; None where no probe ran at the real micro batch and sequence
     step_flops: float | None = None
+    #: one change of the config ("train.loss=chunked") -> the peak it was probed at, the same way
+    alternatives: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -53,7 +57,20 @@ def predict_all(cfg: Config, nproc: int, engines: list[str] | None = None, per_n
                 probe: str = "auto") -> dict[str, Prediction]:
     """Predicted peak per rank (device memory), by part, for each engine at world size nproc
     (per_node: ranks per node, hybrid sharding's default shard group). probe: "auto" (fake
-    tensors for every engine that can run on them, real ones for the rest), "fake" or "real"."""
+    tensors for every engine that can run on them, real ones for the rest), "fake" or "real".
+    A config asking for the full loss of a model that would chunk it (plan/model.py's
+    `chunked_instead`) is probed a second time with train.loss=chunked (`Prediction.alternatives`)."""
+    out = _predict_all(cfg, nproc, engines, per_node, probe)
+    if chunked_instead(cfg):
+        chunked = copy.deepcopy(cfg)
+        chunked.train.loss = "chunked"
+        for e, p in _predict_all(chunked, nproc, list(out), per_node, probe).items():
+            if p.probed:
+                out[e].alternatives["train.loss=chunked"] = p.peak_bytes
+    return out
+
+
+def _predict_all(cfg, nproc: int, engines: list[str] | None, per_node: int | None, probe: str) -> dict[str, Prediction]:
     engines = list(engines or default_engines(nproc))
     cfgs = {e: engine_config(cfg, e, nproc, per_node) for e in engines}
     for e, c in cfgs.items():

@@ -47,6 +47,9 @@ def verdict(cfg: Config, p: Prediction, gpu: GPU, others: dict[str, Prediction],
         sharded = "/".join(e for e in STRATEGIES if engine_class(e).grads_sharded)
         ch.append("a sharded engine: " + (", ".join(f"{e} ({others[e].peak_bytes / 2**30:.1f} GiB)" for e in fitting)
                                            if fitting else f"{sharded} (none fits at this N either)"))
+    for change, peak in p.alternatives.items():
+        if peak < p.peak_bytes:
+            ch.append(f"{change}: {peak / 2**30:.1f} GiB (probed; the logits are never held whole: docs/training.md)")
     whole = without_accumulation(cfg.train, p, world)
     if whole:
         ch.append(_no_accumulation(p, whole))
@@ -95,13 +98,17 @@ def without_accumulation(t: TrainConfig, p: Prediction, world: int) -> tuple[int
     return whole, p.peak_bytes - held + act * (whole / t.micro_batch_size - 1)
 
 
-def cheapest_change(cfg: Config, p: Prediction, usable: int, others: dict[str, Prediction], world: int) -> str:
-    """The first change that fits, cheapest first: another engine at the same settings (no cost
+def cheapest_change(cfg, p: Prediction, usable: int, others: dict[str, Prediction], world: int) -> str:
+    """The first change that fits, cheapest first: the chunked loss (the same loss and gradients,
+    probed beside the config: `Prediction.alternatives`), another engine at the same settings (no cost
     beyond its own speed), the global batch in one micro batch per rank (no accumulation, so no
     gradients held unsharded between micro batches), a smaller micro batch with accumulation (the
     same global batch, less overlap), more ranks (more GPUs), CPU offload (the optimizer step on the
     host: the slowest). Activation checkpointing is not among them: what it keeps is known only by
     probing again, so it stays a `changes` suggestion (plan again with it)."""
+    for change, peak in sorted(p.alternatives.items(), key=lambda kv: kv[1]):
+        if peak <= usable:  # the same loss and gradients, nothing else changes
+            return f"{change} ({peak / 2**30:.2f} GiB)"
     fitting = sorted((q.peak_bytes, e) for e, q in others.items() if q.probed and q.peak_bytes <= usable)
     if fitting:
         return f"parallel.strategy={fitting[0][1]} ({fitting[0][0] / 2**30:.2f} GiB)"
