@@ -59,13 +59,13 @@ def test_user_resume_choice_wins(tmp_path):
 
 @pytest.mark.parametrize("target,argv,message", [
     ("slurm", ["no.such_key=1"], "no.such_key"),
-    ("slurm", ["--nodes", "3"], "divisible"),           # 16 samples over 3 x 4
+    ("slurm", ["--nodes", "3"], "no layout at world size"),           # 16 samples over 3 x 4
     ("slurm", ["--nodes", "0"], "--nodes"),
     ("slurm", ["--gpus-per-node", "-1"], "--gpus-per-node"),
     ("k8s", ["--nodes", "0"], "--nodes"),
     ("k8s", ["--name", "Bad_Name"], "--name"),
     ("k8s", ["--bucket", "UPPER"], "--bucket"),
-    ("k8s", ["--nodes", "3"], "divisible"),
+    ("k8s", ["--nodes", "3"], "no layout at world size"),
     ("accelerate", ["--gpus-per-node", "0"], "--gpus-per-node"),
     ("accelerate", ["--layer-cls", "not a class"], "--layer-cls"),
 ])

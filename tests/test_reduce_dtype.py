@@ -2,7 +2,7 @@
 
 torchtitan's FSDP2 default computes in bf16 and reduces in fp32 (its `mixed_precision_reduce`);
 shardlab's `parallel.mixed_precision=bf16` reduces in bf16 unless `parallel.reduce_dtype=fp32`.
-- config: the pair becomes the engines' MixedPrecision; an engine that takes none refuses it;
+- config: the pair becomes the engines' MixedPrecision; an engine that takes none refuses either key;
 - one 2-rank spawn, every engine that takes a mixed-precision policy:
   - the gradient collectives carry 4 bytes per element with reduce fp32, 2 with bf16, while the
     all-gathers stay in the compute dtype (the counters, and plan's traffic model beside them);
@@ -43,6 +43,12 @@ def test_config_pairs_become_the_engines_policy():
         _cfg("parallel.strategy=torch-ddp", "parallel.reduce_dtype=fp32")
     with pytest.raises(ConfigError, match="parallel.reduce_dtype"):
         _cfg("parallel.reduce_dtype=fp8")
+    # an engine without a mixed-precision policy would run in the parameters' dtype: refused, not ignored
+    for strategy in ("torch-ddp", "single", "fsdp-minimal"):
+        for mp in ("bf16", "fp16", "fp64"):
+            with pytest.raises(ConfigError, match=rf"parallel.mixed_precision={mp} .* parallel.strategy={strategy} does not take"):
+                _cfg(f"parallel.strategy={strategy}", f"parallel.mixed_precision={mp}")
+        _cfg(f"parallel.strategy={strategy}", "parallel.mixed_precision=fp32")
 
 
 def test_plan_traffic_counts_gradients_in_the_reduce_dtype():

@@ -258,7 +258,7 @@ def test_disable_dropout_reaches_modules_and_attributes():
 @pytest.mark.parametrize("argv,needle", [
     (["configs/gpt-tiny.yaml", "--nproc", "2", "parallel.strategy=single"], "parallel.strategy"),
     (["configs/gpt-tiny.yaml", "--nproc", "2", "--steps", "0"], "--steps"),
-    (["configs/gpt-tiny.yaml", "--nproc", "3"], "divisible"),
+    (["configs/gpt-tiny.yaml", "--nproc", "3"], "no layout at world size 3"),
     (["configs/gpt-tiny.yaml", "--nproc", "2", "--layers", "9"], "--layers must be in [1, 4]"),
     (["configs/resnet-cifar10.yaml", "--nproc", "2", "data.source=synthetic", "--layers", "1"], "model.name=resnet"),
     (["configs/gpt-tiny.yaml", "--nproc", "2", "parallel.strategy=ddp", "--against", "ddp"], "--against single"),

@@ -492,6 +492,12 @@ def _validate_parallel(p: ParallelConfig) -> None:
         _check(False, f"parallel.reduce_dtype={p.reduce_dtype} sets the dtype gradients are reduced in, which "
                f"parallel.strategy={p.strategy} does not take (it communicates in the parameters' dtype): use "
                f"parallel.strategy={' or '.join(strategies_taking('mixed_precision'))}, or parallel.reduce_dtype=null")
+    if p.mixed_precision != "fp32" and "mixed_precision" not in takes:
+        _check(False, f"parallel.mixed_precision={p.mixed_precision} sets the dtype the engine computes and communicates "
+               f"in, which parallel.strategy={p.strategy} does not take (it would run in the parameters' dtype): use "
+               f"parallel.strategy={' or '.join(strategies_taking('mixed_precision'))}"
+               + (f", train.precision={p.mixed_precision} (autocast)" if p.mixed_precision != "fp64" else "")
+               + ", or parallel.mixed_precision=fp32")
     if p.offload != "none" and "offload" not in takes:
         _check(False, f"parallel.offload={p.offload} needs a sharded engine; parallel.strategy={p.strategy} keeps the "
                f"whole model on every device: use parallel.strategy={' or '.join(strategies_taking('offload'))}, "
