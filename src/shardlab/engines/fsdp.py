@@ -443,9 +443,11 @@ class FSDPEngine(Engine, Plannable, Measurable):
     @classmethod
     def step_traffic(cls, model: ModelTraffic, options: Mapping[str, Any]) -> list[Collective]:
         """Every unit all-gathered in forward and again in backward (not the root, kept gathered),
-        gradients reduce-scattered once per step within the shard group ([Note: hybrid sharding])."""
+        gradients reduce-scattered once per step (sharded accumulation: per micro batch) within the
+        shard group ([Note: hybrid sharding])."""
         group = options.get("shard_size") or model.world
-        return gathered_unit_traffic(model, "all_gather", "reduce_scatter", group, root_kept=True)
+        return gathered_unit_traffic(model, "all_gather", "reduce_scatter", group, root_kept=True,
+                                     accumulate=options.get("accumulate", "local"))
 
     # -- Measurable (engines/measuring.py) ---------------------------------------------------------
     def comm_counters(self) -> list[collectives.CommCounter]:

@@ -234,9 +234,11 @@ class TorchFSDPEngine(Engine, Plannable, Measurable):
 
     @classmethod
     def step_traffic(cls, model: ModelTraffic, options: Mapping[str, Any]) -> list[Collective]:
-        """As fsdp's: every unit all-gathered twice (the root kept), reduce-scattered once, in the shard group."""
+        """As fsdp's: every unit all-gathered twice (the root kept), reduce-scattered once (sharded
+        accumulation: per micro batch), in the shard group."""
         group = options.get("shard_size") or model.world
-        return gathered_unit_traffic(model, "all_gather", "reduce_scatter", group, root_kept=True)
+        return gathered_unit_traffic(model, "all_gather", "reduce_scatter", group, root_kept=True,
+                                     accumulate=options.get("accumulate", "local"))
 
     def memory_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         """FSDP2's per-parameter all-gather outputs (the unsharded parameters), their gradients,

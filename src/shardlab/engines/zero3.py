@@ -448,8 +448,9 @@ class Zero3Engine(Engine, Plannable, Measurable):
     @classmethod
     def step_traffic(cls, model: ModelTraffic, options: Mapping[str, Any]) -> list[Collective]:
         """Every unit broadcast in forward and again in backward (the root too), gradients reduced
-        to their owners once per step, over all ranks."""
-        return gathered_unit_traffic(model, "broadcast", "reduce", model.world, root_kept=False)
+        to their owners once per step (sharded accumulation: per micro batch), over all ranks."""
+        return gathered_unit_traffic(model, "broadcast", "reduce", model.world, root_kept=False,
+                                     accumulate=options.get("accumulate", "local"))
 
     # -- Measurable (engines/measuring.py) ---------------------------------------------------------
     def comm_counters(self) -> list[C.CommCounter]:
