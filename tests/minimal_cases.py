@@ -47,7 +47,7 @@ def minimal_runs(rank: int, world: int, full: str) -> dict:
     out: dict = {("parity", c, o): train_engine(rank, world, c, s, o) for c, o in PARITY}
     accumulate = [("frozen", "sgd"), *([("gpt", "adamw")] if world == 2 else [])]
     for c, o in accumulate:
-        out[("accumulate", c, o)] = train_engine(rank, world, c, s, o, accumulate=_micro_batches(world))
+        out[("accumulate", c, o)] = train_engine(rank, world, c, s, o, micro_batches=_micro_batches(world))
     if world in (2, 3):
         out[("clip", "gpt_frozen", "sgd")] = train_engine(rank, world, "gpt_frozen", s, "sgd", clip=CLIP)
     if world == 2:

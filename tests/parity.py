@@ -244,29 +244,29 @@ def train_reference(case_name: str, opt_name: str, steps: int = 3, accumulate: i
 
 
 def train_engine(rank: int, world: int, case_name: str, strategy: str, opt_name: str, steps: int = 3,
-                 accumulate: int = 1, meta: bool = True, clip: float | None = None, dtype: torch.dtype = DTYPE,
+                 micro_batches: int = 1, meta: bool = True, clip: float | None = None, dtype: torch.dtype = DTYPE,
                  **options) -> tuple[list[float], dict]:
-    """Each rank takes its slice of the global batch; with accumulate=k the slice is split in
-    k micro batches, the first k-1 backward passes inside no_sync. Returns the global mean
-    loss per step and the final full state dict."""
+    """Each rank takes its slice of the global batch; with micro_batches=k the slice is split in
+    k micro batches, the first k-1 backward passes inside no_sync (options: the engine's, e.g.
+    accumulate="sharded"). Returns the global mean loss per step and the final full state dict."""
     model = shardlab.parallelize(build(case_name, "meta" if meta else "cpu", dtype), strategy, device="cpu",
                                  **options)
     set_mode(model, case_name)
     opt = make_optimizer(opt_name, model.parameters())
     b = GLOBAL_BATCH // world
-    if b % accumulate:
-        raise ValueError(f"accumulate={accumulate} does not divide this rank's {b} samples: some would be dropped")
+    if b % micro_batches:
+        raise ValueError(f"micro_batches={micro_batches} does not divide this rank's {b} samples: some would be dropped")
     losses = []
     for step in range(steps):
         x, y = batch(case_name, step, dtype)
         x, y = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
         opt.zero_grad(set_to_none=True)
         total = torch.zeros((), dtype=torch.float64)
-        mb = b // accumulate
-        for i in range(accumulate):
-            ctx = shardlab.no_sync(model) if i < accumulate - 1 else _null()
+        mb = b // micro_batches
+        for i in range(micro_batches):
+            ctx = shardlab.no_sync(model) if i < micro_batches - 1 else _null()
             with ctx:
-                loss = model(x[i * mb:(i + 1) * mb], y[i * mb:(i + 1) * mb]) / accumulate
+                loss = model(x[i * mb:(i + 1) * mb], y[i * mb:(i + 1) * mb]) / micro_batches
                 loss.backward()
             total += loss.detach().double()
         if clip is not None:

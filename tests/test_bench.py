@@ -22,6 +22,8 @@ from shardlab.testing import run_workers
     (["--strategies", "fsdp,nope"], "unknown strategies ['nope']"),
     (["--warmup", "5", "--steps", "5"], "--warmup must be"),
     (["--micro-batch", "0"], "--micro-batch must be >= 1"),
+    (["--micro-batches", "0"], "--micro-batches must be >= 1"),
+    (["--accumulate", "global"], "--accumulate takes comma-separated values from local, sharded"),
     (["--reshard-after-forward", "maybe"], "--reshard-after-forward takes comma-separated values"),
     (["--shard-size", "0,2"], "--shard-size takes comma-separated whole numbers >= 1"),
     (["--offload", "gpu"], "--offload takes comma-separated values from none, cpu"),
@@ -189,3 +191,24 @@ def test_bench_hsdp_cell_matches_theory_and_reports_comm_time(tmp_path):
         assert set(per_rank) == kinds and all(t > 0 for t in per_rank.values()), per_rank
     assert set(row["comm_seconds_per_step_max_rank"]) == kinds
     assert "comm ms / step" in out.stdout and "ar " in out.stdout
+
+
+@pytest.mark.slow
+def test_bench_sharded_accumulation_sends_k_times_the_reduce_scatter(tmp_path):
+    """fsdp at N = 2 with k = 3 micro batches per step, --accumulate local,sharded: the counted
+    (exact) reduce-scatter bytes per step under sharded are k times local's, the all-gathers the
+    same; ddp, which has no shard, is one cell whatever the axis says."""
+    order, _ = plan_cells(["ddp", "fsdp"], [2], [{"accumulate": "local"}, {"accumulate": "sharded"}])
+    assert order == [("ddp", 2, {}), ("fsdp", 2, {"accumulate": "local"}), ("fsdp", 2, {"accumulate": "sharded"})]
+    k = 3
+    out = subprocess.run([sys.executable, "-m", "shardlab", "bench", "--strategies", "fsdp", "--nproc", "2",
+                          "--preset", "gpt-nano", "--seq-len", "16", "--micro-batch", "1", "--micro-batches", str(k),
+                          "--steps", "2", "--warmup", "1", "--accumulate", "local,sharded", "--out", str(tmp_path / "b")],
+                         capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "b" / "bench.json").read_text())["rows"]}
+    local, sharded = (rows[f"accumulate={m}"]["comm_bus_bytes_per_step_by_kind"] for m in ("local", "sharded"))
+    assert local["reduce_scatter"] > 0 and sharded["reduce_scatter"] == k * local["reduce_scatter"], (local, sharded)
+    assert sharded["all_gather"] == local["all_gather"]
+    assert rows["accumulate=sharded"]["comm_calls_per_step"]["reduce_scatter"] == \
+        k * rows["accumulate=local"]["comm_calls_per_step"]["reduce_scatter"]

@@ -66,7 +66,7 @@ def _distributed_runs(rank: int, world: int) -> dict:
     # accumulation (micro batches of 3 under no_sync), frozen parameters in every unit (LoRA's
     # layout) with selective checkpointing, compiled
     for s in ("zero3", "fsdp"):
-        out[(s, "f64", "accumulate")] = train_engine(rank, world, "gpt", s, "sgd", steps=4, accumulate=2,
+        out[(s, "f64", "accumulate")] = train_engine(rank, world, "gpt", s, "sgd", steps=4, micro_batches=2,
                                                      compile=True)
         out[(s, "f64", "frozen")] = train_engine(rank, world, "gpt_frozen", s, "adamw", steps=4, compile=True,
                                                  activation_checkpointing="selective")

@@ -53,6 +53,10 @@ CASES = [
     (["model.name=mlp", "model.mlp_sizes=[4]"], ["model.mlp_sizes must list at least an input and an output"]),
     (["model.name=resnet", "data.source=synthetic", "model.num_classes=1"], ["model.num_classes >= 2"]),
     (["model.n_embd=30", "model.n_head=4"], ["model.n_embd (30) must be divisible by model.n_head (4)"]),
+    (["parallel.strategy=ddp", "parallel.accumulate=sharded"],
+     ["parallel.accumulate=sharded", "parallel.strategy=zero3 or fsdp or torch-fsdp only, not of ddp"]),
+    (["parallel.strategy=torch-ddp", "parallel.accumulate=sharded"], ["not of torch-ddp"]),
+    (["parallel.accumulate=global"], ["parallel.accumulate: unknown value 'global'", "local, sharded"]),
 ]
 
 

@@ -117,7 +117,7 @@ def _ddp_plan(world: int) -> dict:
     for c in CASES:
         for o in OPTIMIZERS:
             plan[("parity", c, o)] = (train_engine, (c, "ddp", o), {})
-        plan[("accumulate", c)] = (train_engine, (c, "ddp", "sgd"), {"accumulate": accumulation_steps(world)})
+        plan[("accumulate", c)] = (train_engine, (c, "ddp", "sgd"), {"micro_batches": accumulation_steps(world)})
         plan[("checkpointing", c)] = (train_engine, (c, "ddp", "adamw"), {"activation_checkpointing": True})
         # bf16 reduction of fp32 gradients: the realistic setting, compared with fp32 at 1e-2
         plan[("bf16", c)] = (train_engine, (c, "ddp", "adamw"), {"mixed_precision": "bf16", "dtype": torch.float32})
@@ -127,7 +127,7 @@ def _ddp_plan(world: int) -> dict:
         plan[("f32", c, o)] = (train_engine, (c, "ddp", o), {"dtype": torch.float32})
     for o in OPTIMIZERS:
         plan[("parity", "frozen", o)] = (train_engine, ("frozen", "ddp", o), {})
-    plan[("accumulate", "frozen")] = (train_engine, ("frozen", "ddp", "sgd"), {"accumulate": accumulation_steps(world)})
+    plan[("accumulate", "frozen")] = (train_engine, ("frozen", "ddp", "sgd"), {"micro_batches": accumulation_steps(world)})
     plan[("parity", "gpt_frozen", "adamw")] = (train_engine, ("gpt_frozen", "ddp", "adamw"), {})
     for c in (*CASES, *FROZEN):
         plan[("custom", c)] = (train_custom, (c, "ddp", "adamw"), {})

@@ -230,7 +230,7 @@ def _run_plan(rank: int, world: int) -> dict:
             results[i] = train_engine(rank, world, case, "fsdp", opt, dtype=torch.float32, **options)
         elif kind == "accumulate":
             micro = 2 if (GLOBAL_BATCH // world) % 2 == 0 else 3  # micro batches that divide the slice
-            results[i] = train_engine(rank, world, case, "fsdp", opt, accumulate=micro, **options)
+            results[i] = train_engine(rank, world, case, "fsdp", opt, micro_batches=micro, **options)
         else:
             results[i] = _custom(rank, world, case, opt, options)
     results["layouts"] = _layouts(rank, world)

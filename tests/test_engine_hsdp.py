@@ -129,7 +129,7 @@ CKPT_ARGS = ("model.dropout=0.0", "train.micro_batch_size=1")
 
 
 def _four(rank: int, world: int, out: str) -> dict:
-    res: dict = {"parity": [train_engine(rank, world, name, strategy, opt, accumulate=acc, clip=clip, **options)
+    res: dict = {"parity": [train_engine(rank, world, name, strategy, opt, micro_batches=acc, clip=clip, **options)
                             for strategy, name, opt, acc, clip, options in PARITY4]}
     res["traffic"] = {s: _traffic_and_state(rank, world, s) for s in (2, 4)}
     res["collectives"] = _collectives_against_torch(rank, world)
@@ -149,7 +149,7 @@ def _four(rank: int, world: int, out: str) -> dict:
 
 
 def _two(rank: int, world: int, four_source: str, out: str) -> dict:
-    res: dict = {"parity": [train_engine(rank, world, name, strategy, opt, accumulate=acc, clip=clip, **options)
+    res: dict = {"parity": [train_engine(rank, world, name, strategy, opt, micro_batches=acc, clip=clip, **options)
                             for strategy, name, opt, acc, clip, options in PARITY2]}
     placement = {}
     for strategy in ("fsdp", "zero3", "torch-fsdp"):

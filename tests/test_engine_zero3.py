@@ -141,7 +141,7 @@ def _zero3_plan(world: int) -> dict:
         for o in OPTIMIZERS:
             plan[("parity", c, o)] = (train_engine, (c, "zero3", o), {})
         plan[("keep_gathered", c)] = (train_engine, (c, "zero3", "sgd"), {"reshard_after_forward": False})
-        plan[("accumulate", c)] = (train_engine, (c, "zero3", "sgd"), {"accumulate": accumulation_steps(world)})
+        plan[("accumulate", c)] = (train_engine, (c, "zero3", "sgd"), {"micro_batches": accumulation_steps(world)})
         plan[("checkpointing", c)] = (train_engine, (c, "zero3", "adamw"), {"activation_checkpointing": True})
     for c in CASES:
         plan[("bf16", c)] = (train_engine, (c, "zero3", "adamw"), {"mixed_precision": "bf16", "dtype": torch.float32})

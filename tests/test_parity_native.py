@@ -22,7 +22,7 @@ def _native_plan(world: int) -> dict:
     plan = {(s, c, o): (train_engine, (c, s, o), {}) for s in STRATEGIES for c in CASES for o in OPTIMIZERS}
     for s in STRATEGIES:  # global-norm clipping, and gradient accumulation under no_sync
         plan[(s, "gpt", "sgd", "clip")] = (train_engine, ("gpt", s, "sgd"), {"clip": CLIP})
-        plan[(s, "mlp", "sgd", "accumulate")] = (train_engine, ("mlp", s, "sgd"), {"accumulate": 2})
+        plan[(s, "mlp", "sgd", "accumulate")] = (train_engine, ("mlp", s, "sgd"), {"micro_batches": 2})
         for o in OPTIMIZERS:  # frozen and trainable parameters in one unit
             plan[(s, "frozen", o)] = (train_engine, ("frozen", s, o), {})
         plan[(s, "gpt_frozen", "adamw", "clip")] = (train_engine, ("gpt_frozen", s, "adamw"), {"clip": CLIP})

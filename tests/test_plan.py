@@ -235,3 +235,35 @@ def test_what_must_change_to_fit():
     held.peak_bytes += 5 * gib
     assert cheapest_change(cfg, held, 10 * gib, {}, 2).startswith("train.micro_batch_size=8 (no accumulation")
     assert cheapest_change(cfg, held, 7 * gib, {}, 2) != cheapest_change(cfg, held, 10 * gib, {}, 2)  # 8 > 7: no
+
+
+def test_sharded_accumulation_in_plan():
+    """parallel.accumulate=sharded: the gradient reductions (and HSDP's all-reduces) counted k times a
+    step, the gathers not; plan probes it beside a locally accumulating config, for the engines with
+    a shard, and cheapest_change names it with its cost; an engine without a shard plans with local."""
+    from shardlab.plan import engine_config
+    from shardlab.plan.predict import SHARDED_ACCUMULATION, Prediction, alternative_configs
+    from shardlab.plan.report import cheapest_change, without_accumulation
+    from shardlab.plan.traffic import comm_plan
+
+    base = ["data.source=synthetic", "train.micro_batch_size=2", "train.global_batch_size=16", "data.seq_len=64"]
+    local, sharded = (load_config("configs/gpt-tiny.yaml", [*base, f"parallel.accumulate={m}"])
+                      for m in ("local", "sharded"))
+    k = 2  # 16 / (4 ranks x 2)
+    for engine, reduce in (("fsdp", "reduce_scatter"), ("torch-fsdp", "reduce_scatter"), ("zero3", "reduce")):
+        calls = [{(c.kind, c.nbytes): c.calls for c in comm_plan(cfg, engine, 4)} for cfg in (local, sharded)]
+        assert {key: n * (k if key[0] == reduce else 1) for key, n in calls[0].items()} == calls[1], (engine, calls)
+    assert comm_plan(local, "ddp", 4) == comm_plan(sharded, "ddp", 4)
+    assert engine_config(sharded, "ddp", 4).parallel.accumulate == "local"
+    (change, changed, applies), = [a for a in alternative_configs(local, 4)]
+    assert change == SHARDED_ACCUMULATION and changed.parallel.accumulate == "sharded"
+    assert [e for e in ("ddp", "zero3", "fsdp", "torch-ddp", "torch-fsdp") if applies(e)] == ["zero3", "fsdp", "torch-fsdp"]
+    assert alternative_configs(sharded, 4) == [] and alternative_configs(local, 8) == []  # k = 1 at 8 ranks
+    gib = 2**30
+    parts = dict.fromkeys(("params", "grads", "optimizer", "gathered_params", "comm", "other"), 0)
+    held = Prediction("fsdp", 4, 12 * gib, {**parts, "activations": 2 * gib, "unsharded_grads": 10 * gib},
+                      "backward", {}, alternatives={SHARDED_ACCUMULATION: 3 * gib})
+    assert cheapest_change(local, held, 10 * gib, {"fsdp": held}, 4) == (
+        "parallel.accumulate=sharded: fits (3.00 GiB), 2x gradient traffic; no gradient kept unsharded between "
+        "micro batches")
+    assert without_accumulation(local, held, 4) is not None and without_accumulation(sharded, held, 4) is None

@@ -28,6 +28,7 @@ each world size does the same work per rank (weak scaling):
       --compile false,true
 
   shardlab bench --strategies fsdp,torch-fsdp --nproc 2 --loss chunked,full model.vocab_size=32000
+  shardlab bench --strategies zero3,fsdp,torch-fsdp --nproc 2 --micro-batches 4 --accumulate local,sharded
 
 --activation-checkpointing, --compile and --loss set train.* keys, which every engine takes.
 A cell an engine cannot run (a shard size that does not divide N, offload for an engine
@@ -51,6 +52,7 @@ import torch
 
 from shardlab.config import ConfigError, load_config, strategies_taking
 from shardlab.engines import STRATEGIES, engine_class
+from shardlab.engines.api import ACCUMULATE_MODES
 from shardlab.engines.collectives import resolve_shard_size
 from shardlab.models import GPT_PRESETS
 from shardlab.models.lm_loss import LOSS_MODES
@@ -80,10 +82,11 @@ def _cell_overrides(args: argparse.Namespace, strategy: str, nproc: int, variant
     if args.config is None:  # the GPT shortcut
         micro = micro or 8
         out += [f"model.preset={args.preset}", "data.source=synthetic", f"data.seq_len={args.seq_len}",
-                f"data.synthetic_samples={max(256, micro * nproc * (args.steps + 2))}", "train.optimizer=adamw"]
+                f"data.synthetic_samples={max(256, micro * nproc * args.micro_batches * (args.steps + 2))}",
+                "train.optimizer=adamw"]
     out += list(args.overrides)
     if micro is not None:
-        out += [f"train.micro_batch_size={micro}", f"train.global_batch_size={micro * nproc}"]
+        out += [f"train.micro_batch_size={micro}", f"train.global_batch_size={micro * nproc * args.micro_batches}"]
     out += [f"train.steps={args.steps}", "train.warmup_steps=0", "train.eval_batches=1",
             f"parallel.strategy={strategy}", *(f"{_axis_key(k)}={v}" for k, v in variant.items()),
             "checkpoint.resume=none", "checkpoint.every_steps=0", "checkpoint.final=false", "output.tensorboard=false",
@@ -118,6 +121,8 @@ def _run_cell(args: argparse.Namespace, strategy: str, nproc: int, variant: dict
     m["state_bytes_per_param"] = 16 if train["optimizer"] == "adamw" else 12 if train["momentum"] else 8
     m["shard_size"] = _shard_size(strategy, nproc, parallel.get("shard_size"))
     m["offload"] = parallel.get("offload", "none")
+    m["micro_batches"] = train["global_batch_size"] // (train["micro_batch_size"] * nproc)
+    m["accumulate"] = parallel.get("accumulate", "local")
     m["process_wall_s"] = time.perf_counter() - t0
     return m
 
@@ -134,17 +139,20 @@ def _shard_size(strategy: str, nproc: int, configured: int | None) -> int:
     return nproc
 
 
-def comm_bus_theory(strategy: str, nproc: int, shard_size: int, sharded: bool, psi: int) -> float:
+def comm_bus_theory(strategy: str, nproc: int, shard_size: int, sharded: bool, psi: int, k: int = 1,
+                    accumulate: str = "local") -> float:
     """Bytes one rank sends per step on a ring, fp32 (docs/engines.md): all-reduce 2(N-1)/N x 4Psi
-    unsharded; sharded over S of R = N/S replicas, all-gather twice and reduce-scatter within S,
-    3(S-1)/S x 4Psi, then the all-reduce of the 1/S slice across the R replicas, 2(R-1)/R x 4Psi/S
-    (S = N: plain FSDP, no all-reduce; S = 1: DDP's all-reduce)."""
+    unsharded; sharded over S of R = N/S replicas, all-gather twice within S per micro batch,
+    2k(S-1)/S x 4Psi, and reduce-scatter within S, (S-1)/S x 4Psi, then the all-reduce of the 1/S
+    slice across the R replicas, 2(R-1)/R x 4Psi/S (S = N: plain FSDP, no all-reduce; S = 1: DDP's
+    all-reduce); with accumulate="sharded" the reductions once per micro batch, k times."""
     if nproc == 1:
         return 0.0
     if not sharded:
         return 2 * (nproc - 1) / nproc * psi * BYTES_FP32
     s, r = shard_size, nproc // shard_size
-    return 3 * (s - 1) / s * psi * BYTES_FP32 + 2 * (r - 1) / r * psi * BYTES_FP32 / s
+    reduces = k if accumulate == "sharded" else 1
+    return (2 * k + reduces) * (s - 1) / s * psi * BYTES_FP32 + reduces * 2 * (r - 1) / r * psi * BYTES_FP32 / s
 
 
 def _rank_seconds(m: dict[str, Any], rank: int, kind: str) -> list[float]:
@@ -224,7 +232,8 @@ def summarize(cells: dict[tuple, list[dict[str, Any]]], warmup: int) -> list[dic
             "comm_payload_bytes_per_step": _comm_per_step(m, "payload_bytes"),
             "comm_bus_bytes_per_step": _comm_per_step(m, "bus_bytes"),
             # Sent per rank on a ring: all-reduce 2(N-1)/N x 4Psi; sharded 3(S-1)/S x 4Psi + 2(R-1)/R x 4Psi/S.
-            "comm_bus_theory_bytes_per_step": comm_bus_theory(strategy, nproc, shard_size, sharded, psi),
+            "comm_bus_theory_bytes_per_step": comm_bus_theory(strategy, nproc, shard_size, sharded, psi,
+                                                              m.get("micro_batches", 1), m.get("accumulate", "local")),
             # per collective kind, per step: calls and bus bytes (mean over ranks); seconds as the
             # caller saw them, per rank the median over measured steps, and the largest rank's
             "comm_calls_per_step": comm["calls"], "comm_bus_bytes_per_step_by_kind": comm["bus_bytes"],
@@ -395,6 +404,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="gpt-mini", help="without a config: GPT preset (default: %(default)s)")
     p.add_argument("--micro-batch", type=int, default=None,
                    help="per-rank micro batch; the global batch is micro x N (default: 8, or the config's)")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="micro batches per rank per step (gradient accumulation, k): the global batch is micro x N x k")
     p.add_argument("--seq-len", type=int, default=128, help="without a config: tokens per sample")
     p.add_argument("--steps", type=int, default=12, help="steps per run, warmup included")
     p.add_argument("--warmup", type=int, default=2, help="steps per run excluded from the median")
@@ -419,6 +430,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated axis of train.compile values: false,true (torch.compile per block)")
     p.add_argument("--loss", default=None,
                    help="comma-separated axis of train.loss values: auto,chunked,full (the LM loss without whole logits)")
+    p.add_argument("--accumulate", default=None,
+                   help="comma-separated axis of parallel.accumulate values: local,sharded (with --micro-batches > 1: "
+                        "the unsharded gradient summed until the last micro batch, or every micro batch reduced into "
+                        "the shard; zero3, fsdp, torch-fsdp)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default=None, help="output folder (default: runs/bench-<timestamp>)")
 
@@ -505,7 +520,7 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], lis
         raise ValueError(f"--nproc values must be >= 1, got {args.nproc}")
     if args.config is None and args.preset not in GPT_PRESETS:
         raise ValueError(f"unknown --preset {args.preset!r}; valid: {', '.join(GPT_PRESETS)}")
-    for name in ("seq_len", "steps", "repeats"):
+    for name in ("seq_len", "steps", "repeats", "micro_batches"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.micro_batch is not None and args.micro_batch < 1:
@@ -520,7 +535,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], lis
             "activation_checkpointing": _axis(args.activation_checkpointing, "activation_checkpointing",
                                               ("none", "selective", "full")),
             "compile": _axis(args.compile, "compile", ("false", "true")),
-            "loss": _axis(args.loss, "loss", LOSS_MODES)}
+            "loss": _axis(args.loss, "loss", LOSS_MODES),
+            "accumulate": _axis(args.accumulate, "accumulate", ACCUMULATE_MODES)}
     variants: list[dict[str, str]] = [{}]
     for key, values in axes.items():
         if values:
@@ -561,7 +577,7 @@ def run(args: argparse.Namespace) -> int:
               f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs\n"
               f"command: shardlab bench {' '.join(sys.argv[2:] if sys.argv[1:2] == ['bench'] else sys.argv[1:])}\n"
               f"model: {what} ({rows[0]['num_parameters'] / 1e6:.2f}M params), micro batch {args.micro_batch or 8} "
-              f"per rank, {args.steps} steps x {args.repeats} round(s), {args.warmup} warmup steps per run excluded\n")
+              f"per rank x {args.micro_batches} micro batch(es) per step, {args.steps} steps x {args.repeats} round(s), {args.warmup} warmup steps per run excluded\n")
     with open(os.path.join(out, "bench.json"), "w") as f:
         json.dump({"args": {k: v for k, v in vars(args).items() if not callable(v)}, "rows": rows,
                    "skipped": skipped}, f, indent=2)

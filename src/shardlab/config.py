@@ -22,7 +22,7 @@ import yaml
 from shardlab.data import DATA_SOURCES
 from shardlab.data.layout import layout_for
 from shardlab.engines import STRATEGIES, engine_class
-from shardlab.engines.api import CPUOffload, MixedPrecision
+from shardlab.engines.api import ACCUMULATE_MODES, CPUOffload, MixedPrecision
 from shardlab.engines.collectives import resolve_shard_size
 from shardlab.engines.compile import AC_MODES, COMPILE_MODES
 from shardlab.errors import ConfigError
@@ -108,6 +108,7 @@ class ParallelConfig:
     prefetch: bool = True                  # gather the next unit while this one computes
     shard_size: Optional[int] = None       # hybrid sharding over S ranks (null = ranks per node)
     offload: str = "none"                  # none | cpu: keep shards, grads and optimizer state on the host
+    accumulate: str = "local"              # local | sharded: micro batches' gradients summed whole, or in the shard
     backend: str = "auto"                  # auto (nccl on CUDA, else gloo) | gloo | nccl
     timeout_s: float = 300.0               # every collective; a dead rank fails the others within it
     wrap_classes: Optional[list[str]] = None  # wrap units by class name (null: the model's default units)
@@ -502,6 +503,11 @@ def _validate_parallel(p: ParallelConfig) -> None:
         _check(False, f"parallel.offload={p.offload} needs a sharded engine; parallel.strategy={p.strategy} keeps the "
                f"whole model on every device: use parallel.strategy={' or '.join(strategies_taking('offload'))}, "
                "or parallel.offload=none")
+    _choice("parallel.accumulate", p.accumulate, ACCUMULATE_MODES)
+    if p.accumulate != "local" and "accumulate" not in takes:
+        _check(False, f"parallel.accumulate={p.accumulate} sums each micro batch's reduced gradient in a gradient "
+               f"shard, an option of parallel.strategy={' or '.join(strategies_taking('accumulate'))} only, not of "
+               f"{p.strategy}: use one of those, or parallel.accumulate=local")
     if p.shard_size is not None:
         _check(p.shard_size >= 1, f"parallel.shard_size must be >= 1 (or null for the ranks per node), "
                f"got {p.shard_size}")
@@ -549,6 +555,7 @@ def engine_options(p: ParallelConfig) -> dict[str, Any]:
         "prefetch": p.prefetch,
         "shard_size": p.shard_size,
         "offload": CPUOffload.parse(p.offload),
+        "accumulate": p.accumulate,
     }
     accepted = engine_class(p.strategy).options
     return {k: v for k, v in offered.items() if k in accepted}

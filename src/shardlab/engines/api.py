@@ -104,6 +104,33 @@ class CPUOffload:
         return torch.empty(shape, dtype=like.dtype, device="cpu", pin_memory=self.pinned)
 
 
+# [Note: sharded accumulation]
+# With k > 1 micro batches per step the loop runs the first k - 1 backward passes inside
+# `no_sync()` (it only says which micro batch is the last). An engine with a gradient shard then
+# chooses how a micro batch's gradient reaches it, its option `accumulate`:
+# - "local" (the default): nothing is sent inside no_sync; each rank sums its whole unsharded
+#   gradient (4 bytes per parameter in fp32, not divided by N) until the last micro batch, which
+#   reduces the sum once: one reduction per step, 4Psi more held between micro batches.
+# - "sharded": no_sync changes nothing; every micro batch's gradient is reduced (reduce-scattered,
+#   or reduced to its owner) as at k = 1, averaged, and added into the shard's `.grad`
+#   (`_hooks.accumulate_grad_`; FSDP2 adds into the sharded grad likewise): no unsharded gradient
+#   outlives its micro batch's backward, at k times the gradient traffic.
+# Both give the same gradient: each micro batch's loss already carries its share of the global
+# batch ([Note: token-weighted loss] in loop/loss.py), the reductions average over the same N
+# ranks, and the sum of k averages is the average of the k-sum. With a reduce dtype below the
+# parameters' each micro batch is rounded to it once, then summed in the parameters' dtype
+# (local sums first and rounds once). Engines without a shard (ddp, torch-ddp) have nothing to
+# add into: config refuses "sharded" for them.
+ACCUMULATE_MODES = ("local", "sharded")
+
+
+def accumulation_mode(value: str) -> str:
+    """An engine's `accumulate` option, checked ([Note: sharded accumulation])."""
+    if value not in ACCUMULATE_MODES:
+        raise ValueError(f"accumulate must be one of {', '.join(ACCUMULATE_MODES)}, not {value!r}")
+    return value
+
+
 DTYPES: dict[str, torch.dtype] = {
     "fp64": torch.float64, "float64": torch.float64,  # the mixed-precision path computing in float64 (verify)
     "fp32": torch.float32, "float32": torch.float32,
@@ -193,11 +220,16 @@ class Engine:
         #: False inside `no_sync()`. Engines that do their own communication read it in backward:
         #: while it is False they accumulate local gradients and send nothing.
         self.sync_grads = True
+        #: how micro batches accumulate ([Note: sharded accumulation]): engines with a gradient
+        #: shard take it as their option `accumulate`; the others always accumulate locally.
+        self.accumulate = "local"
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate local gradients and communicate nothing."""
-        previous, self.sync_grads = self.sync_grads, False
+        """Backward passes inside accumulate local gradients and communicate nothing; under
+        accumulate="sharded" they reduce into the shard as any backward does."""
+        previous = self.sync_grads
+        self.sync_grads = previous and self.accumulate == "sharded"
         try:
             yield
         finally:

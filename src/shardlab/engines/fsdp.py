@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from shardlab.engines import _hooks, collectives
-from shardlab.engines.api import CPUOffload, Engine, MixedPrecision, ShardPiece, is_meta
+from shardlab.engines.api import CPUOffload, Engine, MixedPrecision, ShardPiece, accumulation_mode, is_meta
 from shardlab.engines.fsdp_layout import (
     FlatGroup,
     FlatUnit,
@@ -51,14 +51,18 @@ class FSDPEngine(Engine, Plannable, Measurable):
     prefetch: start the all-gather of the unit that runs next while this one computes.
     shard_size: S < N shards over S ranks and replicates over N/S ([Note: hybrid sharding]).
     offload: CPUOffload keeps the shards, their gradients and so the optimizer state in host
-    memory ([Note: CPU offload])."""
+    memory ([Note: CPU offload]).
+    accumulate: "sharded" reduce-scatters every micro batch into the shard ([Note: sharded
+    accumulation] in engines/api.py); "local" keeps the unsharded sum until the last."""
 
     grads_sharded = True
-    options = ("reshard_after_forward", "mixed_precision", "prefetch", "shard_size", "offload")
+    options = ("reshard_after_forward", "mixed_precision", "prefetch", "shard_size", "offload", "accumulate")
 
     def __init__(self, module: nn.Module, *, reshard_after_forward: bool = True, mixed_precision: Any = None,
-                 prefetch: bool = True, shard_size: int | None = None, offload: Any = None, **kw: Any):
+                 prefetch: bool = True, shard_size: int | None = None, offload: Any = None,
+                 accumulate: str = "local", **kw: Any):
         super().__init__(module, **kw)
+        self.accumulate = accumulation_mode(accumulate)
         self.reshard_after_forward = bool(reshard_after_forward)
         self.prefetch = bool(prefetch)
         self.hybrid = collectives.hybrid_groups(self.group, shard_size)
@@ -439,9 +443,11 @@ class FSDPEngine(Engine, Plannable, Measurable):
     @classmethod
     def step_traffic(cls, model: ModelTraffic, options: Mapping[str, Any]) -> list[Collective]:
         """Every unit all-gathered in forward and again in backward (not the root, kept gathered),
-        gradients reduce-scattered once per step within the shard group ([Note: hybrid sharding])."""
+        gradients reduce-scattered once per step (sharded accumulation: per micro batch) within the
+        shard group ([Note: hybrid sharding])."""
         group = options.get("shard_size") or model.world
-        return gathered_unit_traffic(model, "all_gather", "reduce_scatter", group, root_kept=True)
+        return gathered_unit_traffic(model, "all_gather", "reduce_scatter", group, root_kept=True,
+                                     accumulate=options.get("accumulate", "local"))
 
     # -- Measurable (engines/measuring.py) ---------------------------------------------------------
     def comm_counters(self) -> list[collectives.CommCounter]:

@@ -42,7 +42,15 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardlab.engines import collectives, raw_collectives
-from shardlab.engines.api import CPUOffload, Engine, MixedPrecision, ShardPiece, is_meta, materialize_whole_
+from shardlab.engines.api import (
+    CPUOffload,
+    Engine,
+    MixedPrecision,
+    ShardPiece,
+    accumulation_mode,
+    is_meta,
+    materialize_whole_,
+)
 from shardlab.engines.measuring import Measurable, MemoryTracking
 from shardlab.engines.planning import (
     Collective,
@@ -105,14 +113,18 @@ class TorchFSDPEngine(Engine, Plannable, Measurable):
     over the row and all-reduces them over the column. The rows and columns are the same
     process groups the from-scratch fsdp uses (`collectives.hybrid_groups`).
     offload=CPUOffload: FSDP2's CPUOffloadPolicy (sharded parameters, gradients and optimizer
-    state on the host, pinned where CUDA exists)."""
+    state on the host, pinned where CUDA exists).
+    accumulate="sharded": gradient sync stays on inside no_sync, so FSDP2 reduce-scatters every
+    micro batch and adds into the sharded gradient ([Note: sharded accumulation] in engines/api.py)."""
 
     grads_sharded = True
-    options = ("reshard_after_forward", "mixed_precision", "shard_size", "offload")
+    options = ("reshard_after_forward", "mixed_precision", "shard_size", "offload", "accumulate")
 
     def __init__(self, module: nn.Module, *, reshard_after_forward: bool | int = True,
-                 mixed_precision: Any = None, shard_size: int | None = None, offload: Any = None, **kw: Any):
+                 mixed_precision: Any = None, shard_size: int | None = None, offload: Any = None,
+                 accumulate: str = "local", **kw: Any):
         super().__init__(module, **kw)
+        self.accumulate = accumulation_mode(accumulate)
         # deferred here and below: torch.distributed.fsdp (and .tensor) cost 0.5 s to import; only
         # torch-fsdp needs them, and every engine class is imported to read its options
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -165,7 +177,7 @@ class TorchFSDPEngine(Engine, Plannable, Measurable):
 
     @contextlib.contextmanager
     def no_sync(self):
-        self.module.set_requires_gradient_sync(False)
+        self.module.set_requires_gradient_sync(self.accumulate == "sharded")
         try:
             yield
         finally:
@@ -222,9 +234,11 @@ class TorchFSDPEngine(Engine, Plannable, Measurable):
 
     @classmethod
     def step_traffic(cls, model: ModelTraffic, options: Mapping[str, Any]) -> list[Collective]:
-        """As fsdp's: every unit all-gathered twice (the root kept), reduce-scattered once, in the shard group."""
+        """As fsdp's: every unit all-gathered twice (the root kept), reduce-scattered once (sharded
+        accumulation: per micro batch), in the shard group."""
         group = options.get("shard_size") or model.world
-        return gathered_unit_traffic(model, "all_gather", "reduce_scatter", group, root_kept=True)
+        return gathered_unit_traffic(model, "all_gather", "reduce_scatter", group, root_kept=True,
+                                     accumulate=options.get("accumulate", "local"))
 
     def memory_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         """FSDP2's per-parameter all-gather outputs (the unsharded parameters), their gradients,

@@ -54,20 +54,22 @@ def bucketed_all_reduce(model: ModelTraffic, bucket_bytes: int) -> list[Collecti
 
 
 def gathered_unit_traffic(model: ModelTraffic, gather: str, reduce: str, group: int, *,
-                          root_kept: bool) -> list[Collective]:
+                          root_kept: bool, accumulate: str = "local") -> list[Collective]:
     """A sharded engine's traffic: every unit (the root one of them) gathered for forward at
     every micro batch and again for backward (`root_kept`: the root stays gathered between the
-    two, so it is not gathered again), and its gradients reduced once per step, all within a
+    two, so it is not gathered again), and its gradients reduced once per step (`accumulate`
+    "sharded": once per micro batch, [Note: sharded accumulation] in engines/api.py), all within a
     group of `group` ranks; with hybrid sharding (group < world) each unit's reduced 1/group
-    slice is then all-reduced across the world/group replicas."""
+    slice is then all-reduced across the world/group replicas, as often."""
     n = model.units + 1
     again = n - 1 if root_kept else n
+    reduces = n * (model.micro_batches if accumulate == "sharded" else 1)
     out = [Collective(gather, model.param_bytes / n, n * model.micro_batches, group),
            Collective(gather, (model.param_bytes - (model.root_bytes if root_kept else 0)) / max(1, again),
                       again * model.micro_batches, group),
-           Collective(reduce, model.trainable_bytes / n, n, group)]
+           Collective(reduce, model.trainable_bytes / n, reduces, group)]
     if group < model.world:
-        out.append(Collective("all_reduce", model.trainable_bytes / n / group, n, model.world // group))
+        out.append(Collective("all_reduce", model.trainable_bytes / n / group, reduces, model.world // group))
     return out
 
 

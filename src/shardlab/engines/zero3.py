@@ -32,7 +32,7 @@ from torch import nn
 
 from shardlab.engines import _hooks
 from shardlab.engines import collectives as C
-from shardlab.engines.api import CPUOffload, Engine, MixedPrecision, ShardPiece, is_meta
+from shardlab.engines.api import CPUOffload, Engine, MixedPrecision, ShardPiece, accumulation_mode, is_meta
 from shardlab.engines.measuring import Measurable, MemoryTracking
 from shardlab.engines.planning import Collective, LocalTensor, ModelTraffic, Plannable, gathered_unit_traffic
 from shardlab.engines.zero3_layout import (
@@ -83,14 +83,17 @@ class Zero3Engine(Engine, Plannable, Measurable):
     mixed precision casts]).
     offload: CPUOffload keeps the owned parameters, their gradients and so the optimizer state in
     host memory (pinned where CUDA exists): the owner copies them to the device when it
-    broadcasts, and a reduced gradient goes back to the host (`_hooks.ReducedGrads`)."""
+    broadcasts, and a reduced gradient goes back to the host (`_hooks.ReducedGrads`).
+    accumulate: "sharded" reduces every micro batch to the owners ([Note: sharded accumulation]
+    in engines/api.py); "local" keeps the whole local sum until the last."""
 
     grads_sharded = True
-    options = ("reshard_after_forward", "mixed_precision", "offload")
+    options = ("reshard_after_forward", "mixed_precision", "offload", "accumulate")
 
     def __init__(self, module: nn.Module, *, reshard_after_forward: bool = True, mixed_precision: Any = None,
-                 offload: Any = None, **kw: Any):
+                 offload: Any = None, accumulate: str = "local", **kw: Any):
         super().__init__(module, **kw)
+        self.accumulate = accumulation_mode(accumulate)
         self.offload = CPUOffload.parse(offload)
         self._grads = _hooks.ReducedGrads(self.offload, self.device)
         self.counter = C.CommCounter()
@@ -445,8 +448,9 @@ class Zero3Engine(Engine, Plannable, Measurable):
     @classmethod
     def step_traffic(cls, model: ModelTraffic, options: Mapping[str, Any]) -> list[Collective]:
         """Every unit broadcast in forward and again in backward (the root too), gradients reduced
-        to their owners once per step, over all ranks."""
-        return gathered_unit_traffic(model, "broadcast", "reduce", model.world, root_kept=False)
+        to their owners once per step (sharded accumulation: per micro batch), over all ranks."""
+        return gathered_unit_traffic(model, "broadcast", "reduce", model.world, root_kept=False,
+                                     accumulate=options.get("accumulate", "local"))
 
     # -- Measurable (engines/measuring.py) ---------------------------------------------------------
     def comm_counters(self) -> list[C.CommCounter]:

@@ -88,7 +88,7 @@ def probe_param_bytes(cfg: Config, layers: int) -> int:
 # -- each engine's state -------------------------------------------------------------------------
 def engine_config(cfg: Config, engine: str, world: int, per_node: int | None = None) -> Config:
     """The config as `engine` would run it: options it does not take are dropped (shard_size,
-    offload, mixed_precision and reduce_dtype: its class's `options`), and hybrid sharding's default S, the ranks per node, is made
+    offload, mixed_precision, reduce_dtype, accumulate: its class's `options`), and hybrid sharding's default S, the ranks per node, is made
     explicit (`per_node`, from --nproc)."""
     c = copy.deepcopy(cfg)
     c.parallel.strategy = engine
@@ -100,6 +100,8 @@ def engine_config(cfg: Config, engine: str, world: int, per_node: int | None = N
         c.parallel.offload = "none"
     if engine not in strategies_taking("mixed_precision"):  # it computes in the parameters' dtype
         c.parallel.reduce_dtype, c.parallel.mixed_precision = None, "fp32"
+    if engine not in strategies_taking("accumulate"):
+        c.parallel.accumulate = "local"  # no shard: every rank holds the whole gradient anyway
     return c
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import multiprocessing as mp
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardlab.config import Config, ConfigError, ParallelConfig, validate_for_world
+from shardlab.config import Config, ConfigError, ParallelConfig, strategies_taking, validate_for_world
 from shardlab.engines import STRATEGIES, engine_class
 from shardlab.memory import PARTS
 from shardlab.plan import probe as P
@@ -41,7 +42,8 @@ class Prediction:
     #: FLOPs one rank executes per step (matmuls, convolutions, attention; recomputation included),
     #: counted on the probe's step and scaled in depth; None where no probe ran at the real micro batch and sequence
     step_flops: float | None = None
-    #: one change of the config ("train.loss=chunked") -> the peak it was probed at, the same way
+    #: one change of the config ("train.loss=chunked", "parallel.accumulate=sharded": `alternative_configs`)
+    #: -> the peak it was probed at, the same way
     alternatives: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -58,15 +60,42 @@ def predict_all(cfg: Config, nproc: int, engines: list[str] | None = None, per_n
     """Predicted peak per rank (device memory), by part, for each engine at world size nproc
     (per_node: ranks per node, hybrid sharding's default shard group). probe: "auto" (fake
     tensors for every engine that can run on them, real ones for the rest), "fake" or "real".
-    A config asking for the full loss of a model that would chunk it (plan/model.py's
-    `chunked_instead`) is probed a second time with train.loss=chunked (`Prediction.alternatives`)."""
+    Each change of `alternative_configs` is probed too, for the engines it applies to
+    (`Prediction.alternatives`)."""
     out = _predict_all(cfg, nproc, engines, per_node, probe)
+    for change, changed, applies in alternative_configs(cfg, nproc):
+        probed = [e for e in out if applies(e)]
+        for e, p in (_predict_all(changed, nproc, probed, per_node, probe) if probed else {}).items():
+            if p.probed:
+                out[e].alternatives[change] = p.peak_bytes
+    return out
+
+
+CHUNKED_LOSS = "train.loss=chunked"
+SHARDED_ACCUMULATION = "parallel.accumulate=sharded"
+
+
+def accumulation(cfg: Config, nproc: int) -> int:
+    """Micro batches per rank per step (k)."""
+    return max(1, cfg.train.global_batch_size // (nproc * cfg.train.micro_batch_size))
+
+
+def alternative_configs(cfg: Config, nproc: int) -> list[tuple[str, Config, Callable[[str], bool]]]:
+    """(change, the config with it, the engines it applies to) of the one-key changes plan probes
+    beside the config: the chunked loss where the config asks for the full loss of a model that
+    would chunk it (plan/model.py's `chunked_instead`: the same loss and gradients), and sharded
+    accumulation where the step accumulates locally (k > 1), for the engines that take it (no
+    unsharded gradient between micro batches, k x the gradient traffic)."""
+    out: list[tuple[str, Config, Callable[[str], bool]]] = []
     if chunked_instead(cfg):
         chunked = copy.deepcopy(cfg)
         chunked.train.loss = "chunked"
-        for e, p in _predict_all(chunked, nproc, list(out), per_node, probe).items():
-            if p.probed:
-                out[e].alternatives["train.loss=chunked"] = p.peak_bytes
+        out.append((CHUNKED_LOSS, chunked, lambda e: True))
+    if cfg.parallel.accumulate == "local" and accumulation(cfg, nproc) > 1:
+        sharded = copy.deepcopy(cfg)
+        sharded.parallel.accumulate = "sharded"
+        takes = strategies_taking("accumulate")
+        out.append((SHARDED_ACCUMULATION, sharded, lambda e: e in takes))
     return out
 
 
@@ -80,7 +109,7 @@ def _predict_all(cfg, nproc: int, engines: list[str] | None, per_node: int | Non
     fake = {e: probe_kind(e, probe) == "fake" for e in engines}
     L = n_layer(cfg)
     layers = P.probe_layers(cfg.train, L)
-    accumulation = cfg.train.global_batch_size // (nproc * cfg.train.micro_batch_size)
+    k = accumulation(cfg, nproc)
     states = {e: state_by_rule(cfgs[e], e, nproc) for e in engines}
     to_build = {e: cfgs[e].to_dict() for e in engines if states[e] is None}
     probe_psi = probe_param_bytes(cfg, max(x or 0 for x in layers))
@@ -93,7 +122,7 @@ def _predict_all(cfg, nproc: int, engines: list[str] | None, per_node: int | Non
     depth = {e: [L] if fake[e] and L is not None and L <= P.FAKE_WHOLE_DEPTH else layers for e in engines}
     plans = {e: {"raw": cfgs[e].to_dict(), "fake": fake[e], "micro": shapes[e][0], "seq": shapes[e][1],
                  "layers": depth[e]} for e in probe_ok}
-    probe_accumulation = min(accumulation, 2)
+    probe_accumulation = min(k, 2)
     probes = {}
     try:  # one child builds the engines whose state only building tells, then runs every probe
         built, probes = in_child(_plan_child, to_build, plans, nproc, layers, probe_accumulation,
@@ -108,7 +137,7 @@ def _predict_all(cfg, nproc: int, engines: list[str] | None, per_node: int | Non
            else _not_probed(e, nproc, states[e], why_not[e]) for e in engines}
     for e, p in out.items():
         if e in probes and shapes[e][2] == 1:  # counted at the real micro batch and sequence
-            p.step_flops = scale_flops(probes[e], L) * accumulation / probe_accumulation
+            p.step_flops = scale_flops(probes[e], L) * k / probe_accumulation
     return out
 
 

@@ -9,12 +9,19 @@ import math
 import sys
 from typing import Any
 
-from shardlab.config import Config, ConfigError, TrainConfig, load_config
+from shardlab.config import Config, ConfigError, load_config
 from shardlab.engines import STRATEGIES, engine_class
 from shardlab.plan.allocator import reserved
 from shardlab.plan.catalogue import GPU, GPUS, INTERCONNECTS, MFU, default_link, usable_bytes
 from shardlab.plan.model import engine_config, param_count
-from shardlab.plan.predict import PROBE_KINDS, Prediction, predict_all
+from shardlab.plan.predict import (
+    CHUNKED_LOSS,
+    PROBE_KINDS,
+    SHARDED_ACCUMULATION,
+    Prediction,
+    accumulation,
+    predict_all,
+)
 from shardlab.plan.traffic import hiding_limit, step_time
 
 
@@ -49,8 +56,8 @@ def verdict(cfg: Config, p: Prediction, gpu: GPU, others: dict[str, Prediction],
                                            if fitting else f"{sharded} (none fits at this N either)"))
     for change, peak in p.alternatives.items():
         if peak < p.peak_bytes:
-            ch.append(f"{change}: {peak / 2**30:.1f} GiB (probed; the logits are never held whole: docs/training.md)")
-    whole = without_accumulation(cfg.train, p, world)
+            ch.append(f"{change}: {peak / 2**30:.1f} GiB (probed; {_why(change, cfg, world)}: docs/training.md)")
+    whole = without_accumulation(cfg, p, world)
     if whole:
         ch.append(_no_accumulation(p, whole))
     act = p.parts["activations"]
@@ -86,13 +93,15 @@ def fit_limits(cfg: Config, p: Prediction, usable: int) -> dict[str, int | None]
     return {"max_micro_batch": tokens // cfg.data.seq_len, "max_seq_len": tokens // cfg.train.micro_batch_size}
 
 
-def without_accumulation(t: TrainConfig, p: Prediction, world: int) -> tuple[int, float] | None:
+def without_accumulation(cfg: Config, p: Prediction, world: int) -> tuple[int, float] | None:
     """(micro batch, peak) of the same global batch in one micro batch per rank, when the step
-    accumulates and the engine keeps gradients unsharded between micro batches (inside `no_sync`):
-    those go, activations grow with the micro batch. None where there is nothing to gain."""
+    accumulates and the engine keeps gradients unsharded between micro batches (inside `no_sync`,
+    parallel.accumulate=local): those go, activations grow with the micro batch. None where there
+    is nothing to gain."""
+    t = cfg.train
     whole = t.global_batch_size // world
     held = p.parts.get("unsharded_grads", 0)
-    if whole <= t.micro_batch_size or held <= 0:
+    if whole <= t.micro_batch_size or held <= 0 or cfg.parallel.accumulate == "sharded":
         return None
     act = p.parts.get("activations", 0)
     return whole, p.peak_bytes - held + act * (whole / t.micro_batch_size - 1)
@@ -101,18 +110,22 @@ def without_accumulation(t: TrainConfig, p: Prediction, world: int) -> tuple[int
 def cheapest_change(cfg, p: Prediction, usable: int, others: dict[str, Prediction], world: int) -> str:
     """The first change that fits, cheapest first: the chunked loss (the same loss and gradients,
     probed beside the config: `Prediction.alternatives`), another engine at the same settings (no cost
-    beyond its own speed), the global batch in one micro batch per rank (no accumulation, so no
-    gradients held unsharded between micro batches), a smaller micro batch with accumulation (the
-    same global batch, less overlap), more ranks (more GPUs), CPU offload (the optimizer step on the
-    host: the slowest). Activation checkpointing is not among them: what it keeps is known only by
-    probing again, so it stays a `changes` suggestion (plan again with it)."""
-    for change, peak in sorted(p.alternatives.items(), key=lambda kv: kv[1]):
-        if peak <= usable:  # the same loss and gradients, nothing else changes
-            return f"{change} ({peak / 2**30:.2f} GiB)"
+    beyond its own speed), sharded accumulation (probed beside the config too: k x the gradient
+    traffic, often hidden behind compute), the global batch in one micro batch per rank (no
+    accumulation, so no gradients held unsharded between micro batches), a smaller micro batch with
+    accumulation (the same global batch, less overlap), more ranks (more GPUs), CPU offload (the
+    optimizer step on the host: the slowest). Activation checkpointing is not among them: what it
+    keeps is known only by probing again, so it stays a `changes` suggestion (plan again with it)."""
+    chunked = p.alternatives.get(CHUNKED_LOSS)
+    if chunked is not None and chunked <= usable:  # the same loss and gradients, nothing else changes
+        return f"{CHUNKED_LOSS} ({chunked / 2**30:.2f} GiB)"
     fitting = sorted((q.peak_bytes, e) for e, q in others.items() if q.probed and q.peak_bytes <= usable)
     if fitting:
         return f"parallel.strategy={fitting[0][1]} ({fitting[0][0] / 2**30:.2f} GiB)"
-    whole = without_accumulation(cfg.train, p, world)
+    sharded = p.alternatives.get(SHARDED_ACCUMULATION)
+    if sharded is not None and sharded <= usable:
+        return f"{SHARDED_ACCUMULATION}: fits ({sharded / 2**30:.2f} GiB), {_why(SHARDED_ACCUMULATION, cfg, world)}"
+    whole = without_accumulation(cfg, p, world)
     if whole and whole[1] <= usable:
         return _no_accumulation(p, whole)
     limits = fit_limits(cfg, p, usable)
@@ -124,6 +137,13 @@ def cheapest_change(cfg, p: Prediction, usable: int, others: dict[str, Predictio
     if "offload" in engine_class(p.engine).options and _state_and_rest(p)[1] < usable:
         return "parallel.offload=cpu"
     return "none of engine, micro batch, ranks or offload fits alone"
+
+
+def _why(change: str, cfg: Config, world: int) -> str:
+    """What a probed alternative (`Prediction.alternatives`) saves, and what it costs."""
+    if change == SHARDED_ACCUMULATION:
+        return (f"{accumulation(cfg, world)}x gradient traffic; no gradient kept unsharded between micro batches")
+    return "the logits are never held whole"
 
 
 def _state_and_rest(p: Prediction) -> tuple[int, int]:

@@ -120,6 +120,8 @@ def make_plan(cfg, args, workdir: str) -> Plan:
     ref["parallel"].update(strategy=args.against, offload="none", shard_size=None)
     if "mixed_precision" not in engine_class(args.against).options:  # the reference computes in the model's dtype
         ref["parallel"]["mixed_precision"] = "fp32"
+    if "accumulate" not in engine_class(args.against).options:  # it holds whole gradients: nothing to shard
+        ref["parallel"]["accumulate"] = "local"
     if args.against == ONE_PROCESS:
         ref["train"].update(micro_batch_size=n * t.micro_batch_size, activation_checkpointing="none")
         ref["parallel"]["reduce_dtype"] = None  # one process reduces nothing
