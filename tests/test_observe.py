@@ -118,6 +118,22 @@ def test_tracker_keys_are_checked_before_any_worker(monkeypatch):
     assert "\n" not in str(e.value)
 
 
+def test_measuring_the_peak_leaves_the_runs_random_stream_alone(tmp_path, monkeypatch):
+    """A run measures this machine's matmul peak when the cache misses: the run's dropout masks must
+    not depend on whether it did (a LoRA run with dropout resumed differently when the cache was cold)."""
+    import torch
+
+    from shardlab.observe import flops
+
+    monkeypatch.setenv("SHARDLAB_CACHE", str(tmp_path))
+    monkeypatch.setattr(flops, "PEAK_SIDE", 64)
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    assert flops.measured_peak(torch.device("cpu"), torch.float32)[0] > 0  # a miss: measured here
+    assert torch.equal(torch.rand(4), expected)
+
+
 def test_a_directory_that_is_no_run_is_one_line(tmp_path, capsys):
     from shardlab.cli import main
 

@@ -148,8 +148,11 @@ def _device_label(device: torch.device) -> str:
 def _time_matmuls(device: torch.device, dtype: torch.dtype) -> float:
     """The best FLOP/s of PEAK_ROUNDS rounds of square matmuls (2 n^3 FLOPs each)."""
     n = PEAK_SIDE * (8 if device.type == "cuda" else 1)
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+    # its own generator: measured in a run when the cache misses, it must not move the run's random
+    # stream (dropout masks would then depend on whether this machine's peak was cached)
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, generator=g).to(dtype)
+    b = torch.randn(n, n, device=device, generator=g).to(dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     per_round = 10 if device.type == "cuda" else 2
     best = 0.0
