@@ -67,14 +67,23 @@ def node_id() -> str:
     return f"{socket.gethostname()}:{os.getppid()}"
 
 
-def note_end(run_dir: str, rank: int, step: int, why: str) -> None:
-    """A worker that ends by a peer's failure ("lost") or the agent's stop ("stopped")."""
+def note_end(run_dir: str, rank: int, step: int, why: str, at: float | None = None) -> None:
+    """A worker that ends by a peer's failure ("lost") or the agent's stop ("stopped"; `at`: when
+    the agent's signal came)."""
     if not launched():
         return
     with contextlib.suppress(OSError):
         os.makedirs(os.path.join(run_dir, _DIR), exist_ok=True)
         with open(os.path.join(run_dir, _DIR, f"end-{rank}.json"), "w") as f:
-            json.dump({"step": step, "time": time.time(), "why": why, "node": node_id()}, f)
+            json.dump({"step": step, "time": at or time.time(), "why": why, "node": node_id()}, f)
+
+
+def stop_line(record: dict[str, Any]) -> str:
+    """Rank 0's line when the agent stopped an elastic group and it saved (a node joined: torch's
+    agent restarts the group on a membership change; or the whole job is being stopped)."""
+    return (f"shardlab: the agent stopped the group at step {record['step']} ({record['signal']}: a node joined, "
+            f"or the job is stopping); checkpoint {record['checkpoint']} saved in {record['save_seconds']:.2f} s, "
+            "the next group resumes from it")
 
 
 @dataclass
@@ -93,7 +102,8 @@ class Change:
                           *(f"node {n} joined" for n in joined)]) or "the group re-formed"
         reached = max([e["step"] for e in self.ends], default=resumed)
         since = min([e["time"] for e in self.ends], default=None)
-        took = f"{now - since:.1f} s from the loss to the first step at this size" if since else "time unknown"
+        event = "loss" if lost else "stop"  # a grow: from the agent's stop of the old group
+        took = f"{now - since:.1f} s from the {event} to the first step at this size" if since else "time unknown"
         return (f"shardlab: {what}: world size {_size(self.before)} -> {layout.world_size}, accumulation "
                 f"{layout.accumulation} x micro batch {layout.micro} (global batch kept), resumed from step "
                 f"{resumed}, {max(0, reached - resumed)} step(s) lost, {took}")
