@@ -53,7 +53,28 @@ def check_node_range(check: Callable[[int], None], nproc: int, lo: int, hi: int)
 # lost (the furthest step a note reports, less the step resumed), and the seconds from the first
 # note (when the old group noticed) to the end of that first step.
 _DIR = "elastic"
-ENV = "SHARDLAB_ELASTIC"  # set by launch_elastic for its workers: membership is watched only then
+ENV = "SHARDLAB_ELASTIC"  # set by an elastic agent for its workers (AGENT_ENV): membership is watched only then
+
+
+# [Note: a joining node and the agents' shared store]
+# By default (torch 2.13) the rank-0 agent of a rendezvous round serves the workers' TCPStore from
+# its own process and writes its address under that round's keys, but only in the round where it
+# first becomes rank 0: in a later round where it is rank 0 again, it skips the write. A node that
+# joins such a round (a grow: the survivor of a shrink stays rank 0) then waits for that address
+# until its store timeout, and the survivor waits for the newcomer's role: the grow hangs and both
+# fail after 60 s (seen here with two agents, then a third one started after the shrink). With
+# TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 every round's rank 0 writes a fresh address and the group's
+# rank-0 worker serves the store (env://), so each group also starts from an empty store.
+
+# What an elastic agent sets for itself and its workers (launch_elastic; python -m shardlab.torchrun
+# with --nnodes MIN:MAX, as the rendered elastic jobs run it).
+AGENT_ENV = {ENV: "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def is_range(nnodes: str) -> bool:
+    """torchrun's --nnodes value names a range of sizes (MIN:MAX with MIN < MAX)."""
+    lo, _, hi = nnodes.partition(":")
+    return bool(hi) and lo.strip() != hi.strip()
 
 
 def launched() -> bool:

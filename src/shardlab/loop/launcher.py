@@ -80,17 +80,6 @@ class Rendezvous:
 LAST_CALL_S = 5
 KEEP_ALIVE_S = 5
 
-# [Note: a joining node and the agents' shared store]
-# By default (torch 2.13) the rank-0 agent of a rendezvous round serves the workers' TCPStore from
-# its own process and writes its address under that round's keys, but only in the round where it
-# first becomes rank 0: in a later round where it is rank 0 again, it skips the write. A node that
-# joins such a round (a grow: the survivor of a shrink stays rank 0) then waits for that address
-# until its store timeout, and the survivor waits for the newcomer's role: the grow hangs and both
-# fail after 60 s (seen here with two agents, then a third one started after the shrink). With
-# TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 every round's rank 0 writes a fresh address and the group's
-# rank-0 worker serves the store (env://), so each group also starts from an empty store.
-_NO_SHARED_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-
 
 def _seconds(env: str, default: int) -> int:
     value = os.environ.get(env) or str(default)
@@ -104,7 +93,7 @@ def launch_elastic(cfg: Config, nproc: int, nodes: tuple[int, int], endpoint: st
     """One agent (node) of an elastic job of MIN..MAX agents with `nproc` workers each, meeting
     at `endpoint` (docs/elastic.md). A restart re-forms the group at whatever agents are left or
     have joined; the workers resume from the latest checkpoint at the same global batch."""
-    return launch_local(cfg, nproc, max_restarts, {elastic.ENV: "1", **_NO_SHARED_STORE}, verbose=verbose,
+    return launch_local(cfg, nproc, max_restarts, elastic.AGENT_ENV, verbose=verbose,
                         rdzv=Rendezvous(nodes[0], nodes[1], endpoint, rdzv_id or cfg.output.run_name))
 
 

@@ -94,7 +94,7 @@ def init_runtime(backend: str = "auto", timeout_s: float = 300.0, force_group: b
             # Only then: the count is each agent's own, and a membership change is no restart
             # to torch, so after an elastic grow the old agent's workers count 1 and the new
             # one's 0 and would never meet. An elastic agent shares no store ([Note: a joining
-            # node and the agents' shared store] in launcher.py): each group's rank 0 serves
+            # node and the agents' shared store] in loop/elastic.py): each group's rank 0 serves
             # a fresh one, with no old keys to avoid.
             if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
                 store = dist.PrefixStore(f"shardlab/restart_{restarts}", store)
