@@ -1,6 +1,7 @@
 """Checkpoints across processes: exact resume for every engine, resharding 4->2, 4->3 and
-across engines, a save torn by a killed rank, and a real SIGKILL under the elastic agent (whose
-restarted run `shardlab report` and `shardlab trace` read back too).
+across engines, every engine resumed at 4 -> 2 -> 3 ranks equal to an uninterrupted run
+(tests/elastic_cases.py), a save torn by a killed rank, and a real SIGKILL under the elastic agent
+(whose restarted run `shardlab report` and `shardlab trace` read back too).
 
 One spawn per world size (process start-up dominates on small machines); each spawn runs
 all of its cases and returns what the parent then checks.
@@ -25,6 +26,7 @@ from shardlab.observe.report import build_report
 from shardlab.observe.runs import read_run
 from shardlab.observe.trace import build_trace
 from shardlab.testing import WorkerError, run_workers
+from tests import elastic_cases
 from tests.checkpoint_helpers import (
     TOTAL,
     K,
@@ -50,15 +52,18 @@ def step_path(run_dir: str, step: int) -> str:
 
 
 # ---------------------------------------------------------------------------------- world size 4
-def _four(rank: int, world: int, out: str) -> list[float]:
-    return T.train(make_cfg("fsdp", out, "fsdp4", NO_DROPOUT, MICRO1), runtime(rank, world, "fsdp"))["losses"]
+def _four(rank: int, world: int, out: str, corpus: str) -> list[float]:
+    losses = T.train(make_cfg("fsdp", out, "fsdp4", NO_DROPOUT, MICRO1), runtime(rank, world, "fsdp"))["losses"]
+    elastic_cases.phase(rank, world, out, corpus)
+    return losses
 
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("four"))
-    losses = run_workers(4, _four, out, timeout_s=120)[0]
-    return {"out": out, "run": os.path.join(out, "fsdp4"), "losses": losses}
+    corpus = elastic_cases.prepare_corpus(tmp_path_factory.mktemp("corpus"))
+    losses = run_workers(4, _four, out, corpus, timeout_s=240)[0]
+    return {"out": out, "run": os.path.join(out, "fsdp4"), "losses": losses, "corpus": corpus}
 
 
 def _continue_from(rank: int, world: int, strategy: str, source: str, out: str, name: str) -> list[float]:
@@ -77,8 +82,9 @@ def _check_continuation(four: dict, out: str, name: str, losses: list[float]) ->
 
 
 # ---------------------------------------------------------------------------------- world size 2
-def _two(rank: int, world: int, out: str, four_ckpt: str) -> dict:
+def _two(rank: int, world: int, out: str, four_ckpt: str, elastic: tuple[str, str]) -> dict:
     res: dict = {"timing": {}}
+    elastic_cases.phase(rank, world, *elastic)
     for strategy in ENGINES:
         t0 = time.perf_counter()
         res[strategy] = straight_and_resumed(rank, world, strategy, out)
@@ -103,7 +109,7 @@ def _two(rank: int, world: int, out: str, four_ckpt: str) -> dict:
 @pytest.fixture(scope="module")
 def two(tmp_path_factory, four):
     out = str(tmp_path_factory.mktemp("two"))
-    res = run_workers(2, _two, out, step_path(four["run"], K), timeout_s=240)[0]
+    res = run_workers(2, _two, out, step_path(four["run"], K), (four["out"], four["corpus"]), timeout_s=300)[0]
     return {"out": out, **res}
 
 
@@ -137,17 +143,35 @@ def test_reshard_4_to_2(two, four):
 
 
 # ---------------------------------------------------------------------------------- world size 3
-def _three(rank: int, world: int, out: str, four_ckpt: str) -> dict:
+def _three(rank: int, world: int, out: str, four_ckpt: str, elastic: tuple[str, str]) -> dict:
     return {"from4": {dst: load_and_resave(rank, world, dst, four_ckpt, os.path.join(out, f"from4-{dst}"), out)
                       for dst in ("fsdp", "zero3", "torch-fsdp")},
-            "from4-train": {"fsdp": _continue_from(rank, world, "fsdp", four_ckpt, out, "from4-train-fsdp")}}
+            "from4-train": {"fsdp": _continue_from(rank, world, "fsdp", four_ckpt, out, "from4-train-fsdp")},
+            "elastic": elastic_cases.phase(rank, world, *elastic)}
 
 
-def test_reshard_4_to_3(four, tmp_path):
-    res = run_workers(3, _three, str(tmp_path), step_path(four["run"], K), timeout_s=120)[0]
-    for _dst, resaved in res["from4"].items():
+@pytest.fixture(scope="module")
+def three(tmp_path_factory, four, two):  # after `two`: the elastic cases go 4 -> 2 -> 3 ranks
+    out = str(tmp_path_factory.mktemp("three"))
+    res = run_workers(3, _three, out, step_path(four["run"], K), (four["out"], four["corpus"]), timeout_s=240)[0]
+    return {"out": out, **res}
+
+
+def test_reshard_4_to_3(four, three):
+    for _dst, resaved in three["from4"].items():
         assert_same_tensors(step_path(four["run"], K), resaved)
-    _check_continuation(four, str(tmp_path), "from4-train-fsdp", res["from4-train"]["fsdp"])
+    _check_continuation(four, three["out"], "from4-train-fsdp", three["from4-train"]["fsdp"])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(four, tmp_path_factory):
+    return elastic_cases.reference(str(tmp_path_factory.mktemp("uninterrupted")), four["corpus"])
+
+
+@pytest.mark.parametrize("kind", elastic_cases.KINDS)
+@pytest.mark.parametrize("strategy", elastic_cases.ENGINES)
+def test_elastic_4_2_3_equals_the_uninterrupted_run(four, three, uninterrupted, strategy, kind):
+    elastic_cases.check(three["elastic"][(strategy, kind)], uninterrupted[kind], four["out"], strategy, kind)
 
 
 # ---------------------------------------------------------------------------------- a torn save

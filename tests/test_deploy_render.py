@@ -59,13 +59,19 @@ def test_user_resume_choice_wins(tmp_path):
 
 @pytest.mark.parametrize("target,argv,message", [
     ("slurm", ["no.such_key=1"], "no.such_key"),
-    ("slurm", ["--nodes", "3"], "no layout at world size"),           # 16 samples over 3 x 4
+    ("slurm", ["--nodes", "3"], "has no layout at world size 3"),           # 16 samples over 3 ranks
     ("slurm", ["--nodes", "0"], "--nodes"),
     ("slurm", ["--gpus-per-node", "-1"], "--gpus-per-node"),
     ("k8s", ["--nodes", "0"], "--nodes"),
     ("k8s", ["--name", "Bad_Name"], "--name"),
     ("k8s", ["--bucket", "UPPER"], "--bucket"),
-    ("k8s", ["--nodes", "3"], "no layout at world size"),
+    ("k8s", ["--nodes", "3"], "has no layout at world size 3"),
+    # elastic: 1 <= MIN <= MAX, and a layout at every size between (3 nodes of 1 rank: 16 samples)
+    ("slurm", ["--nodes", "2", "--min-nodes", "3"], "--min-nodes 3: needs 1 <= --min-nodes <= --nodes (2)"),
+    ("k8s", ["--nodes", "2", "--min-nodes", "0"], "--min-nodes 0: needs 1"),
+    ("slurm", ["--nodes", "4", "--min-nodes", "1", "--gpus-per-node", "0"], "at 3 node(s), train.global_batch_size=16 "
+                                                                            "has no layout at world size 3"),
+    ("k8s", ["--nodes", "4", "--min-nodes", "2"], "at 3 node(s)"),
     ("accelerate", ["--gpus-per-node", "0"], "--gpus-per-node"),
     ("accelerate", ["--layer-cls", "not a class"], "--layer-cls"),
 ])
@@ -74,6 +80,23 @@ def test_bad_request_writes_nothing(tmp_path, capsys, target, argv, message):
     assert cli("render", target, CONFIG, *argv, "--out", str(out)) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_elastic_form(tmp_path):
+    """--min-nodes: torchrun --nnodes=MIN:MAX in both; Slurm keeps the job and the step when a node
+    or task is lost; the k8s Job fails per index, at most MAX - MIN of them, and succeeds with pod 0."""
+    assert cli("render", "slurm", CONFIG, "train.global_batch_size=24", "--nodes", "4", "--min-nodes", "2",
+               "--out", str(tmp_path / "s")) == 0  # 24 samples: a layout at 2, 3 and 4 ranks
+    sbatch = (tmp_path / "s" / "shardlab.sbatch").read_text()
+    assert "#SBATCH --no-kill" in sbatch and "srun --no-kill" in sbatch and "srun --kill-on-bad-exit" not in sbatch
+    assert '--nnodes="2:$NUM_AGENTS"' in sbatch and "2..4 node(s) (elastic)" in sbatch
+    assert cli("render", "k8s", CONFIG, "train.global_batch_size=24", "--nodes", "4", "--min-nodes", "2",
+               "--out", str(tmp_path / "k")) == 0
+    job = next(o for o in yaml.safe_load_all((tmp_path / "k" / "manifest.yaml").read_text()) if o["kind"] == "Job")
+    assert "--nnodes=2:4" in job["spec"]["template"]["spec"]["containers"][0]["command"][-1]
+    assert "backoffLimit" not in job["spec"]
+    assert (job["spec"]["backoffLimitPerIndex"], job["spec"]["maxFailedIndexes"]) == (4, 2)  # 3 restarts + 1
+    assert job["spec"]["successPolicy"] == {"rules": [{"succeededIndexes": "0"}]}
 
 
 def test_missing_config_file(tmp_path, capsys):

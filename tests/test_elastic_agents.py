@@ -1,7 +1,9 @@
-"""Lose a node, keep training: two elastic agents (`--nnodes 1:2`) of 2 workers each on this host;
-the second agent and its workers are SIGKILLed once the first checkpoint (step 2) is committed; the first re-forms at world size 2, resumes
-from the last checkpoint at the same global batch (twice the accumulation), and its losses equal an
-uninterrupted run's to 1e-10 relative (float64: tests/elastic64.py)."""
+"""Lose a node, keep training, and grow back: two elastic agents (`--nnodes 1:2`) of 2 workers each
+on this host; the second agent and its workers are SIGKILLed once the first checkpoint (step 2) is
+committed; the first re-forms at world size 2, resumes from the last checkpoint at the same global
+batch (twice the accumulation). Then a third agent starts: the group stops at the next step boundary
+(a checkpoint of that step), re-forms at world size 4 and resumes from it. Its losses equal an
+uninterrupted run's to 1e-10 relative throughout (float64: tests/elastic64.py)."""
 
 import json
 import os
@@ -18,9 +20,17 @@ from shardlab.loop.runtime import free_port
 from tests.parity import F64_RTOL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# enough steps that the shrunk group still trains when the third agent joins (it is warm: _GATED)
 COMMON = ["configs/gpt-tiny.yaml", "model.name=gpt64", "model.preset=gpt-nano", "data.seq_len=32",
-          "train.steps=10", "checkpoint.every_steps=2", "parallel.strategy=ddp", "parallel.timeout_s=60",
+          "train.steps=60", "checkpoint.every_steps=2", "parallel.strategy=ddp", "parallel.timeout_s=60",
           "output.progress=false", "output.tensorboard=false", "train.memory_tracking=none", "doctor.enabled=false"]
+# The third agent is started with the others, imports torch and shardlab, and waits for a file:
+# the grow then comes soon after the shrink, not a cold interpreter's start later.
+_GATED = ("import os, sys, time\n"
+          "import torch.distributed.launcher.api, shardlab.cli, shardlab.config, shardlab.loop.launcher\n"
+          "while not os.path.exists(sys.argv[1]):\n"
+          "    time.sleep(0.02)\n"
+          "sys.exit(shardlab.cli.main(sys.argv[2:]))\n")
 
 
 def _env():
@@ -30,9 +40,10 @@ def _env():
             "SHARDLAB_LAST_CALL_S": "2", "SHARDLAB_KEEP_ALIVE_S": "1"}
 
 
-def _agent(out, log, endpoint):
-    cmd = [sys.executable, "-m", "shardlab", "train", *COMMON, f"output.dir={out}", "output.run_name=run",
-           "--nproc", "2", "--nnodes", "1:2", "--rdzv-endpoint", endpoint, "--rdzv-id", "elastic-test"]
+def _agent(out, log, endpoint, gate=None):
+    args = ["train", *COMMON, f"output.dir={out}", "output.run_name=run",
+            "--nproc", "2", "--nnodes", "1:2", "--rdzv-endpoint", endpoint, "--rdzv-id", "elastic-test"]
+    cmd = [sys.executable, "-c", _GATED, str(gate), *args] if gate else [sys.executable, "-m", "shardlab", *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -47,11 +58,19 @@ def _kill_with_workers(p):
     p.wait()
 
 
-def _kill_after(b, a, marker, limit_s=180):
+def _wait_for(done, a, limit_s=180):
     deadline = time.monotonic() + limit_s
-    while not marker.exists() and time.monotonic() < deadline and a.poll() is None:
-        time.sleep(0.05)
+    while not done() and time.monotonic() < deadline and a.poll() is None:
+        time.sleep(0.02)
+
+
+def _shrink_then_grow(a, b, ckpt, a_log, gate):
+    """b dies as soon as the first checkpoint is committed; once a's shrunk group printed its line
+    (after its first step at world size 2), the third agent is let go."""
+    _wait_for(ckpt.exists, a)
     _kill_with_workers(b)
+    _wait_for(lambda: "lost (ranks 2-3)" in a_log.read_text(), a)
+    gate.touch()
 
 
 def _one_process_losses(tmp_path):
@@ -70,40 +89,46 @@ def _one_process_losses(tmp_path):
 
 
 @pytest.mark.slow
-def test_shrink_keeps_the_global_batch_and_the_losses(tmp_path):
+def test_shrink_and_grow_keep_the_global_batch_and_the_losses(tmp_path):
     from torch.distributed import TCPStore
 
     port = free_port()
     # The rendezvous store lives in this process, as on a cluster where it is a stable host: the
-    # agent that hosts it cannot be lost (docs/elastic.md), and either agent may bind first.
+    # agent that hosts it cannot be lost (docs/elastic.md), and any agent may bind first.
     store = TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False,
                      timeout=timedelta(seconds=300))
-    endpoint = f"127.0.0.1:{port}"
-    with open(tmp_path / "a.log", "w") as la, open(tmp_path / "b.log", "w") as lb:
+    endpoint, gate = f"127.0.0.1:{port}", tmp_path / "grow"
+    with open(tmp_path / "a.log", "w") as la, open(tmp_path / "b.log", "w") as lb, \
+            open(tmp_path / "c.log", "w") as lc:
         a = _agent(tmp_path, la, endpoint)
         b = _agent(tmp_path, lb, endpoint)
+        c = _agent(tmp_path, lc, endpoint, gate)
         ckpt = tmp_path / "run" / "checkpoints" / "step_00000002" / "shardlab.json"
-        # b dies as soon as the first checkpoint is committed, while this thread computes the reference
-        killer = threading.Thread(target=_kill_after, args=(b, a, ckpt), daemon=True)
+        killer = threading.Thread(target=_shrink_then_grow, args=(a, b, ckpt, tmp_path / "a.log", gate),
+                                  daemon=True)
         killer.start()
         try:
             reference = _one_process_losses(tmp_path)
             killer.join(timeout=180)
-            code = a.wait(timeout=180)
+            codes = a.wait(timeout=180), c.wait(timeout=180)
         finally:
-            for p in (b, a):
+            for p in (b, c, a):
                 if p.poll() is None:
                     _kill_with_workers(p)
     del store
-    log = (tmp_path / "a.log").read_text()
-    assert code == 0, log[-3000:]
+    log = (tmp_path / "a.log").read_text() + (tmp_path / "c.log").read_text()
+    assert codes == (0, 0), log[-3000:]
     m = json.loads((tmp_path / "run" / "metrics.json").read_text())
     args = json.loads((tmp_path / "run" / "run_args.json").read_text())
-    assert (m["world_size"], m["restart_count"], args["accumulation_steps"]) == (2, 1, 2)
-    resumed = args["resumed_from_step"]
-    assert 2 <= resumed <= 8 and m["steps_this_run"] >= 2
+    # a membership change is no failure: torch's agent does not count it as a restart
+    assert (m["world_size"], m["restart_count"], args["accumulation_steps"]) == (4, 1, 1)
     shrink = [ln for ln in log.splitlines() if "lost (ranks 2-3): world size 4 -> 2, accumulation 2" in ln]
-    assert len(shrink) == 1 and f"resumed from step {resumed}," in shrink[0], log[-3000:]
+    assert len(shrink) == 1, log[-3000:]
+    grow = [ln for ln in log.splitlines() if " joined: world size 2 -> 4, accumulation 1 x micro batch 4" in ln]
+    resumed = args["resumed_from_step"]
+    assert len(grow) == 1 and f"resumed from step {resumed}, 0 step(s) lost" in grow[0], log[-3000:]
+    assert int(shrink[0].split("resumed from step ")[1].split(",")[0]) < resumed < 60
     assert "Traceback" not in log
+    assert len(m["losses"]) == len(reference) == 60
     for step, (x, y) in enumerate(zip(m["losses"], reference), 1):
         assert abs(x - y) <= F64_RTOL * abs(y), (step, x, y)

@@ -1,6 +1,7 @@
 """A real Slurm run: a one-host cluster (slurmctld + slurmd on localhost) runs the rendered
 sbatch file with two torchrun agents (two "nodes" worth) that rendezvous over c10d, on CPU
-with gloo, and the run must finish with world size 2."""
+with gloo, and the run must finish with world size 2; the first job in the elastic form
+(`--min-nodes 1`: srun --no-kill, torchrun --nnodes=1:$NUM_AGENTS)."""
 
 from __future__ import annotations
 
@@ -55,11 +56,13 @@ def test_rendered_sbatch_runs_two_agents(slurm, tmp_path):
         [sys.executable, "-m", "shardlab", "render", "slurm", str(ROOT / "configs" / "gpt-tiny.yaml"),
          "model.preset=gpt-nano", "data.seq_len=32", "train.steps=4", "output.progress=false",
          f"output.dir={runs}", "output.run_name=slurm-run",
-         "--nodes", "2", "--gpus-per-node", "0", "--cpus-per-task", "1", "--max-restarts", "1",
+         "--nodes", "2", "--min-nodes", "1", "--gpus-per-node", "0", "--cpus-per-task", "1", "--max-restarts", "1",
          "--python", sys.executable, "--socket-ifname", "lo", "--rdzv-port", "29631",
          "--time", "00:05:00", "--out", str(out)],
         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert render.returncode == 0, render.stderr
+    sbatch = (out / "shardlab.sbatch").read_text()
+    assert "#SBATCH --no-kill" in sbatch and 'srun --no-kill' in sbatch and '--nnodes="1:$NUM_AGENTS"' in sbatch
     # one host plays both nodes: 2 tasks on it, one torchrun agent per task (1 worker each)
     sub = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", str(out / "shardlab.sbatch")],
                          capture_output=True, text=True, env=slurm, timeout=30)

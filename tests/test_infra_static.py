@@ -45,6 +45,8 @@ def rendered(tmp_path_factory) -> Path:
     run_cli("render", "slurm", CONFIG, "train.global_batch_size=16", "--nodes", "2", "--gpus-per-node", "2",
             "--out", str(out / "slurm"), "--partition", "gpu")
     run_cli("render", "slurm", CONFIG, "--nodes", "2", "--gpus-per-node", "0", "--out", str(out / "slurm-cpu"))
+    run_cli("render", "k8s", CONFIG, "--nodes", "2", "--min-nodes", "1", "--gpus-per-node", "1",
+            "--out", str(out / "k8s-elastic"))
     run_cli("render", "accelerate", CONFIG, "--nodes", "2", "--gpus-per-node", "2", "--out", str(out / "accelerate"))
     return out
 
@@ -189,7 +191,8 @@ def test_checkov_no_failed_checks(rendered, tmp_path):
 
 def test_rendered_manifest_validates_against_kubernetes_schemas(rendered):
     kv = tool("kubernetes-validate")
-    proc = subprocess.run([kv, "--strict", "-k", "1.30.0", str(rendered / "k8s" / "manifest.yaml")],
+    proc = subprocess.run([kv, "--strict", "-k", "1.30.0", str(rendered / "k8s" / "manifest.yaml"),
+                           str(rendered / "k8s-elastic" / "manifest.yaml")],  # --min-nodes: the elastic Job
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "job/" in proc.stdout and "service/" in proc.stdout

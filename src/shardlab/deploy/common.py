@@ -52,6 +52,30 @@ def add_common_arguments(p: argparse.ArgumentParser, target: str) -> None:
     p.add_argument("--max-restarts", type=int, default=3, help="torchrun agent restarts before giving up (default 3)")
 
 
+def add_min_nodes_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--min-nodes", type=int, default=None, metavar="MIN",
+                   help="elastic: torchrun --nnodes=MIN:NODES; the job goes on at the same global batch when nodes "
+                        "are lost, down to MIN, and grows back when they return (docs/elastic.md; default: fixed size)")
+
+
+def node_range(min_nodes: int | None, nodes: int) -> tuple[int, int]:
+    """(MIN, MAX) nodes of the job: (nodes, nodes) unless --min-nodes makes it elastic."""
+    lo = nodes if min_nodes is None else min_nodes
+    if not 1 <= lo <= nodes:
+        raise RenderError(f"--min-nodes {lo}: needs 1 <= --min-nodes <= --nodes ({nodes})")
+    return lo, nodes
+
+
+def check_every_size(run: ResolvedRun, nproc: int, lo: int, hi: int) -> None:
+    """An elastic job may run at any size MIN..MAX nodes: the config must have a layout at each."""
+    from shardlab.loop.elastic import check_node_range
+
+    try:
+        check_node_range(lambda world: shardlab_config.validate_for_world(run.config, world), nproc, lo, hi)
+    except shardlab_config.ConfigError as e:
+        raise RenderError(f"config: {e}") from e
+
+
 def out_dir(args: argparse.Namespace) -> Path:
     return args.out if args.out is not None else Path("deploy") / args.target
 

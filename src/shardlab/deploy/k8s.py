@@ -37,8 +37,11 @@ from shardlab.deploy.common import (
     RESOLVED_CONFIG_NAME,
     DeployTarget,
     RenderError,
+    add_min_nodes_argument,
     check_dns_label,
+    check_every_size,
     check_positive,
+    node_range,
     out_dir,
     resolve_config,
     sh_quote,
@@ -85,6 +88,7 @@ class K8sRequest:
     create_namespace: bool = True
     extra_labels: dict[str, str] = field(default_factory=dict)
     grace_s: int = 30                     # preemption grace (render fills it from the config)
+    min_nodes: int | None = None          # elastic: torchrun --nnodes=MIN:NODES (docs/elastic.md)
 
     @property
     def nproc(self) -> int:
@@ -113,7 +117,7 @@ def _torchrun_script(req: K8sRequest, rdzv_host: str) -> str:
     # DNS fails while its own record is not yet published, and then nobody serves the store.
     parts = [
         "exec python -m shardlab.torchrun",
-        f"--nnodes={req.nodes}",
+        "--nnodes={}:{}".format(*node_range(req.min_nodes, req.nodes)) if req.min_nodes else f"--nnodes={req.nodes}",
         f"--nproc-per-node={req.nproc}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={rdzv_host}:{RDZV_PORT}",
@@ -222,7 +226,7 @@ def job(req: K8sRequest) -> dict:
     rdzv_host = f"{req.name}-0.{req.service}"
     spec = pod_spec(req, ["/bin/sh", "-c", _torchrun_script(req, rdzv_host)], subdomain=req.service)
     backoff = req.backoff_limit if req.backoff_limit is not None else req.nodes * (req.max_restarts + 1)
-    return {
+    out = {
         "apiVersion": "batch/v1", "kind": "Job",
         "metadata": {"name": req.name, "labels": _labels(req), "annotations": _checkov_annotations()},
         "spec": {
@@ -240,6 +244,20 @@ def job(req: K8sRequest) -> dict:
             "template": _pod_template(req, spec),
         },
     }
+    if req.min_nodes:
+        del out["spec"]["backoffLimit"]  # per index instead
+        out["spec"].update(_elastic_job_spec(req))
+    return out
+
+
+def _elastic_job_spec(req: K8sRequest) -> dict:
+    """An elastic job's pods fail one index at a time: a pod whose index used up its retries
+    (torch's agent restarts, then backoffLimitPerIndex replacement pods) fails that index only,
+    while the others train on (torchrun --nnodes=MIN:MAX) as long as MIN are left; the Job
+    succeeds once pod 0, which hosts the rendezvous (and must not be lost), succeeds."""
+    lo, hi = node_range(req.min_nodes, req.nodes)
+    return {"backoffLimitPerIndex": req.max_restarts + 1, "maxFailedIndexes": hi - lo,
+            "successPolicy": {"rules": [{"succeededIndexes": "0"}]}}
 
 
 def service(req: K8sRequest) -> dict:
@@ -388,6 +406,7 @@ def check_request(req: K8sRequest) -> None:
     check_positive(req.nodes, "--nodes")
     check_positive(req.gpus_per_node, "--gpus-per-node", minimum=0)
     check_positive(req.max_restarts, "--max-restarts", minimum=0)
+    node_range(req.min_nodes, req.nodes)
     # the job name becomes pod hostnames `<name>-<index>` (63 max) and label values
     check_dns_label(req.name, "--name", max_len=63 - 1 - len(str(req.nodes - 1)))
     check_dns_label(req.namespace, "--namespace")
@@ -402,6 +421,7 @@ def render(req: K8sRequest) -> tuple[list[Path], str]:
     check_request(req)
     assert req.out is not None
     run = resolve_config(req.config, k8s_overrides(req, req.overrides), req.nodes * req.nproc)
+    check_every_size(run, req.nproc, *node_range(req.min_nodes, req.nodes))
     grace = preemption.grace_estimate(run.config) if run.config.preemption.enabled else None
     if grace is not None:
         req = dataclasses.replace(req, grace_s=grace.grace_s)
@@ -509,6 +529,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shm-size", default="8Gi", help="size limit of the /dev/shm memory volume (default 8Gi)")
     p.add_argument("--no-namespace-object", dest="create_namespace", action="store_false",
                    help="do not create the Namespace (it exists already)")
+    add_min_nodes_argument(p)
 
 
 def _render_args(args: argparse.Namespace, common: dict) -> tuple[list[Path], str]:
@@ -516,7 +537,7 @@ def _render_args(args: argparse.Namespace, common: dict) -> tuple[list[Path], st
         **common, name=args.name, namespace=args.namespace, image=args.image, bucket=args.bucket,
         service_account=args.service_account, accelerator=args.accelerator, cpu_per_node=args.cpu_per_node,
         memory_per_node=args.memory_per_node, shm_size=args.shm_size, max_restarts=args.max_restarts,
-        create_namespace=args.create_namespace))
+        create_namespace=args.create_namespace, min_nodes=args.min_nodes))
 
 
 def _submit_args(args: argparse.Namespace, out: Path) -> int:

@@ -32,8 +32,11 @@ from shardlab.deploy.common import (
     RESOLVED_CONFIG_NAME,
     DeployTarget,
     RenderError,
+    add_min_nodes_argument,
     check_dns_label,
+    check_every_size,
     check_positive,
+    node_range,
     out_dir,
     resolve_config,
     sh_quote,
@@ -47,7 +50,7 @@ SBATCH_NAME = "shardlab.sbatch"
 
 SBATCH_TEMPLATE = r"""#!/bin/bash
 # Rendered by `shardlab render slurm`; submit with: sbatch @sbatch_path
-# @nodes node(s) x @nproc process(es) = world size @world_size.
+# @size_line
 #SBATCH --job-name=@job_name
 #SBATCH --nodes=@nodes
 #SBATCH --ntasks-per-node=1
@@ -93,11 +96,10 @@ forward_signal() {
 }
 @traps
 
-# --kill-on-bad-exit: if one agent gives up (restarts used up), stop the others too
-# instead of leaving them waiting in the rendezvous until the time limit.
-srun --kill-on-bad-exit=1 --label --ntasks="$NUM_AGENTS" \
+@srun_kill
+srun @srun_kill_flag --label --ntasks="$NUM_AGENTS" \
     @python -m shardlab.torchrun \
-    --nnodes="$NUM_AGENTS" \
+    --nnodes=@nnodes \
     --nproc-per-node=@nproc \
     --rdzv-id="$SLURM_JOB_ID" \
     --rdzv-backend=c10d \
@@ -146,6 +148,7 @@ class SlurmRequest:
     setup: str = ""
     workdir: str | None = None
     requeue: bool = True                  # with preemption.enabled: requeue after a preemption save
+    min_nodes: int | None = None          # elastic: torchrun --nnodes=MIN:(the agents), --no-kill (docs/elastic.md)
 
 
 def _procs(req: SlurmRequest) -> int:
@@ -167,9 +170,11 @@ def render(req: SlurmRequest) -> tuple[list[Path], str]:
     if not 1 <= req.rdzv_port <= 65535:
         raise RenderError(f"--rdzv-port must be a TCP port (1-65535), got {req.rdzv_port}")
     check_dns_label(req.job_name, "--job-name")
+    lo, _ = node_range(req.min_nodes, req.nodes)
     world = req.nodes * nproc
     run = resolve_config(req.config, with_defaults(req.overrides, {"checkpoint.resume": "auto",
                                                                    "doctor.enabled": "true"}), world)
+    check_every_size(run, nproc, lo, req.nodes)
 
     out = req.out.resolve()
     config_path = out / RESOLVED_CONFIG_NAME
@@ -188,6 +193,8 @@ def render(req: SlurmRequest) -> tuple[list[Path], str]:
         optional.append(f"#SBATCH --signal=B:USR1@{grace.grace_s}")
     if req.requeue:
         optional.append("#SBATCH --requeue")
+    if req.min_nodes:
+        optional.append("#SBATCH --no-kill")  # a failed node leaves the allocation; the job goes on
     if grace is not None and req.requeue:
         on_preempted = ('echo "shardlab: checkpoint saved after a preemption signal; requeueing job $SLURM_JOB_ID"\n'
                         '    scontrol requeue "$SLURM_JOB_ID"\n    exit 0')
@@ -204,7 +211,10 @@ def render(req: SlurmRequest) -> tuple[list[Path], str]:
     text = fill(
         SBATCH_TEMPLATE,
         sbatch_path=sh_quote(str(out / SBATCH_NAME)),
-        nodes=req.nodes, nproc=nproc, world_size=world, job_name=req.job_name, cpus_per_task=cpus,
+        size_line=(f"{lo}..{req.nodes} node(s) (elastic) x {nproc} process(es) = world size {lo * nproc}..{world}."
+                   if req.min_nodes else f"{req.nodes} node(s) x {nproc} process(es) = world size {world}."),
+        **_srun_kill(lo if req.min_nodes else None),
+        nodes=req.nodes, nproc=nproc, job_name=req.job_name, cpus_per_task=cpus,
         time_limit=req.time_limit, workdir=req.workdir or os.getcwd(), log_dir=log_dir,
         optional_directives="\n".join(optional), config_path=sh_quote(str(config_path)),
         rdzv_port=req.rdzv_port, socket_env=socket_env, omp_threads=max(1, cpus // nproc),
@@ -220,6 +230,18 @@ def render(req: SlurmRequest) -> tuple[list[Path], str]:
     if grace is not None:
         hint += f"   # {grace.describe()}"
     return written, hint
+
+
+def _srun_kill(min_nodes: int | None) -> dict[str, str]:
+    """How the job step treats a lost agent: a fixed-size job stops them all; an elastic one
+    (srun --no-kill, torchrun --nnodes=MIN:agents) lets the others re-form without it."""
+    if min_nodes is None:
+        return {"srun_kill": "# --kill-on-bad-exit: if one agent gives up (restarts used up), stop the others too\n"
+                             "# instead of leaving them waiting in the rendezvous until the time limit.",
+                "srun_kill_flag": "--kill-on-bad-exit=1", "nnodes": '"$NUM_AGENTS"'}
+    return {"srun_kill": "# --no-kill: a lost node (or agent) does not end the step; the other agents re-form\n"
+                         f"# without it, down to {min_nodes}, at the same global batch (docs/elastic.md).",
+            "srun_kill_flag": "--no-kill", "nnodes": f'"{min_nodes}:$NUM_AGENTS"'}
 
 
 def _run_dir_expression(cfg, workdir: str) -> str:  # noqa: ANN001
@@ -263,6 +285,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requeue", action=argparse.BooleanOptionalAction, default=True,
                    help="#SBATCH --requeue, and `scontrol requeue` after a preemption save (default: on; "
                         "docs/preemption.md)")
+    add_min_nodes_argument(p)
 
 
 def _render_args(args: argparse.Namespace, common: dict) -> tuple[list[Path], str]:
@@ -271,7 +294,7 @@ def _render_args(args: argparse.Namespace, common: dict) -> tuple[list[Path], st
         job_name=args.job_name, partition=args.partition, account=args.account, qos=args.qos,
         time_limit=args.time_limit, mem=args.mem, max_restarts=args.max_restarts, rdzv_port=args.rdzv_port,
         socket_ifname=args.socket_ifname, python=args.python, setup=args.setup, workdir=args.workdir,
-        requeue=args.requeue))
+        requeue=args.requeue, min_nodes=args.min_nodes))
 
 
 def _submit_args(args: argparse.Namespace, out: Path) -> int:

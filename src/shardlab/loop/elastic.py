@@ -53,7 +53,28 @@ def check_node_range(check: Callable[[int], None], nproc: int, lo: int, hi: int)
 # lost (the furthest step a note reports, less the step resumed), and the seconds from the first
 # note (when the old group noticed) to the end of that first step.
 _DIR = "elastic"
-ENV = "SHARDLAB_ELASTIC"  # set by launch_elastic for its workers: membership is watched only then
+ENV = "SHARDLAB_ELASTIC"  # set by an elastic agent for its workers (AGENT_ENV): membership is watched only then
+
+
+# [Note: a joining node and the agents' shared store]
+# By default (torch 2.13) the rank-0 agent of a rendezvous round serves the workers' TCPStore from
+# its own process and writes its address under that round's keys, but only in the round where it
+# first becomes rank 0: in a later round where it is rank 0 again, it skips the write. A node that
+# joins such a round (a grow: the survivor of a shrink stays rank 0) then waits for that address
+# until its store timeout, and the survivor waits for the newcomer's role: the grow hangs and both
+# fail after 60 s (seen here with two agents, then a third one started after the shrink). With
+# TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 every round's rank 0 writes a fresh address and the group's
+# rank-0 worker serves the store (env://), so each group also starts from an empty store.
+
+# What an elastic agent sets for itself and its workers (launch_elastic; python -m shardlab.torchrun
+# with --nnodes MIN:MAX, as the rendered elastic jobs run it).
+AGENT_ENV = {ENV: "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def is_range(nnodes: str) -> bool:
+    """torchrun's --nnodes value names a range of sizes (MIN:MAX with MIN < MAX)."""
+    lo, _, hi = nnodes.partition(":")
+    return bool(hi) and lo.strip() != hi.strip()
 
 
 def launched() -> bool:
@@ -67,14 +88,23 @@ def node_id() -> str:
     return f"{socket.gethostname()}:{os.getppid()}"
 
 
-def note_end(run_dir: str, rank: int, step: int, why: str) -> None:
-    """A worker that ends by a peer's failure ("lost") or the agent's stop ("stopped")."""
+def note_end(run_dir: str, rank: int, step: int, why: str, at: float | None = None) -> None:
+    """A worker that ends by a peer's failure ("lost") or the agent's stop ("stopped"; `at`: when
+    the agent's signal came)."""
     if not launched():
         return
     with contextlib.suppress(OSError):
         os.makedirs(os.path.join(run_dir, _DIR), exist_ok=True)
         with open(os.path.join(run_dir, _DIR, f"end-{rank}.json"), "w") as f:
-            json.dump({"step": step, "time": time.time(), "why": why, "node": node_id()}, f)
+            json.dump({"step": step, "time": at or time.time(), "why": why, "node": node_id()}, f)
+
+
+def stop_line(record: dict[str, Any]) -> str:
+    """Rank 0's line when the agent stopped an elastic group and it saved (a node joined: torch's
+    agent restarts the group on a membership change; or the whole job is being stopped)."""
+    return (f"shardlab: the agent stopped the group at step {record['step']} ({record['signal']}: a node joined, "
+            f"or the job is stopping); checkpoint {record['checkpoint']} saved in {record['save_seconds']:.2f} s, "
+            "the next group resumes from it")
 
 
 @dataclass
@@ -93,7 +123,8 @@ class Change:
                           *(f"node {n} joined" for n in joined)]) or "the group re-formed"
         reached = max([e["step"] for e in self.ends], default=resumed)
         since = min([e["time"] for e in self.ends], default=None)
-        took = f"{now - since:.1f} s from the loss to the first step at this size" if since else "time unknown"
+        event = "loss" if lost else "stop"  # a grow: from the agent's stop of the old group
+        took = f"{now - since:.1f} s from the {event} to the first step at this size" if since else "time unknown"
         return (f"shardlab: {what}: world size {_size(self.before)} -> {layout.world_size}, accumulation "
                 f"{layout.accumulation} x micro batch {layout.micro} (global batch kept), resumed from step "
                 f"{resumed}, {max(0, reached - resumed)} step(s) lost, {took}")

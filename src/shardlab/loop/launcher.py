@@ -93,7 +93,7 @@ def launch_elastic(cfg: Config, nproc: int, nodes: tuple[int, int], endpoint: st
     """One agent (node) of an elastic job of MIN..MAX agents with `nproc` workers each, meeting
     at `endpoint` (docs/elastic.md). A restart re-forms the group at whatever agents are left or
     have joined; the workers resume from the latest checkpoint at the same global batch."""
-    return launch_local(cfg, nproc, max_restarts, {elastic.ENV: "1"}, verbose=verbose,
+    return launch_local(cfg, nproc, max_restarts, elastic.AGENT_ENV, verbose=verbose,
                         rdzv=Rendezvous(nodes[0], nodes[1], endpoint, rdzv_id or cfg.output.run_name))
 
 

@@ -91,7 +91,13 @@ def init_runtime(backend: str = "auto", timeout_s: float = 300.0, force_group: b
             # restart the new group would then find the dead group's keys (e.g. gloo's
             # listening addresses) still there and dial them: "Connection refused", a
             # wasted restart. Prefixing by the restart count gives every attempt its own keys.
-            store = dist.PrefixStore(f"shardlab/restart_{restarts}", store)
+            # Only then: the count is each agent's own, and a membership change is no restart
+            # to torch, so after an elastic grow the old agent's workers count 1 and the new
+            # one's 0 and would never meet. An elastic agent shares no store ([Note: a joining
+            # node and the agents' shared store] in loop/elastic.py): each group's rank 0 serves
+            # a fresh one, with no old keys to avoid.
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                store = dist.PrefixStore(f"shardlab/restart_{restarts}", store)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                                     device_id=device if device.type == "cuda" else None)
     return Runtime(rank, local_rank, world, device, backend, restarts)

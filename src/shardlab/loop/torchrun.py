@@ -2,13 +2,15 @@
 shardlab's preemption exit code (docs/preemption.md). The rendered Slurm and Kubernetes jobs
 start their agents with it.
 
-It is `python -m torch.distributed.run` with three differences:
+It is `python -m torch.distributed.run` with these differences:
   - SIGUSR1 is among the signals the agent forwards to its workers (unless
     --signals-to-handle is given), so `#SBATCH --signal=B:USR1@...` reaches them;
   - the workers learn where to leave the "checkpoint saved" marker (SHARDLAB_PREEMPTION_MARKER;
     a value already in the environment is kept, so a batch script can check it too);
   - it exits 75 (PREEMPTED_EXIT_CODE) when its workers saved a preemption checkpoint, where
     torchrun would exit 1 with a SignalException traceback;
+  - with --nnodes MIN:MAX its workers note membership changes and print one line for each, and
+    the agents share no store (loop/elastic.py, docs/elastic.md);
   - when its workers fail, it prints the hang doctor's verdict on the run directory (its local
     rank 0 notes where that is: doctor/agent.py), which names the stuck or crashed rank, then
     the one exception that matters and where the whole report is, in place of torchrun's own
@@ -27,7 +29,7 @@ import sys
 
 from shardlab.atomic import read_json
 from shardlab.doctor import agent as doctor
-from shardlab.loop import preemption
+from shardlab.loop import elastic, preemption
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     own_note = not os.environ.get(doctor.RUN_DIR_NOTE_ENV)
     run_dir_note = os.environ.setdefault(doctor.RUN_DIR_NOTE_ENV, f"{marker}.run-dir")
     args = parse_args(argv)
+    if elastic.is_range(str(args.nnodes)):  # --nnodes MIN:MAX: an elastic job (docs/elastic.md)
+        os.environ.update(elastic.AGENT_ENV)
     try:
         run(args)
     except BaseException as e:  # noqa: BLE001 - mapped to an exit code below

@@ -143,10 +143,12 @@ def worker_main(cfg: Config) -> int:
         clean = True
         return 0
     except Preempted as p:
-        elastic.note_end(run_dir(cfg.output), rt.rank, RECORDER.step - 1, "stopped")  # an agent's stop, if elastic
+        r = p.record  # an agent's stop, if elastic: the next group's line (loop/elastic.py)
+        signalled = r["unix_time"] - (r["signal_to_exit_s"] or 0.0)  # None: another rank's signal
+        elastic.note_end(run_dir(cfg.output), rt.rank, r["step"], "stopped", signalled)
         if rt.is_main:
-            print(f"shardlab: {p}; exit code {PREEMPTED_EXIT_CODE}. The same command (checkpoint.resume=auto) "
-                  "continues from it.", flush=True)
+            print(elastic.stop_line(r) if elastic.launched() else f"shardlab: {p}; exit code {PREEMPTED_EXIT_CODE}. "
+                  "The same command (checkpoint.resume=auto) continues from it.", flush=True)
         return PREEMPTED_EXIT_CODE
     except BaseException as e:
         if doctor.is_peer_failure(e):  # elastic: the next group says what was lost (loop/elastic.py)
