@@ -22,7 +22,6 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
 from shardlab.atomic import remove_tree, write_json_atomic
-from shardlab.checkpoint.cost import StageCopy
 from shardlab.checkpoint.format import (
     DCP_METADATA,
     FORMAT,
@@ -48,6 +47,7 @@ from shardlab.checkpoint.reader import (
     verify_checkpoint,
 )
 from shardlab.checkpoint.rng import capture_rng, restore_rng
+from shardlab.checkpoint.stage import StageCopy
 from shardlab.engines.api import engine_of
 from shardlab.models import model_record
 
@@ -183,7 +183,7 @@ class CheckpointManager:
     def _collect(self, model: nn.Module, opt, state, stage: bool):
         """(plain entries, flat pieces, description) of what this rank saves. stage=True copies
         everything, so training may modify the live tensors while a background save writes."""
-        copy = StageCopy(self.rt.device, stage)  # pinned host memory on CUDA: cost.py
+        copy = StageCopy(self.rt.device, stage)  # pinned host memory on CUDA: stage.py
         layout = checkpoint_layout(model)
         shapes = self._param_shapes(layout)
         plain: dict[str, torch.Tensor] = {}

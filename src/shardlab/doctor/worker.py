@@ -232,8 +232,8 @@ def start(run_dir: str, rank: int, world: int, attempt: int = 0, *, capacity: in
     global _ACTIVE
     if _ACTIVE is not None:
         _ACTIVE.stop("failed")
-    _ACTIVE = Worker(debug_dir(run_dir), rank, world, attempt, info, capacity)
     _note_run_dir(run_dir)
+    _ACTIVE = Worker(debug_dir(run_dir), rank, world, attempt, info, capacity)
     return _ACTIVE
 
 

@@ -26,7 +26,6 @@ import contextlib
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -39,7 +38,7 @@ from shardlab.engines.compile import CompileClock
 from shardlab.loop import metrics as M
 from shardlab.loop.evaluate import Evaluation
 from shardlab.loop.run_summary import step_tokens, summarize
-from shardlab.observe.flops import CountFlops, device_peak
+from shardlab.observe.flops import StepFlops
 from shardlab.observe.runs import STEPS_FILE
 from shardlab.observe.trackers import open_trackers, resolve_trackers
 
@@ -136,55 +135,6 @@ class StepLogger:
         present = {k: float(v) for k, v in scalars.items() if v is not None}
         for tracker in self.trackers:
             tracker.log(present, step)
-
-
-class StepFlops:
-    """MFU ([Note: how MFU is computed]): the FLOPs of the first step this run trains, counted on
-    rank 0 (`count` around it), over each step's time and the device's peak. The other ranks'
-    object counts nothing and answers None."""
-
-    def __init__(self, run: Any, t: TrainConfig):
-        self.samples_rank = t.global_batch_size // run.rt.world_size
-        self.tokens_per_sample = run.data.tokens_per_sample
-        self.flops: int | None = None
-        self.peak: float | None = None
-        self.peak_source: str | None = None
-        self.note = "trains nothing in this run" if run.state.step >= t.steps else None
-        if t.compile:
-            self.note = "not counted under train.compile: compiled kernels bypass the dispatcher that counts FLOPs"
-        self.counting = run.rt.is_main and self.note is None
-        if self.counting:  # before the first step: measuring the peak (once per machine, cached) is not step time
-            self.peak, self.peak_source = device_peak(run.rt.device, t.precision)
-
-    @contextlib.contextmanager
-    def count(self) -> Iterator[None]:
-        """Around a training step: the first this run trains is counted (rank 0)."""
-        if not self.counting:
-            yield
-            return
-        with CountFlops() as counted:
-            yield
-        self.flops, self.counting = counted.flops, False
-
-    def mfu(self, step_time: float) -> float | None:
-        if self.flops is None or not self.peak or step_time <= 0:
-            return None
-        return self.flops / step_time / self.peak
-
-    def summary(self, step_times: list[float]) -> dict[str, Any]:
-        """metrics.json's MFU keys: per step of this run (as step_times_s), their median over the
-        steps after the first (as step_time_median_s), and what they come from."""
-        per_step = [self.mfu(s) for s in step_times]
-        measured = [m for m in per_step[1:] or per_step if m is not None]
-        per_sample = self.flops / self.samples_rank if self.flops is not None else None
-        return {"mfu": statistics.median(measured) if measured else None,
-                "mfu_per_step": per_step if self.flops is not None else None,
-                "flops_per_step_per_rank": self.flops,
-                "flops_per_sample": per_sample,
-                "flops_per_token": per_sample / self.tokens_per_sample
-                if per_sample is not None and self.tokens_per_sample else None,
-                "peak_flops_per_s": self.peak, "peak_flops_source": self.peak_source,
-                "mfu_note": self.note}
 
 
 class RunMeasurements:

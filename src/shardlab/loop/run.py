@@ -22,7 +22,6 @@ from torch import nn
 import shardlab
 from shardlab import memory
 from shardlab.atomic import write_json_atomic
-from shardlab.checkpoint.cost import CheckpointCost
 from shardlab.config import (
     Config,
     OutputConfig,
@@ -40,6 +39,7 @@ from shardlab.engines import Engine, engine_class, engine_of
 from shardlab.loop import elastic
 from shardlab.loop import metrics as M
 from shardlab.loop.amp import make_loss_scaler
+from shardlab.loop.checkpoint_cost import CheckpointCost
 from shardlab.loop.evaluate import Evaluation, evaluate_sources
 from shardlab.loop.runtime import Runtime, all_gather_object, hostname, init_runtime, seed_everything
 from shardlab.loop.schedule import make_optimizer, make_schedule, schedule_note
@@ -89,7 +89,7 @@ class Run:
     num_trainable: int                # parameters with requires_grad (LoRA: the adapters)
     resumed_from: str | None = None   # the checkpoint this run resumed from
     batches: StepBatches | None = None  # this rank's micro batches, step by step (data/loader.py)
-    cost: CheckpointCost | None = None  # when saves are due and what each cost (checkpoint/cost.py)
+    cost: CheckpointCost | None = None  # when saves are due and what each cost (loop/checkpoint_cost.py)
     layout: Layout | None = None      # micro batch and accumulation at this world size (data/layout.py)
     change: elastic.Change | None = None  # an elastic group's change since the last start (its line: StepLogger)
 
@@ -105,7 +105,7 @@ class Run:
 
     def save_if_due(self, final: bool = False) -> None:
         """The checkpoint due at this step (checkpoint.every_steps, every_seconds), or with final the
-        last one; each save timed and its line printed once committed (checkpoint/cost.py)."""
+        last one; each save timed and its line printed once committed (loop/checkpoint_cost.py)."""
         if self.manager is None:
             return
         with self._saving() as m:
@@ -183,6 +183,8 @@ def build_run(cfg: Config, rt: Runtime, *, data: Any = None,
                               growth_interval=t.loss_scale_growth_interval)
     state, out_dir = TrainState(), run_dir(cfg.output)
     manager, resumed_from = _resume(cfg, out_dir, rt, model, opt, sched, state)
+    c = cfg.checkpoint
+    cost = CheckpointCost(manager.root, rt, c.every_steps, c.every_seconds) if manager is not None else None
     if scaler is not None and state.loss_scaler is not None:
         scaler.load_state_dict(state.loss_scaler)
     _check_same_corpus(state, data.manifest_sha256, manager)
@@ -192,8 +194,6 @@ def build_run(cfg: Config, rt: Runtime, *, data: Any = None,
         print(layout.note(t.global_batch_size), flush=True)
     batches = StepBatches(data.train, sampler, rt.rank, rt.world_size, layout.micro, t.steps, rt.device,
                           cfg.data.num_workers)
-    c = cfg.checkpoint
-    cost = CheckpointCost(manager.root, rt, c.every_steps, c.every_seconds) if manager is not None else None
     return Run(cfg, rt, out_dir, data, model, engine, opt, sched, scaler, sampler, manager, state,
                layout.accumulation, n_params, n_trainable, resumed_from, batches, cost, layout)
 

@@ -77,7 +77,7 @@ def summarize(run: Any, timer: M.StepTimer, mine: dict, val_losses: dict, wall: 
         "compile_s": max(r["compile"][0] for r in per_rank) if cfg.train.compile else None,
         "compiled_graphs": per_rank[0]["compile"][1] if cfg.train.compile else None,
     }
-    if run.cost is not None:  # every checkpoint's cost, rank 0's record (checkpoint/cost.py)
+    if run.cost is not None:  # every checkpoint's cost, rank 0's record (loop/checkpoint_cost.py)
         result.update(run.cost.summary(wall))
     if run.scaler is not None:
         result["loss_scale"] = run.scaler.get_scale()
