@@ -1,6 +1,7 @@
 """Measure `peak_live_bytes` the way `shardlab train` does, in-process: one spawn per world
 size runs `shardlab.loop.train.train` for every engine in turn (same code path as the CLI, minus the
-launcher), with `train.memory_tracking=last`. Used by tests/test_plan.py and, as a script,
+launcher), with `train.memory_tracking=last`, each engine's config as plan plans it
+(`plan.model.engine_config`: e.g. `parallel.accumulate=sharded` runs ddp with local). Used by tests/test_plan.py and, as a script,
 to print plan's agreement table:
 
     python -m tests.plan_measure configs/gpt-tiny.yaml [key=value ...] --nproc 1,2,4
@@ -23,13 +24,15 @@ def _measure_worker(rank: int, world: int, config: str | None, overrides: list[s
     from shardlab.config import load_config
     from shardlab.loop.runtime import Runtime
     from shardlab.loop.train import train
+    from shardlab.plan.model import engine_config
 
     out: dict[str, Any] = {}
     for engine in engines:
-        cfg = load_config(config, [*overrides, f"parallel.strategy={engine}", "train.memory_tracking=last",
+        cfg = load_config(config, [*overrides, "train.memory_tracking=last",
                                    "output.tensorboard=false", "output.progress=false", "checkpoint.resume=none",
                                    "checkpoint.every_steps=0", "train.eval_batches=1", f"output.dir={out_dir}",
                                    f"output.run_name={engine}-{world}"])
+        cfg = engine_config(cfg, engine, world)  # as plan plans it: options the engine does not take dropped
         rt = Runtime(rank, rank, world, torch.device("cpu"), "gloo")
         result = train(cfg, rt)
         out[engine] = {"peak_live_bytes": max(result["peak_live_bytes"]),

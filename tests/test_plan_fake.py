@@ -58,5 +58,5 @@ def test_fake_probes_equal_real_probes_to_the_byte():
         for e in engines:
             fake, real = got[name, True][e], got[name, False][e]
             assert fake["fake"] and not real["fake"]
-            for key in ("peak", "fwd_peak", "parts", "fwd_parts", "end_parts", "phase", "step_flops"):
+            for key in ("peak", "fwd_peak", "parts", "fwd_parts", "end_parts", "fwd_end_parts", "phase", "step_flops"):
                 assert fake[key] == real[key], (name, e, key, fake[key], real[key])

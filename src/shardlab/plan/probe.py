@@ -3,7 +3,8 @@ process group of N ranks (collectives return at once; the memory they use is all
 real run), on the model cut to `PROBE_LAYERS` blocks, measured by the live-memory tracker
 (shardlab.memory). The engine's real code runs, so its bounds (how many units are gathered, how
 many gradients are in flight) are measured, not assumed. Two figures per probe: the step's peak
-and the forward peak, each with its breakdown by part.
+and the forward peak, each with its breakdown by part, and the breakdown at the end of each (what
+the scaling in depth grows by: plan/scaling.py).
 
 Two kinds of probe ([Note: fake-tensor probes]):
 - "fake" (every engine that can, `Engine.fake_tensor_probe`): the step runs under torch's
@@ -207,7 +208,8 @@ class _HostBatches:
 
 
 def _probe_once(cfg: Config, rt, fake: bool) -> dict:
-    """One engine at one depth: the tracked step's peak and breakdown, and the forward peak's."""
+    """One engine at one depth: the tracked step's peak and breakdown, its end's (what stays between
+    steps), the forward peak's and the forward's end's (what every block keeps for backward)."""
     # deferred: shardlab.loop.train costs about 1 s to import (torch.distributed.checkpoint and the
     # loop's dependencies); the probes run in a child, and `shardlab --help` need not pay it
     from shardlab.loop.run import build_run
@@ -236,7 +238,8 @@ def _probe_once(cfg: Config, rt, fake: bool) -> dict:
         fwd = _forward_peak(run, rt, fake)
     return {"peak": full["peak_live_bytes"], "parts": full["parts"], "phase": full["phase"],
             "fwd_peak": fwd["peak_live_bytes"], "fwd_parts": fwd["parts"],
-            "end_parts": (full["step_end"] or {}).get("parts", {}), "step_seconds": seconds, "fake": fake,
+            "end_parts": (full["step_end"] or {}).get("parts", {}),
+            "fwd_end_parts": (fwd["step_end"] or {}).get("parts", {}), "step_seconds": seconds, "fake": fake,
             "step_flops": counted.flops}
 
 

@@ -53,14 +53,23 @@ def scale_probe(per_layer: dict[str, dict], L: int | None, act_scale: float, sha
     single) has no units: every part of its peak is per-block state or per-block fresh
     gradients (ddp keeps autograd's gradients beside its buckets until backward ends), so each
     part is extrapolated linearly in depth.
-    The forward peak (end of forward: saved activations of every block) is linear in depth
-    part by part, and is the candidate that wins when activations dominate. Then a sharded
-    engine's step peak comes at the start of backward: the forward's activations plus the
-    head's backward (the logits' gradient), not yet freed by any block. The probes show it:
-    their step peaks' activations grow between the two depths as the forward's do (within
-    5 %): both peaks caught the same moment, and each part is extrapolated linearly, as for a
-    replicated engine (the blocks' gradients, which the end-of-backward rule adds per block,
-    do not exist yet there).
+    The forward's peak is not always at its end, so its parts are not linear in depth: with
+    checkpointing a block keeps only its input, and a shallow probe's forward can peak where the
+    root unit is gathered (FSDP2's all-gather buffer beside the gathered parameters, activations
+    near 0) while a deeper one's peaks at its end. Mistral-7B on T4s (fp16, full checkpointing,
+    accumulation 2, torch-fsdp) did that between 3 and 4 blocks, and a line through the two
+    peaks' parts ran one moment's parts into the other's: comm -13.27 GiB beside activations
+    14.53 at 32 blocks. What a block adds is measured at one moment every probe has, the end of
+    the forward, where every block holds what it keeps for backward and its state; the forward
+    candidate is the deepest probe's forward peak plus that per block added. Where the forward
+    peaks at its end or in the head (after every block), that is exact; where it peaks earlier it
+    is high by at most one block's saved activations per block added.
+    A sharded engine's step peak comes at the start of backward when activations dominate: the
+    forward's activations plus the head's backward (the logits' gradient), not yet freed by any
+    block. The probes show it: their step peaks' activations grow between the two depths as the
+    forward's end's do (within 5 %): both caught the same moment, and each part is extrapolated
+    linearly, as for a replicated engine (the blocks' gradients, which the end-of-backward rule
+    adds per block, do not exist yet there).
     Activations scale with tokens per micro batch in both.
     """
     ext = _extrapolation(per_layer, L)
@@ -69,13 +78,13 @@ def scale_probe(per_layer: dict[str, dict], L: int | None, act_scale: float, sha
         step, fwd = dict(v["parts"]), dict(v["fwd_parts"])
     else:
         hi, lo, blocks = ext
+        per_block = {p: hi["fwd_end_parts"].get(p, 0) - lo["fwd_end_parts"].get(p, 0) for p in PARTS}
         act_step = hi["parts"].get("activations", 0) - lo["parts"].get("activations", 0)
-        act_fwd = hi["fwd_parts"].get("activations", 0) - lo["fwd_parts"].get("activations", 0)
+        act_fwd = per_block["activations"]
         at_backward_start = act_fwd > 0 and abs(act_step - act_fwd) <= 0.05 * act_fwd
         growth = "end_parts" if sharded and not at_backward_start else "parts"
         step = {p: hi["parts"].get(p, 0) + blocks * (hi[growth].get(p, 0) - lo[growth].get(p, 0)) for p in PARTS}
-        fwd = {p: hi["fwd_parts"].get(p, 0) + blocks * (hi["fwd_parts"].get(p, 0) - lo["fwd_parts"].get(p, 0))
-               for p in PARTS}
+        fwd = {p: hi["fwd_parts"].get(p, 0) + blocks * per_block[p] for p in PARTS}
     # Only activations scale with tokens: of the step peak's "activations" (what was born in
     # forward or backward and nobody claimed), at most the forward's saved activations are; the
     # rest is backward-born storage of fixed size (PyTorch DDP's buckets on the one-rank probe).
