@@ -307,3 +307,34 @@ def test_sharded_accumulation_in_plan():
         "parallel.accumulate=sharded: fits (3.00 GiB), 2x gradient traffic; no gradient kept unsharded between "
         "micro batches")
     assert without_accumulation(local, held, 4) is not None and without_accumulation(sharded, held, 4) is None
+
+
+#: gpt-tiny at 12 blocks on 4 ranks, 2 micro batches of 1 x 64 per rank, sharded accumulation: zero3's
+#: owners at 3 and 4 blocks are not those at 12, and scaled from them its plan was 6.7 % under the
+#: whole model's (unsharded gradients in flight: 1.08 MiB scaled, 2.52 whole).
+ZERO3_DEEP = ["data.source=synthetic", "train.micro_batch_size=1", "train.global_batch_size=8", "data.seq_len=64",
+              "model.n_layer=12", "parallel.accumulate=sharded", "train.loss=chunked"]
+
+
+def _zero3_probed_whole() -> dict:
+    from shardlab.plan.model import engine_config
+    from shardlab.plan.probe import probe_child
+
+    cfg = load_config("configs/gpt-tiny.yaml", ZERO3_DEEP)
+    plan = {"raw": engine_config(cfg, "zero3", 4, 4).to_dict(), "fake": True, "micro": 1, "seq": 64}
+    return probe_child({"zero3": plan}, 4, [12], 2)["zero3"]["12"]
+
+
+def test_zero3_plan_is_its_whole_depth_probe():
+    """[Note: scaling a probe's peak to the real depth]: zero3's layout depends on the whole model
+    (`probe_whole_depth`), so plan's fake probe runs every block, and its peak is that of a fake
+    probe of the whole model: the transient parts to the byte, the total within 2 % (the state is
+    the largest rank's, the probe's is rank 0's)."""
+    from shardlab.plan.model import in_child
+
+    p = predict_all(load_config("configs/gpt-tiny.yaml", ZERO3_DEEP), 4, ["zero3"])["zero3"]
+    whole = in_child(_zero3_probed_whole, timeout_s=300)
+    assert not any("extrapolated" in n for n in p.notes), p.notes
+    for part in ("gathered_params", "unsharded_grads", "activations", "comm", "other"):
+        assert p.parts[part] == whole["parts"][part], (part, p.parts, whole["parts"])
+    assert abs(p.peak_bytes - whole["peak"]) <= 0.02 * whole["peak"], (p.peak_bytes, whole["peak"])

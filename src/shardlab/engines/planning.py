@@ -86,6 +86,11 @@ class Plannable:
     #: False when plan cannot run the engine's step under FakeTensorMode (plan/probe.py, [Note:
     #: fake-tensor probes]); plan then probes it on real tensors at a reduced micro batch.
     fake_tensor_probe: ClassVar[bool] = True
+    #: True when a rank's layout changes with the model's depth in a way no cut model has (which
+    #: rank owns which whole tensor), so a probe cut to a few blocks cannot be scaled to the real
+    #: depth: plan's fake-tensor probe then runs the model whole ([Note: scaling a probe's peak to
+    #: the real depth] in plan/scaling.py).
+    probe_whole_depth: ClassVar[bool] = False
 
     @classmethod
     def planned_state(cls, params: list[nn.Parameter], world: int, options: Mapping[str, Any]

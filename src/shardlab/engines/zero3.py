@@ -89,6 +89,9 @@ class Zero3Engine(Engine, Plannable, Measurable):
 
     grads_sharded = True
     options = ("reshard_after_forward", "mixed_precision", "offload", "accumulate")
+    # whole tensors go to owners by size over the whole model (zero3_layout.assign_owners): a cut
+    # model's owners, and so its reduce buffers in flight at the peak, are not the real model's
+    probe_whole_depth = True
 
     def __init__(self, module: nn.Module, *, reshard_after_forward: bool = True, mixed_precision: Any = None,
                  offload: Any = None, accumulate: str = "local", **kw: Any):

@@ -118,8 +118,10 @@ def _predict_all(cfg, nproc: int, engines: list[str] | None, per_node: int | Non
     why_not = {e: f"a real-tensor probe would need over {P.PROBE_MAX_BYTES / 2**30:.0f} GiB here "
                   "(SHARDLAB_PLAN_PROBE_MAX_GIB raises the limit)" for e in engines if e not in probe_ok}
     shapes = {e: P.probe_shape(cfg, fake[e]) for e in engines}
-    # a fake probe of a shallow model runs it whole: no scaling in depth at all
-    depth = {e: [L] if fake[e] and L is not None and L <= P.FAKE_WHOLE_DEPTH else layers for e in engines}
+    # a fake probe of a shallow model, or of an engine whose layout a cut model lacks, runs it whole:
+    # no scaling in depth at all
+    depth = {e: [L] if fake[e] and L is not None and (L <= P.FAKE_WHOLE_DEPTH or engine_class(e).probe_whole_depth)
+             else layers for e in engines}
     plans = {e: {"raw": cfgs[e].to_dict(), "fake": fake[e], "micro": shapes[e][0], "seq": shapes[e][1],
                  "layers": depth[e]} for e in probe_ok}
     probe_accumulation = min(k, 2)
@@ -181,6 +183,8 @@ def _predicted(engine: str, cfg: Config, nproc: int, state: dict[str, int], per_
     parts_step, parts_fwd = scale_probe(per_layer, L, act_scale, cls.grads_sharded)
     candidates = []
     for parts, phase in ((parts_step, deepest["phase"]), (parts_fwd, "forward")):
+        if L is None or str(L) in per_layer:  # probed whole: the probed rank's gradients, as the planned rank's
+            parts["grads"] = _planned_rank_grads(parts["grads"], deepest["end_parts"], state)
         parts["params"], parts["optimizer"] = state["params"], state["optimizer"]  # exact
         candidates.append((sum(parts.values()), parts, phase))
     total, parts, phase = max(candidates, key=lambda c: c[0])
@@ -216,6 +220,16 @@ def _predicted(engine: str, cfg: Config, nproc: int, state: dict[str, int], per_
                      notes=notes, host_bytes=host, probe=kind)
     out.probe_step_seconds = {k: v["step_seconds"] for k, v in per_layer.items()}  # type: ignore[attr-defined]
     return out
+
+
+def _planned_rank_grads(grads: float, end: dict[str, int], state: dict[str, int]) -> float:
+    """The gradients a moment of the probed rank (rank 0) holds, for the rank plan reports (the
+    largest model state): where the two keep different tensors (zero3's owners), the same fraction
+    of its end-of-step gradients as the probed rank held. Where they keep the same (every other
+    engine on this rank), the probed rank's figure."""
+    if end.get("params") == state["params"] or not end.get("grads"):
+        return grads
+    return grads * state["grads"] / end["grads"]
 
 
 def predict(cfg: Config, engine: str, nproc: int) -> Prediction:

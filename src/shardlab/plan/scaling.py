@@ -71,6 +71,16 @@ def scale_probe(per_layer: dict[str, dict], L: int | None, act_scale: float, sha
     linearly, as for a replicated engine (the blocks' gradients, which the end-of-backward rule
     adds per block, do not exist yet there).
     Activations scale with tokens per micro batch in both.
+    All of this assumes every block adds the same to a rank. zero3 breaks it (its class says so:
+    `Plannable.probe_whole_depth`): owners get whole tensors, largest first, over the whole model,
+    so a cut model's owners are not the real one's (Mistral-7B at 16 ranks: rank 0 owns only the
+    embedding at 3 to 8 blocks, a 32nd of the model at 32), and neither are the reduce buffers in
+    flight at its peak, which are owners' groups under a cap in bytes (twice the largest unit's
+    parameters) that a few blocks do not reach. Rank 0's unsharded gradients at its peak, fake
+    probes of that model: 1194, 1610, 2058, 2080, 2080 MiB at 3 to 7 blocks, 2112 at 10, 2338 at
+    16, 2362 at 32; scaled from 3 and 4 blocks the whole peak came out 23 % low. plan probes such
+    an engine whole on fake tensors (seconds: 5.5 s for that model's 32-block step on this
+    machine), so nothing is scaled in depth; only a real-tensor probe of it is still cut.
     """
     ext = _extrapolation(per_layer, L)
     if ext is None:
