@@ -87,6 +87,7 @@ class Gather:
 
 class MinimalZero3Engine(Engine, Plannable, Measurable):
     grads_sharded = True
+    probe_whole_depth = True  # owners by size over the whole model, as zero3's: plan probes it whole
 
     def __init__(self, module: nn.Module, **kw: Any):
         super().__init__(module, **kw)
