@@ -565,7 +565,6 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
     """Checks that need the number of workers; run before they start."""
     t = cfg.train
     _check(world_size >= 1, f"the number of workers must be >= 1, got {world_size}")
-    layout_for(t.global_batch_size, t.micro_batch_size, world_size)  # the rule: data/layout.py
     engine = engine_class(cfg.parallel.strategy)
     if not engine.distributed:
         distributed = [s for s in STRATEGIES if engine_class(s).distributed]
@@ -576,3 +575,4 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
             resolve_shard_size(cfg.parallel.shard_size, world_size)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    layout_for(t.global_batch_size, t.micro_batch_size, world_size)  # the rule: data/layout.py

@@ -156,8 +156,8 @@ def build_run(cfg: Config, rt: Runtime, *, data: Any = None,
               adapt_model: Callable[[nn.Module], nn.Module] | None = None) -> Run:
     """data: datasets already built (default: built here). adapt_model: applied to the model
     on the meta device before the engine wraps it (`shardlab verify`: float64, dropout off)."""
-    validate_for_world(cfg, rt.world_size)
     seed_everything(cfg.seed)
+    validate_for_world(cfg, rt.world_size)
     t, p = cfg.train, cfg.parallel
     data = data if data is not None else build_datasets(cfg)
     # Sharded engines materialize only their shard from the meta device; the others materialize whole.
