@@ -1,6 +1,6 @@
 # shardlab: the two commands a new user needs are `make demo` and `make test`.
 # Both start with `make setup` (torch + shardlab), which is idempotent: a stamp file tracks
-# pyproject.toml. `make test` then adds the test and infra-check tools (extras dev, plot, infra).
+# pyproject.toml. `make test` then adds the test and infra-check tools (extras dev, plot, infra, and the wandb and mlflow trackers, so their read-back tests run).
 #
 # TORCH_SPEC picks the torch build. The default is the CPU wheel that lies on this
 # machine's disk; a GPU user sets e.g. TORCH_SPEC="torch==2.13.0 --index-url <their CUDA index>".
@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml
 setup-dev: $(DEV_STAMP)
 
 $(DEV_STAMP): $(STAMP)
-	$(PIP) -e ".[dev,plot,infra,hf,data]"
+	$(PIP) -e ".[dev,plot,infra,hf,data,wandb,mlflow]"
 	@touch $(DEV_STAMP)
 
 demo: setup
