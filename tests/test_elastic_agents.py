@@ -128,6 +128,8 @@ def test_shrink_and_grow_keep_the_global_batch_and_the_losses(tmp_path):
     resumed = args["resumed_from_step"]
     assert len(grow) == 1 and f"resumed from step {resumed}, 0 step(s) lost" in grow[0], log[-3000:]
     assert int(shrink[0].split("resumed from step ")[1].split(",")[0]) < resumed < 60
+    # the loss to the first step at the smaller size, as the line says: within parallel.timeout_s (60) + 30 s
+    assert float(shrink[0].split(" step(s) lost, ")[1].split(" s from the loss")[0]) <= 60 + 30, shrink[0]
     assert "Traceback" not in log
     assert len(m["losses"]) == len(reference) == 60
     for step, (x, y) in enumerate(zip(m["losses"], reference), 1):
