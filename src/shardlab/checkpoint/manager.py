@@ -151,8 +151,16 @@ class CheckpointManager:
         self.load(path, model, opt, sched, state)
         return path
 
+    def due(self, step: int) -> bool:
+        """checkpoint.every_steps asks for this step, not saved yet."""
+        return self.every_steps > 0 and step % self.every_steps == 0 and step != self.last_saved_step
+
+    def final_due(self, step: int) -> bool:
+        """The end of training saves its step (checkpoint.final, or every_steps > 0), unless just saved."""
+        return (self.final or self.every_steps > 0) and step != self.last_saved_step
+
     def maybe_save(self, model: nn.Module, opt, sched, state) -> str | None:
-        if self.every_steps > 0 and state.step % self.every_steps == 0 and state.step != self.last_saved_step:
+        if self.due(state.step):
             self.refuse_non_finite(model, state.step)
             return self.save(model, opt, sched, state)
         return None
@@ -174,7 +182,7 @@ class CheckpointManager:
         """At the end of training: the final state is saved (checkpoint.final, or every_steps > 0),
         unless that step was just saved, and every in-flight asynchronous save is committed."""
         path = None
-        if (self.final or self.every_steps > 0) and state.step != self.last_saved_step:
+        if self.final_due(state.step):
             path = self.save(model, opt, sched, state, blocking=True)
         self.wait()
         return path

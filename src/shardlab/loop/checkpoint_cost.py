@@ -36,21 +36,17 @@ from shardlab.checkpoint.format import MANIFEST, step_dir_name
 
 
 class CheckpointCost:
-    """Decides when a save is due (every_steps, every_seconds) and records what each one cost."""
+    """Decides when `every_seconds` makes a save due (`every_steps` is the manager's rule) and records what each save cost."""
 
-    def __init__(self, root: str, rt: Any, every_steps: int = 0, every_seconds: float | None = None):
-        self.root, self.rt = root, rt
-        self.every_steps, self.every_seconds = every_steps, every_seconds
+    def __init__(self, root: str, rt: Any, every_seconds: float | None = None):
+        self.root, self.rt, self.every_seconds = root, rt, every_seconds
         self.last_time = time.monotonic()
         self.saves: list[dict[str, Any]] = []        # committed saves, as metrics.json lists them
         self._held: dict[int, float] = {}           # step -> seconds held up, until its commit is seen
 
-    def due(self, step: int, last_saved_step: int | None) -> bool:
-        """Every rank calls at every step boundary (a collective when every_seconds is set)."""
-        if step == last_saved_step:
-            return False
-        if self.every_steps > 0 and step % self.every_steps == 0:
-            return True
+    def seconds_due(self) -> bool:
+        """checkpoint.every_seconds passed since the last save (or the start), by rank 0's clock. Every
+        rank calls it at the same step boundaries (a collective when every_seconds is set)."""
         if not self.every_seconds:
             return False
         flag = torch.tensor([float(time.monotonic() - self.last_time >= self.every_seconds)])

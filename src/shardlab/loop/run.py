@@ -110,13 +110,13 @@ class Run:
             return
         with self._saving() as m:
             step, args, cost = self.state.step, (self.model, self.opt, self.sched, self.state), self.cost
-            if final and (m.final or m.every_steps > 0) and step != m.last_saved_step:
+            if final and m.final_due(step):
                 cost.timed(step, lambda: m.finalize(*args))
             elif final:
                 m.finalize(*args)  # nothing to write: an async save in flight is committed
-            elif m.every_steps > 0 and step % m.every_steps == 0 and step != m.last_saved_step:
+            elif m.due(step):
                 cost.timed(step, lambda: m.maybe_save(*args))
-            elif cost.due(step, m.last_saved_step):  # every_seconds, by rank 0's clock
+            elif step != m.last_saved_step and cost.seconds_due():  # every_seconds, by rank 0's clock
                 m.refuse_non_finite(self.model, step)
                 cost.timed(step, lambda: m.save(*args))
             cost.report()  # an async save committed since
@@ -184,7 +184,7 @@ def build_run(cfg: Config, rt: Runtime, *, data: Any = None,
     state, out_dir = TrainState(), run_dir(cfg.output)
     manager, resumed_from = _resume(cfg, out_dir, rt, model, opt, sched, state)
     c = cfg.checkpoint
-    cost = CheckpointCost(manager.root, rt, c.every_steps, c.every_seconds) if manager is not None else None
+    cost = CheckpointCost(manager.root, rt, c.every_seconds) if manager is not None else None
     if scaler is not None and state.loss_scaler is not None:
         scaler.load_state_dict(state.loss_scaler)
     _check_same_corpus(state, data.manifest_sha256, manager)
