@@ -8,7 +8,17 @@ step with it (plan/probe.py), and the training loop counts the first step of eac
 peak (plan/catalogue.py, with its source). Any other device, the CPU included: this machine's
 matmul peak, measured once (the best of a few rounds of square matmuls at the training dtype
 and the process's thread count) and cached under the shardlab cache directory, so every run
-on the machine divides by the same number.
+on the machine divides by the same number ([Note: a peak measured on busy cores]).
+
+[Note: a peak measured on busy cores]
+A peak measured while other processes share the cores is low, and every MFU divided by it reads
+high (a cached 38 GFLOP/s on cores that do 109 idle gave 114-143 % MFU). Two guards:
+- while measuring, each round's CPU share (process CPU time / wall time / threads) tells whether
+  the matmuls had the cores: only a round with at least FREE_SHARE counts as the peak, rounds go
+  on (up to PEAK_SECONDS) until one has it; a measurement without such a round is used for the
+  run, named as measured under load, and not cached, so the next run measures again;
+- after the run, a step whose counted FLOP/s exceed the peak proves the peak too low (or the
+  count too high): the run says so in `mfu_note` and a warning, and drops the cached figure.
 """
 
 from __future__ import annotations
@@ -19,8 +29,10 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,6 +45,10 @@ if TYPE_CHECKING:
 #: Side of the square matmuls the peak is measured with (CPU; a GPU takes 8x), and the rounds.
 PEAK_SIDE = 1024
 PEAK_ROUNDS = 8
+#: a round counts as the peak when its matmuls had this share of their threads' wall time
+FREE_SHARE = 0.9
+#: how long rounds go on looking for one that had the cores (CPU), before giving up for this run
+PEAK_SECONDS = 5.0
 
 
 class CountFlops(TorchDispatchMode):
@@ -108,6 +124,7 @@ class StepFlops:
         if t.compile:
             self.note = "not counted under train.compile: compiled kernels bypass the dispatcher that counts FLOPs"
         self.counting = run.rt.is_main and self.note is None
+        self.device, self.precision = run.rt.device, t.precision
         if self.counting:  # before the first step: measuring the peak (once per machine, cached) is not step time
             self.peak, self.peak_source = device_peak(run.rt.device, t.precision)
 
@@ -131,6 +148,8 @@ class StepFlops:
         steps after the first (as step_time_median_s), and what they come from."""
         per_step = [self.mfu(s) for s in step_times]
         measured = [m for m in per_step[1:] or per_step if m is not None]
+        if measured and max(measured) > 1:
+            self.note = self._peak_too_low(max(measured))
         per_sample = self.flops / self.samples_rank if self.flops is not None else None
         return {"mfu": statistics.median(measured) if measured else None,
                 "mfu_per_step": per_step if self.flops is not None else None,
@@ -140,6 +159,19 @@ class StepFlops:
                 if per_sample is not None and self.tokens_per_sample else None,
                 "peak_flops_per_s": self.peak, "peak_flops_source": self.peak_source,
                 "mfu_note": self.note}
+
+    def _peak_too_low(self, highest: float) -> str:
+        """A step ran faster than the peak ([Note: a peak measured on busy cores]): say so, and drop
+        a cached figure so that the next run measures again."""
+        measured = "measured" in (self.peak_source or "")
+        note = (f"a step reached {highest:.0%} of the peak, so the peak ({self.peak / 1e9:.1f} GFLOP/s: "
+                f"{self.peak_source}) is too low" + (", most likely measured on busy cores" if measured else
+                                                     " or the step's FLOPs counted above what ran"))
+        if "cached in" in (self.peak_source or ""):
+            peak_cache_path(self.device, compute_dtype(self.precision)).unlink(missing_ok=True)
+            note += "; the cached figure is removed and the next run measures it again"
+        print(f"warning: MFU: {note}", file=sys.stderr, flush=True)
+        return note
 
 
 # -- the peak -------------------------------------------------------------------------------------
@@ -168,26 +200,38 @@ def _catalogue_gpu(device: torch.device):
     return min(matches, key=lambda g: abs(g.memory_bytes - memory)) if matches else None
 
 
-def measured_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    """This machine's matmul peak in `dtype` at this process's threads: read from the cache, or
-    measured now (about a second) and cached."""
+def peak_cache_path(device: torch.device, dtype: torch.dtype) -> Path:
+    """Where this machine's measured peak in `dtype` at this process's threads is cached."""
     from shardlab.data.corpus import cache_dir  # deferred: the data package is heavy to import
 
-    threads = torch.get_num_threads()
-    what = {"device": _device_label(device), "dtype": str(dtype).removeprefix("torch."), "threads": threads,
-            "torch": torch.__version__.split("+")[0]}
-    key = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_dir() / "peaks" / f"{key}.json"
+    key = hashlib.sha256(json.dumps(_peak_key(device, dtype), sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "peaks" / f"{key}.json"
+
+
+def _peak_key(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    return {"device": _device_label(device), "dtype": str(dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(), "torch": torch.__version__.split("+")[0]}
+
+
+def measured_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """This machine's matmul peak in `dtype` at this process's threads: read from the cache, or
+    measured now (about a second; [Note: a peak measured on busy cores]) and cached."""
+    what = _peak_key(device, dtype)
+    path = peak_cache_path(device, dtype)
+    label = f"measured matmul peak on this machine ({what['device']}, {what['dtype']}, {what['threads']} thread(s))"
     try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        record = {**what, "peak_flops": _time_matmuls(device, dtype), "measured": time.time()}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(record, indent=2))
-        os.replace(tmp, path)
-    return float(record["peak_flops"]), (f"measured matmul peak on this machine ({what['device']}, {what['dtype']}, "
-                                         f"{threads} thread(s)), cached in {path}")
+        return float(json.loads(path.read_text())["peak_flops"]), f"{label}, cached in {path}"
+    except (OSError, ValueError, KeyError):
+        pass
+    flops, share = _time_matmuls(device, dtype)
+    if share < FREE_SHARE:
+        return flops, (f"{label}, measured under load (the best round had {share:.0%} of its threads' time): "
+                       f"not cached, MFU may read high")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({**what, "peak_flops": flops, "cpu_share": share, "measured": time.time()}, indent=2))
+    os.replace(tmp, path)
+    return flops, f"{label}, cached in {path}"
 
 
 def _device_label(device: torch.device) -> str:
@@ -202,23 +246,33 @@ def _device_label(device: torch.device) -> str:
     return f"cpu: {model or platform.processor() or platform.machine()}"
 
 
-def _time_matmuls(device: torch.device, dtype: torch.dtype) -> float:
-    """The best FLOP/s of PEAK_ROUNDS rounds of square matmuls (2 n^3 FLOPs each)."""
+def _time_matmuls(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
+    """(the best FLOP/s of rounds of square matmuls (2 n^3 FLOPs each) that had the cores, the CPU
+    share of the round it comes from): PEAK_ROUNDS rounds, more (up to PEAK_SECONDS) while none had
+    FREE_SHARE of its threads' time; without one, the best round of all and its share."""
     n = PEAK_SIDE * (8 if device.type == "cuda" else 1)
     # its own generator: measured in a run when the cache misses, it must not move the run's random
     # stream (dropout masks would then depend on whether this machine's peak was cached)
     g = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, device=device, generator=g).to(dtype)
     b = torch.randn(n, n, device=device, generator=g).to(dtype)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    per_round = 10 if device.type == "cuda" else 2
-    best = 0.0
-    for r in range(PEAK_ROUNDS + 1):
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    per_round, threads = (10, 1) if cuda else (2, torch.get_num_threads())
+    rounds: list[tuple[float, float]] = []   # (FLOP/s, CPU share)
+    start = time.perf_counter()
+    for r in range(10**6):
         sync()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(per_round):
             torch.mm(a, b)
         sync()
+        wall = time.perf_counter() - t0
+        # a GPU's kernels run whatever the host's cores do: its rounds count as free
+        share = 1.0 if cuda else min(1.0, (time.process_time() - c0) / wall / threads)
         if r:  # the first round warms up
-            best = max(best, per_round * 2 * n**3 / (time.perf_counter() - t0))
-    return best
+            rounds.append((per_round * 2 * n**3 / wall, share))
+        free = any(s >= FREE_SHARE for _, s in rounds)
+        if len(rounds) >= PEAK_ROUNDS and (free or time.perf_counter() - start > PEAK_SECONDS):
+            break
+    return max([r for r in rounds if r[1] >= FREE_SHARE] or rounds)

@@ -137,8 +137,8 @@ def _throughput(run: Run, plots: Any) -> str:
         text = (f"<p>MFU (median step, the first left out): <b>{m['mfu']:.2%}</b> = FLOPs per step and rank "
                 f"{m['flops_per_step_per_rank']:.4g} / step time / peak {m['peak_flops_per_s']:.4g} FLOP/s "
                 f"({_esc(m['peak_flops_source'])}); FLOPs per token {m.get('flops_per_token') or 0:.4g}.</p>")
-    elif m.get("mfu_note"):
-        text = f'<p class="note">MFU: {_esc(m["mfu_note"])}</p>'
+    if m.get("mfu_note"):
+        text += f'<p class="note">MFU: {_esc(m["mfu_note"])}</p>'
     return "<h2>Throughput and MFU</h2>" + text + _figure(plots.throughput(rows), "throughput", "no step recorded")
 
 
