@@ -277,6 +277,25 @@ def test_what_must_change_to_fit():
     assert cheapest_change(cfg, held, 7 * gib, {}, 2) != cheapest_change(cfg, held, 10 * gib, {}, 2)  # 8 > 7: no
 
 
+def test_plan_probes_the_micro_batch_the_layout_rule_gives(capsys):
+    """[Note: the layout rule] (data/layout.py): where N x micro does not divide the global batch the
+    run lowers its micro batch (12 over 2 ranks at micro 4: micro 3 x 2 micro batches), so plan probes,
+    counts and times that, and says so; the plan equals that of the config with micro 3 written in
+    (before: micro 4 x 1 probed, 2/3 of the step's FLOPs)."""
+    import json
+
+    from shardlab.cli import main
+
+    base = ["data.source=synthetic", "data.seq_len=32", "model.preset=gpt-nano", "train.global_batch_size=12"]
+    assert main(["plan", "configs/gpt-tiny.yaml", *base, "train.micro_batch_size=4", "--gpu", "T4", "--nproc", "2",
+                 "--engines", "fsdp", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "micro batch 3 x 2 accumulation instead" in report["layout_note"]
+    written = predict_all(load_config("configs/gpt-tiny.yaml", [*base, "train.micro_batch_size=3"]), 2, ["fsdp"])
+    assert report["engines"]["fsdp"]["peak_bytes"] == written["fsdp"].peak_bytes
+    assert report["engines"]["fsdp"]["step_flops"] == written["fsdp"].step_flops
+
+
 def test_sharded_accumulation_in_plan():
     """parallel.accumulate=sharded: the gradient reductions (and HSDP's all-reduces) counted k times a
     step, the gathers not; plan probes it beside a locally accumulating config, for the engines with

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardlab.config import Config, ConfigError, ParallelConfig, strategies_taking, validate_for_world
+from shardlab.data.layout import layout_for
 from shardlab.engines import STRATEGIES, engine_class
 from shardlab.memory import PARTS
 from shardlab.plan import probe as P
@@ -62,6 +63,7 @@ def predict_all(cfg: Config, nproc: int, engines: list[str] | None = None, per_n
     tensors for every engine that can run on them, real ones for the rest), "fake" or "real".
     Each change of `alternative_configs` is probed too, for the engines it applies to
     (`Prediction.alternatives`)."""
+    cfg = laid_out(cfg, nproc)
     out = _predict_all(cfg, nproc, engines, per_node, probe)
     for change, changed, applies in alternative_configs(cfg, nproc):
         probed = [e for e in out if applies(e)]
@@ -75,9 +77,22 @@ CHUNKED_LOSS = "train.loss=chunked"
 SHARDED_ACCUMULATION = "parallel.accumulate=sharded"
 
 
+def laid_out(cfg: Config, nproc: int) -> Config:
+    """The config as it trains at `nproc` ranks: where the layout rule (data/layout.py) lowers the
+    micro batch, a copy with the lowered one, so that plan probes, counts and times the micro batch
+    and accumulation the run will have. ConfigError where no layout exists at `nproc`."""
+    t = cfg.train
+    layout = layout_for(t.global_batch_size, t.micro_batch_size, nproc)
+    if not layout.lowered:
+        return cfg
+    out = copy.deepcopy(cfg)
+    out.train.micro_batch_size = layout.micro
+    return out
+
+
 def accumulation(cfg: Config, nproc: int) -> int:
-    """Micro batches per rank per step (k)."""
-    return max(1, cfg.train.global_batch_size // (nproc * cfg.train.micro_batch_size))
+    """Micro batches per rank per step (k) of the layout at `nproc` ranks."""
+    return layout_for(cfg.train.global_batch_size, cfg.train.micro_batch_size, nproc).accumulation
 
 
 def alternative_configs(cfg: Config, nproc: int) -> list[tuple[str, Config, Callable[[str], bool]]]:

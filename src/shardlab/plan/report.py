@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from shardlab.config import Config, ConfigError, load_config
+from shardlab.data.layout import layout_for
 from shardlab.engines import STRATEGIES, engine_class
 from shardlab.plan.allocator import reserved
 from shardlab.plan.catalogue import GPU, GPUS, INTERCONNECTS, MFU, default_link, usable_bytes
@@ -20,6 +21,7 @@ from shardlab.plan.predict import (
     SHARDED_ACCUMULATION,
     Prediction,
     accumulation,
+    laid_out,
     predict_all,
 )
 from shardlab.plan.traffic import hiding_limit, step_time
@@ -197,6 +199,9 @@ def run(args) -> int:
             if bad:
                 raise ConfigError(f"--engines: unknown {', '.join(bad)}; valid: {', '.join(STRATEGIES)}")
         world = args.nproc * args.nodes
+        t = cfg.train
+        lowered = layout_for(t.global_batch_size, t.micro_batch_size, world).note(t.global_batch_size)
+        cfg = laid_out(cfg, world)   # what the run trains at this world size, as plan probes it
         preds = predict_all(cfg, world, engines, per_node=args.nproc, probe=getattr(args, "probe", "auto"))  # validates every engine before probing
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -204,6 +209,7 @@ def run(args) -> int:
     gpu = GPUS[args.gpu]
     link = INTERCONNECTS[args.interconnect or default_link(gpu, args.nodes)]
     report: dict[str, Any] = {"gpu": dataclasses.asdict(gpu), "usable_bytes": usable_bytes(gpu), "world": world,
+                              "layout_note": lowered,
                               "nodes": args.nodes, "interconnect": dataclasses.asdict(link), "mfu": MFU,
                               "engines": {}}
     for e, p in preds.items():
@@ -234,6 +240,8 @@ def print_report(cfg: Config, report: dict[str, Any]) -> None:
           f"{cfg.train.micro_batch_size} x {cfg.data.seq_len}, global batch {cfg.train.global_batch_size}, "
           f"{report['world']} rank(s) = {report['world'] // report['nodes']} x {report['nodes']} node(s) of "
           f"{gpu['name']} ({gpu['memory_bytes'] / 1e9:.0f} GB, usable {_gib(report['usable_bytes'])} GiB)")
+    if report.get("layout_note"):
+        print(report["layout_note"])
     small = max(r["peak_bytes"] for r in report["engines"].values()) < 2**30
     _UNIT[:] = [2**20, "MiB"] if small else [2**30, "GiB"]
     print(f"predicted peak per rank, {_UNIT[1]}, by part:")
