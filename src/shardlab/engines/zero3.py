@@ -125,8 +125,9 @@ class Zero3Engine(Engine, Plannable, Measurable):
         self.state_keys = _hooks.StateDictMirror(module, lambda p: slot_of[id(p)])
         self.unit_list = make_units(module, [module, *self.units], slot_of)
         self.unit_param_bytes = [u.param_bytes for u in self.unit_list]
-        # see [Note: how many reduces may be in flight]
-        self.max_inflight_bytes = 2 * max(self.unit_param_bytes)
+        # see [Note: how many reduces may be in flight]: counted as the buffers are, in the reduce dtype
+        self.max_inflight_bytes = 2 * max(sum(g.grad_numel * (self.reduce_dtype or g.dtype).itemsize
+                                              for g in u.groups) for u in self.unit_list)
         keep_owned_only(module, slot_of, self.rank, self.device, meta)
         if meta:
             materialize_owned(module, self.slots, self.device)
@@ -354,8 +355,10 @@ class Zero3Engine(Engine, Plannable, Measurable):
     # another), launched at different moments and interleaved with the next unit's: no unit is
     # ever "in flight" as one thing, and counting reduces would let a bias-sized one stand for a
     # unit's worth of bytes. So zero3 counts bytes: once the buffers of the reduces in flight
-    # exceed `max_inflight_bytes`, twice the largest unit's parameter bytes, the oldest reduce is
-    # waited for. fsdp counts units instead ([Note: how many reduce-scatters may be in flight] in
+    # exceed `max_inflight_bytes`, twice the largest unit's gradient buffers (its trainable
+    # parameters in the reduce dtype: the bytes the buffers have, so that a bf16 reduce of fp32
+    # parameters, or a LoRA unit's small gradients, do not admit twice or many times the units
+    # a cap in parameter bytes would), the oldest reduce is waited for. fsdp counts units instead ([Note: how many reduce-scatters may be in flight] in
     # engines/fsdp.py), and its objection applies here: with a large root unit (a GPT's embedding)
     # the cap admits several blocks' gradients at once. It is kept as measured (docs/memory.md's
     # zero3 peaks are with it); a cap in bytes per block, not per largest unit, is the tighter
