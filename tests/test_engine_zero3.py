@@ -162,7 +162,20 @@ def _zero3_plan(world: int) -> dict:
     plan[("round_trip", "frozen")] = (load_round_trip, ("frozen",), {})
     plan[("ddp", "gpt")] = (train_custom, ("gpt", "ddp", "adamw"), {})
     plan[("minimal",)] = (minimal_runs, ("zero3",), {})
+    plan[("inflight_cap",)] = (inflight_caps, (), {})
     return plan
+
+
+def inflight_caps(rank: int, world: int) -> dict:
+    """[Note: how many reduces may be in flight]: the cap and what it is counted from, for fp32, a
+    bf16 reduce of fp32 parameters, and half-frozen blocks."""
+    out = {}
+    for label, case, kwargs in (("fp32", "gpt", {}), ("bf16", "gpt", {"mixed_precision": "bf16"}),
+                                ("frozen", "gpt_frozen", {})):
+        engine = engine_of(shardlab.parallelize(build(case, "cpu", torch.float32), "zero3", device="cpu", **kwargs))
+        trainable = [sum(s.numel for s in u.slots if s.requires_grad) for u in engine.unit_list]
+        out[label] = (engine.max_inflight_bytes, max(trainable), max(engine.unit_param_bytes))
+    return out
 
 
 def _param_bytes(case: str) -> int:
@@ -190,7 +203,7 @@ def _check_round_trip(results: list, key: tuple, case: str) -> None:
 
 
 WORLDS = (1, 2, 3, 4)
-OWN_TESTS = ("frozen_release", "round_trip", "ddp", "minimal")  # keys checked by their own tests below
+OWN_TESTS = ("frozen_release", "round_trip", "ddp", "minimal", "inflight_cap")  # keys checked by their own tests below
 REFERENCES = {"reuse": lambda: train_reuse(0, 1, None), "two_tensors": lambda: train_two_tensors(0, 1, None),
               "backward_twice": lambda: train_backward_twice(0, 1, None)}
 
@@ -268,6 +281,20 @@ def test_zero3_holds_one_nth_of_ddps_model_state(spawned, world):
     owned = info["owned_bytes"]
     largest = max(v.numel() * v.element_size() for v in train_reference("gpt", "sgd")[1].values())
     assert max(owned) - min(owned) <= largest, owned
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", WORLDS)
+def test_zero3_inflight_cap_counts_the_buffers_bytes(spawned, world):
+    """The reduces in flight are capped at twice the largest unit's gradient buffers, in the dtype
+    they are reduced in: fp32 parameters reduced in bf16 get half the bytes (a cap in parameter bytes
+    let twice the units through), and frozen parameters count nothing."""
+    caps = spawned(run_plan, world, plan=_zero3_plan)[0][("inflight_cap",)]
+    cap, numel, param_bytes = caps["fp32"]
+    assert cap == 2 * 4 * numel == 2 * param_bytes
+    assert caps["bf16"] == (2 * 2 * numel, numel, param_bytes)
+    cap, numel, param_bytes = caps["frozen"]
+    assert cap == 2 * 4 * numel < 2 * param_bytes
 
 
 def test_zero3_rejects_unknown_option():
