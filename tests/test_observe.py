@@ -184,6 +184,18 @@ def test_a_step_faster_than_the_peak_drops_the_cached_figure(tmp_path, monkeypat
     assert not path.exists() and "warning: MFU: a step reached 300%" in capsys.readouterr().err
 
 
+def test_finished_since_reads_the_last_step_from_metrics(tmp_path):
+    """What an elastic Slurm job's outcome check asks (deploy/slurm.py): metrics.json at the config's
+    last step, written since the job started."""
+    (tmp_path / "run_args.json").write_text(json.dumps({"config": {"train": {"steps": 60}}}))
+    assert not runs.finished_since(str(tmp_path), 0)                        # no metrics.json: not finished
+    (tmp_path / "metrics.json").write_text(json.dumps({"steps": 40}))
+    assert not runs.finished_since(str(tmp_path), 0)                        # stopped at step 40 of 60
+    (tmp_path / "metrics.json").write_text(json.dumps({"steps": 60}))
+    assert runs.finished_since(str(tmp_path), 0)
+    assert not runs.finished_since(str(tmp_path), time.time() + 60)         # an earlier job's metrics
+
+
 def test_a_directory_that_is_no_run_is_one_line(tmp_path, capsys):
     from shardlab.cli import main
 

@@ -122,6 +122,7 @@ if [ "$rc" = @preempted_code ] || [ -e "$SHARDLAB_PREEMPTION_MARKER" ]; then
     rm -f "$SHARDLAB_PREEMPTION_MARKER"
     @on_preempted
 fi
+@elastic_outcome
 exit "$rc"
 """
 
@@ -213,7 +214,7 @@ def render(req: SlurmRequest) -> tuple[list[Path], str]:
         sbatch_path=sh_quote(str(out / SBATCH_NAME)),
         size_line=(f"{lo}..{req.nodes} node(s) (elastic) x {nproc} process(es) = world size {lo * nproc}..{world}."
                    if req.min_nodes else f"{req.nodes} node(s) x {nproc} process(es) = world size {world}."),
-        **_srun_kill(lo if req.min_nodes else None),
+        **_srun_kill(lo if req.min_nodes else None, sh_quote(req.python)),
         nodes=req.nodes, nproc=nproc, job_name=req.job_name, cpus_per_task=cpus,
         time_limit=req.time_limit, workdir=req.workdir or os.getcwd(), log_dir=log_dir,
         optional_directives="\n".join(optional), config_path=sh_quote(str(config_path)),
@@ -232,16 +233,30 @@ def render(req: SlurmRequest) -> tuple[list[Path], str]:
     return written, hint
 
 
-def _srun_kill(min_nodes: int | None) -> dict[str, str]:
+def _srun_kill(min_nodes: int | None, python: str) -> dict[str, str]:
     """How the job step treats a lost agent: a fixed-size job stops them all; an elastic one
     (srun --no-kill, torchrun --nnodes=MIN:agents) lets the others re-form without it."""
     if min_nodes is None:
         return {"srun_kill": "# --kill-on-bad-exit: if one agent gives up (restarts used up), stop the others too\n"
                              "# instead of leaving them waiting in the rendezvous until the time limit.",
-                "srun_kill_flag": "--kill-on-bad-exit=1", "nnodes": '"$NUM_AGENTS"'}
+                "srun_kill_flag": "--kill-on-bad-exit=1", "nnodes": '"$NUM_AGENTS"',
+                "elastic_outcome": "# (a fixed-size job: srun's status is the job's)"}
     return {"srun_kill": "# --no-kill: a lost node (or agent) does not end the step; the other agents re-form\n"
                          f"# without it, down to {min_nodes}, at the same global batch (docs/elastic.md).",
-            "srun_kill_flag": "--no-kill", "nnodes": f'"{min_nodes}:$NUM_AGENTS"'}
+            "srun_kill_flag": "--no-kill", "nnodes": f'"{min_nodes}:$NUM_AGENTS"',
+            "elastic_outcome": _ELASTIC_OUTCOME.format(python=python)}
+
+
+# srun exits with its worst task's status: a lost agent's, even when the agents that remained
+# trained every step. The job's status is the run's: metrics.json at the last step, written since
+# this script started (bash's SECONDS), is a finished run (observe/runs.py `finished_since`).
+_ELASTIC_OUTCOME = """\
+# srun reports its worst task: after a lost agent, whether the agents that remained finished decides
+if [ "$rc" != 0 ] && {python} -c 'import sys; from shardlab.observe.runs import finished_since
+sys.exit(0 if finished_since(sys.argv[1], float(sys.argv[2])) else 1)' "$RUN_DIR" "$(( $(date +%s) - SECONDS ))"; then
+    echo "shardlab: the run finished on the agents that remained (srun exited $rc: an agent was lost)"
+    rc=0
+fi"""
 
 
 def _run_dir_expression(cfg, workdir: str) -> str:  # noqa: ANN001

@@ -17,6 +17,33 @@ from shardlab.atomic import read_json
 from shardlab.data.layout import Layout
 from shardlab.errors import ConfigError
 
+# [Note: the last call]
+# A restart after a lost node waits twice before the group re-forms. First for the dead node to
+# leave the rendezvous: c10d drops a node whose heartbeat (every KEEP_ALIVE_S) was missed 3 times,
+# and until then the survivors cannot start the next round (torch's default: 5 s x 3). Then, once
+# MIN agents have joined the new round, c10d waits LAST_CALL_S for more before it closes it
+# (torch's default is 30 s), in full whenever fewer than MAX agents are left. Both are part of the
+# time from the loss to the first step at the new size; agents starting together join well within
+# the last call, and one that comes later joins at the next round (a membership change:
+# docs/elastic.md). SHARDLAB_LAST_CALL_S and SHARDLAB_KEEP_ALIVE_S (whole seconds) change them:
+# tests/test_elastic_agents.py shortens both. `shardlab train --nnodes` (loop/launcher.py) and the
+# rendered jobs' agents (`python -m shardlab.torchrun --nnodes MIN:MAX`, loop/torchrun.py) use them alike.
+LAST_CALL_S = 5
+KEEP_ALIVE_S = 5
+
+
+def _seconds(env: str, default: int) -> int:
+    value = os.environ.get(env) or str(default)
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{env}={value!r}: give whole seconds >= 1, e.g. {env}={default}")
+    return int(value)
+
+
+def rendezvous_timeouts() -> dict[str, int]:
+    """The c10d rendezvous settings an elastic agent runs with ([Note: the last call])."""
+    return {"last_call_timeout": _seconds("SHARDLAB_LAST_CALL_S", LAST_CALL_S),
+            "keep_alive_interval": _seconds("SHARDLAB_KEEP_ALIVE_S", KEEP_ALIVE_S)}
+
 
 def parse_nnodes(text: str) -> tuple[int, int]:
     """`--nnodes N` or `--nnodes MIN:MAX` -> (MIN, MAX); ConfigError on a bad range."""

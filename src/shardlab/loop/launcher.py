@@ -67,27 +67,6 @@ class Rendezvous:
     run_id: str | None = None     # None: a fresh id (one agent: nothing to agree on)
 
 
-# [Note: the last call]
-# A restart after a lost node waits twice before the group re-forms. First for the dead node to
-# leave the rendezvous: c10d drops a node whose heartbeat (every KEEP_ALIVE_S) was missed 3 times,
-# and until then the survivors cannot start the next round (torch's default: 5 s x 3). Then, once
-# MIN agents have joined the new round, c10d waits LAST_CALL_S for more before it closes it
-# (torch's default is 30 s), in full whenever fewer than MAX agents are left. Both are part of the
-# time from the loss to the first step at the new size; agents starting together join well within
-# the last call, and one that comes later joins at the next round (a membership change:
-# docs/elastic.md). SHARDLAB_LAST_CALL_S and SHARDLAB_KEEP_ALIVE_S (whole seconds) change them:
-# tests/test_elastic_agents.py shortens both.
-LAST_CALL_S = 5
-KEEP_ALIVE_S = 5
-
-
-def _seconds(env: str, default: int) -> int:
-    value = os.environ.get(env) or str(default)
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{env}={value!r}: give whole seconds >= 1, e.g. {env}={default}")
-    return int(value)
-
-
 def launch_elastic(cfg: Config, nproc: int, nodes: tuple[int, int], endpoint: str, rdzv_id: str | None,
                    max_restarts: int, verbose: bool = False) -> int:
     """One agent (node) of an elastic job of MIN..MAX agents with `nproc` workers each, meeting
@@ -121,9 +100,8 @@ def launch_local(cfg: Config, nproc: int, max_restarts: int = 0, extra_env: dict
         min_nodes=rdzv.min_nodes, max_nodes=rdzv.max_nodes, nproc_per_node=nproc,
         run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint=rdzv.endpoint or f"127.0.0.1:{free_port()}",
-        rdzv_configs={"timeout": int(cfg.parallel.timeout_s),  # [Note: the last call]
-                      "last_call_timeout": _seconds("SHARDLAB_LAST_CALL_S", LAST_CALL_S),
-                      "keep_alive_interval": _seconds("SHARDLAB_KEEP_ALIVE_S", KEEP_ALIVE_S)},
+        rdzv_configs={"timeout": int(cfg.parallel.timeout_s),  # [Note: the last call] (loop/elastic.py)
+                      **elastic.rendezvous_timeouts()},
         max_restarts=max_restarts, monitor_interval=0.2,
         # the agent forwards these to the workers; on one it waits shutdown_timeout, then SIGKILL
         signals_to_handle=preemption.AGENT_SIGNALS if grace else "SIGTERM,SIGINT,SIGHUP,SIGQUIT",

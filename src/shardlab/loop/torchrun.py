@@ -9,8 +9,10 @@ It is `python -m torch.distributed.run` with these differences:
     a value already in the environment is kept, so a batch script can check it too);
   - it exits 75 (PREEMPTED_EXIT_CODE) when its workers saved a preemption checkpoint, where
     torchrun would exit 1 with a SignalException traceback;
-  - with --nnodes MIN:MAX its workers note membership changes and print one line for each, and
-    the agents share no store (loop/elastic.py, docs/elastic.md);
+  - with --nnodes MIN:MAX its workers note membership changes and print one line for each, the
+    agents share no store, and the rendezvous drops a lost agent and closes its next round as
+    `shardlab train --nnodes` does ([Note: the last call] in loop/elastic.py; an explicit
+    --rdzv-conf is kept) (docs/elastic.md);
   - when its workers fail, it prints the hang doctor's verdict on the run directory (its local
     rank 0 notes where that is: doctor/agent.py), which names the stuck or crashed rank, then
     the one exception that matters and where the whole report is, in place of torchrun's own
@@ -46,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if elastic.is_range(str(args.nnodes)):  # --nnodes MIN:MAX: an elastic job (docs/elastic.md)
         os.environ.update(elastic.AGENT_ENV)
+        if not any(a.split("=", 1)[0] in ("--rdzv-conf", "--rdzv_conf") for a in argv):
+            # [Note: the last call] (loop/elastic.py): as `shardlab train --nnodes`, not torchrun's 30 s
+            timeouts = ",".join(f"{k}={v}" for k, v in elastic.rendezvous_timeouts().items())
+            args = parse_args([f"--rdzv-conf={timeouts}", *argv])
     try:
         run(args)
     except BaseException as e:  # noqa: BLE001 - mapped to an exit code below

@@ -128,6 +128,21 @@ def read_run(path: str) -> Run:
                read_attempts(debug), sorted(glob.glob(os.path.join(path, "profile", "*.json"))))
 
 
+def finished_since(path: str, since: float) -> bool:
+    """Whether the run at `path` trained all its steps (the config's `train.steps`) in a process that
+    ended after `since` (unix seconds): rank 0 writes metrics.json when training ends. An elastic
+    Slurm job asks, because srun reports its worst task: a lost agent's code even when the agents
+    that remained finished the run (deploy/slurm.py)."""
+    metrics = os.path.join(path, "metrics.json")
+    try:
+        if os.path.getmtime(metrics) < since:
+            return False
+    except OSError:
+        return False
+    steps = ((read_json(os.path.join(path, "run_args.json")) or {}).get("config") or {}).get("train", {}).get("steps")
+    return steps is not None and (read_json(metrics) or {}).get("steps") == steps
+
+
 def _read_records(path: str) -> list[dict[str, Any]]:
     out = []
     try:
