@@ -356,17 +356,18 @@ class Zero3Engine(Engine, Plannable, Measurable):
     # ever "in flight" as one thing, and counting reduces would let a bias-sized one stand for a
     # unit's worth of bytes. So zero3 counts bytes: once the buffers of the reduces in flight
     # exceed `max_inflight_bytes`, twice the largest unit's gradient buffers (its trainable
-    # parameters in the reduce dtype: the bytes the buffers have, so that a bf16 reduce of fp32
-    # parameters, or a LoRA unit's small gradients, do not admit twice or many times the units
-    # a cap in parameter bytes would), the oldest reduce is waited for. fsdp counts units instead ([Note: how many reduce-scatters may be in flight] in
-    # engines/fsdp.py), and its objection applies here: with a large root unit (a GPT's embedding)
-    # the cap admits several blocks' gradients at once. It is kept as measured (docs/memory.md's
-    # zero3 peaks are with it); a cap in bytes per block, not per largest unit, is the tighter
-    # bound it leaves open. The broadcasts that re-gather a unit, by contrast, are waited for at
-    # once: backward needs the values. At the end of backward ([Note: why we wait where we wait]
-    # in engines/_hooks.py) the gradient buffers left incomplete because some parameter got no
-    # gradient this time are reduced (in the same order on every rank, so the reduces pair up),
-    # every reduce is waited for, and whatever is still gathered is freed.
+    # parameters in the reduce dtype, the bytes the buffers have: a cap in parameter bytes let a
+    # bf16 reduce of fp32 parameters through at twice the units, and a LoRA unit's small gradients
+    # at many times), the oldest reduce is waited for. fsdp counts units instead ([Note: how many
+    # reduce-scatters may be in flight] in engines/fsdp.py), and its objection applies here: with
+    # a large root unit (a GPT's embedding) the cap admits several blocks' gradients at once. It
+    # is kept as measured (docs/memory.md's zero3 peaks are with it); a cap in bytes per block,
+    # not per largest unit, is the tighter bound it leaves open. The broadcasts that re-gather a
+    # unit, by contrast, are waited for at once: backward needs the values. At the end of backward
+    # ([Note: why we wait where we wait] in engines/_hooks.py) the gradient buffers left
+    # incomplete because some parameter got no gradient this time are reduced (in the same order
+    # on every rank, so the reduces pair up), every reduce is waited for, and whatever is still
+    # gathered is freed.
 
     def _reduce_complete_groups(self, gather: Gather, flush: bool = False) -> None:
         """Reduce each owner's gradient buffer once all its gradients are in (or, at the end

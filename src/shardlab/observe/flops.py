@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import platform
@@ -261,7 +262,7 @@ def _time_matmuls(device: torch.device, dtype: torch.dtype) -> tuple[float, floa
     per_round, threads = (10, 1) if cuda else (2, torch.get_num_threads())
     rounds: list[tuple[float, float]] = []   # (FLOP/s, CPU share)
     start = time.perf_counter()
-    for r in range(10**6):
+    for r in itertools.count():
         sync()
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(per_round):
