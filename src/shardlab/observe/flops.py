@@ -268,9 +268,10 @@ def _time_matmuls(device: torch.device, dtype: torch.dtype) -> tuple[float, floa
         for _ in range(per_round):
             torch.mm(a, b)
         sync()
-        wall = time.perf_counter() - t0
+        t1, c1 = time.perf_counter(), time.process_time()   # read together: both span the same round
+        wall = t1 - t0
         # a GPU's kernels run whatever the host's cores do: its rounds count as free
-        share = 1.0 if cuda else min(1.0, (time.process_time() - c0) / wall / threads)
+        share = 1.0 if cuda else min(1.0, (c1 - c0) / wall / threads)
         if r:  # the first round warms up
             rounds.append((per_round * 2 * n**3 / wall, share))
         free = any(s >= FREE_SHARE for _, s in rounds)
