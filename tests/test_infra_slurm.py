@@ -184,8 +184,22 @@ def _task_agent(job_id: str, task: int) -> int | None:
 
 
 def _listens_on(pid: int, port: int) -> bool:
-    out = subprocess.run(["ss", "-Hltnp", f"sport = :{port}"], capture_output=True, text=True, timeout=30).stdout
-    return f"pid={pid}," in out
+    """Whether process `pid` holds the socket listening on TCP `port` (from /proc: no tool needed)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":   # 0A: LISTEN
+                inodes.add(fields[9])
+    fds = Path("/proc") / str(pid) / "fd"
+    try:
+        return any(os.readlink(fds / fd) in {f"socket:[{i}]" for i in inodes} for fd in os.listdir(fds))
+    except OSError:
+        return False
 
 
 def test_elastic_job_loses_an_agent_and_finishes(slurm, tmp_path):
