@@ -63,11 +63,7 @@ def test_rendered_sbatch_runs_two_agents(slurm, tmp_path):
     assert render.returncode == 0, render.stderr
     sbatch = (out / "shardlab.sbatch").read_text()
     assert "#SBATCH --no-kill" in sbatch and 'srun --no-kill' in sbatch and '--nnodes="1:$NUM_AGENTS"' in sbatch
-    # one host plays both nodes: 2 tasks on it, one torchrun agent per task (1 worker each)
-    sub = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", str(out / "shardlab.sbatch")],
-                         capture_output=True, text=True, env=slurm, timeout=30)
-    assert sub.returncode == 0, sub.stderr
-    job_id = sub.stdout.strip().split(";")[0]
+    job_id = _submit(out, slurm)   # one host plays both nodes: 2 tasks, one torchrun agent each (1 worker)
     deadline = time.monotonic() + 150
     state = "PENDING"
     while time.monotonic() < deadline:
@@ -97,12 +93,27 @@ def _wait_state(env: dict, job_id: str, done, timeout_s: float) -> str:
     return state
 
 
+def _submit(out: Path, env: dict) -> str:
+    """sbatch the rendered job with one host playing two nodes (2 tasks, one agent each); its id."""
+    sub = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", str(out / "shardlab.sbatch")],
+                         capture_output=True, text=True, env=env, timeout=30)
+    assert sub.returncode == 0, sub.stderr
+    return sub.stdout.strip().split(";")[0]
+
+
+def _wait_for_a_checkpoint(root: Path, job_id: str, timeout_s: float = 150) -> None:
+    from shardlab.checkpoint import list_checkpoints
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not (list_checkpoints(str(root)) if root.is_dir() else []):
+        time.sleep(0.1)
+    assert root.is_dir() and list_checkpoints(str(root)), f"job {job_id} saved nothing in {timeout_s:g} s"
+
+
 def test_preempted_job_saves_requeues_resumes(slurm, tmp_path):
     """USR1 to the batch shell (as `#SBATCH --signal=B:USR1@...` sends it before the time limit):
     the workers save, the script requeues the job, the requeued job resumes and finishes with
     the same losses as an uninterrupted run of the same config."""
-    from shardlab.checkpoint import list_checkpoints
-
     t0 = time.monotonic()
     out, runs = tmp_path / "deploy", tmp_path / "runs"
     common = ["model.preset=gpt-nano", "data.source=synthetic", "data.seq_len=32", "data.synthetic_samples=512",
@@ -124,16 +135,9 @@ def test_preempted_job_saves_requeues_resumes(slurm, tmp_path):
                                   "--nproc", "2", *common,
                                   "output.run_name=reference"], stdout=subprocess.DEVNULL,
                                  stderr=subprocess.DEVNULL, env=ref_env)
-    sub = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", str(out / "shardlab.sbatch")],
-                         capture_output=True, text=True, env=slurm, timeout=30)
-    assert sub.returncode == 0, sub.stderr
-    job_id = sub.stdout.strip().split(";")[0]
-    root = runs / "preempted" / "checkpoints"
+    job_id = _submit(out, slurm)
     try:
-        deadline = time.monotonic() + 150
-        while time.monotonic() < deadline and not (list_checkpoints(str(root)) if root.is_dir() else []):
-            time.sleep(0.2)
-        assert root.is_dir() and list_checkpoints(str(root)), f"job {job_id} saved nothing in 150 s"
+        _wait_for_a_checkpoint(runs / "preempted" / "checkpoints", job_id)
         signalled = subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm, timeout=30,
                                    capture_output=True, text=True)
         assert signalled.returncode == 0, signalled.stderr
@@ -208,8 +212,6 @@ def test_elastic_job_loses_an_agent_and_finishes(slurm, tmp_path):
     is SIGKILLed with its worker. srun --no-kill lets the other go on: it re-forms at world size 1 and
     trains every step; srun then reports the lost task's status, and the script's outcome check makes the
     job COMPLETED because the run finished."""
-    from shardlab.checkpoint import list_checkpoints
-
     out, runs, port = tmp_path / "deploy", tmp_path / "runs", 29633
     render = subprocess.run(
         [sys.executable, "-m", "shardlab", "render", "slurm", str(ROOT / "configs" / "gpt-tiny.yaml"),
@@ -222,19 +224,12 @@ def test_elastic_job_loses_an_agent_and_finishes(slurm, tmp_path):
          "--time", "00:05:00", "--out", str(out)],
         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert render.returncode == 0, render.stderr
-    # [Note: the last call] in loop/launcher.py: the lost agent dropped after 3 x 1 s, not 3 x 5 s
-    env = {**slurm, "SHARDLAB_LAST_CALL_S": "2", "SHARDLAB_KEEP_ALIVE_S": "1"}
-    sub = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", str(out / "shardlab.sbatch")],
-                         capture_output=True, text=True, env=env, timeout=30)
-    assert sub.returncode == 0, sub.stderr
-    job_id = sub.stdout.strip().split(";")[0]
-    root = runs / "elastic" / "checkpoints"
+    # [Note: the last call] in loop/elastic.py: the lost agent dropped after 3 x 1 s, not 3 x 5 s
+    job_id = _submit(out, {**slurm, "SHARDLAB_LAST_CALL_S": "2", "SHARDLAB_KEEP_ALIVE_S": "1"})
     try:
-        deadline = time.monotonic() + 150
-        while time.monotonic() < deadline and not (list_checkpoints(str(root)) if root.is_dir() else []):
-            time.sleep(0.1)
+        _wait_for_a_checkpoint(runs / "elastic" / "checkpoints", job_id)
         agents = {t: _task_agent(job_id, t) for t in (0, 1)}
-        assert None not in agents.values() and list_checkpoints(str(root)), (agents, f"job {job_id} saved nothing")
+        assert None not in agents.values(), agents
         lost = next(t for t, pid in agents.items() if not _listens_on(pid, port))
         children = subprocess.run(["pgrep", "-P", str(agents[lost])], capture_output=True, text=True).stdout.split()
         for pid in [agents[lost], *map(int, children)]:

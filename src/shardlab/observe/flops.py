@@ -50,6 +50,8 @@ PEAK_ROUNDS = 8
 FREE_SHARE = 0.9
 #: how long rounds go on looking for one that had the cores (CPU), before giving up for this run
 PEAK_SECONDS = 5.0
+#: the longest one CPU matmul of the measurement may take (its side is chosen so)
+MATMUL_S = 0.05
 
 
 class CountFlops(TorchDispatchMode):
@@ -166,7 +168,8 @@ class StepFlops:
         a cached figure so that the next run measures again."""
         measured = "measured" in (self.peak_source or "")
         note = (f"a step reached {highest:.0%} of the peak, so the peak ({self.peak / 1e9:.1f} GFLOP/s: "
-                f"{self.peak_source}) is too low" + (", most likely measured on busy cores" if measured else
+                f"{self.peak_source}) is too low" + (": measured on busy cores, or the run's matmul shapes run faster in "
+                                                     "this dtype than the measurement's" if measured else
                                                      " or the step's FLOPs counted above what ran"))
         if "cached in" in (self.peak_source or ""):
             peak_cache_path(self.device, compute_dtype(self.precision)).unlink(missing_ok=True)
@@ -249,15 +252,18 @@ def _device_label(device: torch.device) -> str:
 
 def _time_matmuls(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
     """(the best FLOP/s of rounds of square matmuls (2 n^3 FLOPs each) that had the cores, the CPU
-    share of the round it comes from): PEAK_ROUNDS rounds, more (up to PEAK_SECONDS) while none had
-    FREE_SHARE of its threads' time; without one, the best round of all and its share."""
-    n = PEAK_SIDE * (8 if device.type == "cuda" else 1)
+    share of the round it comes from): PEAK_ROUNDS rounds, more while none had FREE_SHARE of its
+    threads' time, never past PEAK_SECONDS once two are in; without such a round, the best of all
+    and its share. On a CPU the side is the largest power of two up to PEAK_SIDE whose matmul takes
+    under MATMUL_S: a dtype the CPU computes slowly (float16 here: 0.5 GFLOP/s, 4 s for one 1024
+    matmul) gets smaller matrices, not a minute of measuring."""
+    cuda = device.type == "cuda"
     # its own generator: measured in a run when the cache misses, it must not move the run's random
     # stream (dropout masks would then depend on whether this machine's peak was cached)
     g = torch.Generator(device=device).manual_seed(0)
+    n = PEAK_SIDE * 8 if cuda else _cpu_side(dtype, g)
     a = torch.randn(n, n, device=device, generator=g).to(dtype)
     b = torch.randn(n, n, device=device, generator=g).to(dtype)
-    cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     per_round, threads = (10, 1) if cuda else (2, torch.get_num_threads())
     rounds: list[tuple[float, float]] = []   # (FLOP/s, CPU share)
@@ -275,6 +281,21 @@ def _time_matmuls(device: torch.device, dtype: torch.dtype) -> tuple[float, floa
         if r:  # the first round warms up
             rounds.append((per_round * 2 * n**3 / wall, share))
         free = any(s >= FREE_SHARE for _, s in rounds)
-        if len(rounds) >= PEAK_ROUNDS and (free or time.perf_counter() - start > PEAK_SECONDS):
+        late = len(rounds) >= 2 and time.perf_counter() - start > PEAK_SECONDS
+        if (len(rounds) >= PEAK_ROUNDS and free) or late:
             break
     return max([r for r in rounds if r[1] >= FREE_SHARE] or rounds)
+
+
+def _cpu_side(dtype: torch.dtype, g: torch.Generator) -> int:
+    """The largest power of two up to PEAK_SIDE (from 128) whose matmul in `dtype` takes under MATMUL_S."""
+    n = min(128, PEAK_SIDE)
+    while n < PEAK_SIDE:
+        m = torch.randn(n, n, generator=g).to(dtype)
+        torch.mm(m, m)   # the first call of a size sets up its kernel
+        t0 = time.perf_counter()
+        torch.mm(m, m)
+        if (time.perf_counter() - t0) * 8 > MATMUL_S:   # twice the side: 8 times the work
+            break
+        n *= 2
+    return n
