@@ -62,9 +62,10 @@ def _train(args: argparse.Namespace) -> int:
             if args.nnodes is None:
                 validate_for_world(cfg, args.nproc)
             else:  # elastic: every world size MIN..MAX may happen (loop/elastic.py)
-                from shardlab.loop.elastic import check_node_range, parse_nnodes
+                from shardlab.loop.elastic import check_node_range, parse_nnodes, require_rdzv_id
 
                 args.node_range = parse_nnodes(args.nnodes)
+                require_rdzv_id(args.rdzv_id, args.node_range)
                 check_node_range(lambda world: validate_for_world(cfg, world), args.nproc, *args.node_range)
         elif args.nnodes is not None:
             raise ConfigError("--nnodes MIN:MAX starts one elastic agent of --nproc N workers; add --nproc N")
@@ -140,7 +141,8 @@ def _add_train_parser(sub, strategies) -> None:
     tr.add_argument("--rdzv-endpoint", default="127.0.0.1:29400", metavar="HOST:PORT",
                     help="with --nnodes: where the agents meet (c10d rendezvous; the first agent there hosts it)")
     tr.add_argument("--rdzv-id", default=None, metavar="ID",
-                    help="with --nnodes: the job's name, the same for all its agents (default: the run name)")
+                    help="with --nnodes (required): the job's rendezvous id, the same for all its agents, new and hard to "
+                         "guess for each job (docs/security.md)")
     tr.add_argument("--verbose", action="store_true",
                     help="with --nproc: show the workers' stderr (tracebacks, warnings) as they write it, and the "
                          "hang doctor's whole report after a failure; otherwise both are in <run dir>/debug/")

@@ -98,6 +98,19 @@ ENV = "SHARDLAB_ELASTIC"  # set by an elastic agent for its workers (AGENT_ENV):
 AGENT_ENV = {ENV: "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
+def require_rdzv_id(rdzv_id: str | None, nodes: tuple[int, int]) -> str:
+    """The rendezvous id an agent of a multi-agent job was given. There is no default: the agents
+    must agree on it, and a derived one (the run name is a hash of the config) can be guessed by
+    whoever reaches the endpoint, who could then write the rendezvous state that torch unpickles
+    ([Note: who may reach a run's stores] in loop/listen.py)."""
+    if not rdzv_id:
+        raise ConfigError(f"--nnodes {nodes[0]}:{nodes[1]} needs --rdzv-id ID, the same for every agent of this job "
+                          "and new for each job, e.g. --rdzv-id $(python3 -c 'import secrets; "
+                          "print(secrets.token_hex(8))'): whoever reaches the endpoint and knows the id takes part "
+                          "in the rendezvous (docs/security.md)")
+    return rdzv_id
+
+
 def is_range(nnodes: str) -> bool:
     """torchrun's --nnodes value names a range of sizes (MIN:MAX with MIN < MAX)."""
     lo, _, hi = nnodes.partition(":")

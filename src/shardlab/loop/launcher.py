@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from shardlab.atomic import read_json
 from shardlab.config import Config, dump_config
 from shardlab.doctor import agent as doctor
-from shardlab.loop import elastic, preemption
+from shardlab.loop import elastic, listen, preemption
 from shardlab.loop.runtime import free_port
 
 _AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
@@ -64,7 +64,7 @@ class Rendezvous:
     min_nodes: int = 1
     max_nodes: int = 1
     endpoint: str | None = None   # None: a free port on loopback
-    run_id: str | None = None     # None: a fresh id (one agent: nothing to agree on)
+    run_id: str | None = None     # None: a fresh random id (one agent: nothing to agree on)
 
 
 def launch_elastic(cfg: Config, nproc: int, nodes: tuple[int, int], endpoint: str, rdzv_id: str | None,
@@ -73,7 +73,7 @@ def launch_elastic(cfg: Config, nproc: int, nodes: tuple[int, int], endpoint: st
     at `endpoint` (docs/elastic.md). A restart re-forms the group at whatever agents are left or
     have joined; the workers resume from the latest checkpoint at the same global batch."""
     return launch_local(cfg, nproc, max_restarts, elastic.AGENT_ENV, verbose=verbose,
-                        rdzv=Rendezvous(nodes[0], nodes[1], endpoint, rdzv_id or cfg.output.run_name))
+                        rdzv=Rendezvous(nodes[0], nodes[1], endpoint, elastic.require_rdzv_id(rdzv_id, nodes)))
 
 
 def launch_local(cfg: Config, nproc: int, max_restarts: int = 0, extra_env: dict[str, str] | None = None,
@@ -99,7 +99,9 @@ def launch_local(cfg: Config, nproc: int, max_restarts: int = 0, extra_env: dict
     launch = LaunchConfig(
         min_nodes=rdzv.min_nodes, max_nodes=rdzv.max_nodes, nproc_per_node=nproc,
         run_id=run_id,
-        rdzv_backend="c10d", rdzv_endpoint=rdzv.endpoint or f"127.0.0.1:{free_port()}",
+        # torch's c10d rendezvous with its stores bound to one address ([Note: who may reach a run's
+        # stores] in loop/listen.py): loopback here, the endpoint's side for a multi-host job
+        rdzv_backend=listen.register_rendezvous(), rdzv_endpoint=rdzv.endpoint or f"{listen.LOOPBACK}:{free_port()}",
         rdzv_configs={"timeout": int(cfg.parallel.timeout_s),  # [Note: the last call] (loop/elastic.py)
                       **elastic.rendezvous_timeouts()},
         max_restarts=max_restarts, monitor_interval=0.2,

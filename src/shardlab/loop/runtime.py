@@ -23,6 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from shardlab.loop import listen
+
 
 @dataclass(frozen=True)
 class Runtime:
@@ -84,7 +86,7 @@ def init_runtime(backend: str = "auto", timeout_s: float = 300.0, force_group: b
             os.environ.setdefault("MASTER_PORT", "29500")
             os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
             timeout = datetime.timedelta(seconds=timeout_s)
-            store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+            store = _group_store(rank, world, timeout)
             # [Note: one key space per restart]
             # Under torchrun's elastic agent the workers share the agent's TCPStore, and
             # torch's env:// rendezvous hands them an unprefixed client of it. After a
@@ -101,6 +103,24 @@ def init_runtime(backend: str = "auto", timeout_s: float = 300.0, force_group: b
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                                     device_id=device if device.type == "cuda" else None)
     return Runtime(rank, local_rank, world, device, backend, restarts)
+
+
+def _group_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """The workers' store: the agent's (torchrun's default: env:// hands out a client of it), or one
+    the group's rank 0 serves, bound to MASTER_ADDR's address only where env:// would bind every
+    interface ([Note: who may reach a run's stores] in loop/listen.py)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return next(dist.rendezvous("env://", rank, world, timeout=timeout))[0]
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if rank == 0 and listen.is_loopback(host) and not listen.is_loopback_name(host) and _spans_hosts(world):
+        raise RuntimeError(f"MASTER_ADDR={host} resolves to a loopback address on this host, but the job spans "
+                           "hosts: the other hosts could not reach the store; set MASTER_ADDR to an address "
+                           "they reach (an IP address of this host)")
+    return listen.worker_store(host, port, rank, world, timeout)
+
+
+def _spans_hosts(world: int) -> bool:
+    return int(os.environ.get("SLURM_NNODES", "1")) > 1 or world > int(os.environ.get("LOCAL_WORLD_SIZE", world))
 
 
 # [Note: peak RSS on CPU and glibc's allocator]

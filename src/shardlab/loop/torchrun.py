@@ -28,10 +28,12 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import uuid
+from typing import Any
 
 from shardlab.atomic import read_json
 from shardlab.doctor import agent as doctor
-from shardlab.loop import elastic, preemption
+from shardlab.loop import elastic, listen, preemption
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             # [Note: the last call] (loop/elastic.py): as `shardlab train --nnodes`, not torchrun's 30 s
             timeouts = ",".join(f"{k}={v}" for k, v in elastic.rendezvous_timeouts().items())
             args = parse_args([f"--rdzv-conf={timeouts}", *argv])
+    _bind_rendezvous(args)
     try:
         run(args)
     except BaseException as e:  # noqa: BLE001 - mapped to an exit code below
@@ -78,6 +81,28 @@ def main(argv: list[str] | None = None) -> int:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(path)
     return 0
+
+
+def _bind_rendezvous(args: Any) -> None:
+    """torchrun's c10d rendezvous, and the one it picks for a one-node job without an endpoint
+    (`--standalone`, or no rendezvous options: c10d on localhost:0), become shardlab's, whose stores
+    listen on one address ([Note: who may reach a run's stores] in loop/listen.py). The static
+    backend (--master-addr) is left as torch has it (docs/security.md)."""
+    from torch.distributed.run import parse_min_max_nnodes
+
+    one_node = parse_min_max_nnodes(args.nnodes)[1] == 1
+    if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None
+                           and one_node):
+        args.standalone = False
+        args.rdzv_backend, args.rdzv_endpoint = "c10d", f"{listen.LOOPBACK}:0"
+        args.rdzv_id = uuid.uuid4().hex
+    if args.rdzv_backend == "c10d":
+        if not one_node and args.rdzv_id == "none":   # torchrun's default id: the same for every job
+            raise SystemExit("shardlab.torchrun: error: a multi-node job needs --rdzv-id ID, the same for every "
+                             "agent of the job and new for each job (the rendered jobs use the job's id or a "
+                             "random one): whoever reaches the endpoint and knows the id takes part in the "
+                             "rendezvous (docs/security.md)")
+        args.rdzv_backend = listen.register_rendezvous()
 
 
 def _doctor_report(note: str, e: BaseException, launch: str) -> bool:
