@@ -14,9 +14,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from tests.net_listeners import listeners_of, process_tree
 
 pytestmark = [pytest.mark.infra, pytest.mark.slow]
 
@@ -88,10 +91,10 @@ def _metrics(run_dirs: list[Path]) -> dict:
 def test_two_namespaces_train_together(two_hosts, tmp_path):
     config = str(ROOT / "configs" / "gpt-tiny.yaml")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    procs = []
+    procs, seen = [], [set(), set()]
     for i, (ns, veth, addr) in enumerate(two_hosts):
         cmd = ["ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={veth}",
-               sys.executable, "-m", "torch.distributed.run",
+               sys.executable, "-m", "shardlab.torchrun",
                "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
                f"--rdzv-endpoint={HOST_A}:{RDZV_PORT}", "--rdzv-id=netns-test",
                # host A serves the rendezvous store; say so rather than have torch guess from
@@ -103,6 +106,12 @@ def test_two_namespaces_train_together(two_hosts, tmp_path):
                                       cwd=ROOT))
     outputs = []
     try:
+        # each host's listeners while the run goes on (the hang guard is communicate's timeout below)
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            for i, p in enumerate(procs):
+                seen[i] |= listeners_of(process_tree(p.pid))
+            time.sleep(0.05)
         for p in procs:
             outputs.append(p.communicate(timeout=RUN_TIMEOUT_S)[0])
     except subprocess.TimeoutExpired:
@@ -111,6 +120,11 @@ def test_two_namespaces_train_together(two_hosts, tmp_path):
         pytest.fail("the two-host run did not finish in time:\n" + "\n".join(p.communicate()[0][-3000:] for p in procs))
     for p, out in zip(procs, outputs):
         assert p.returncode == 0, out[-4000:]
+    # each host listens on its own address on the link (the stores, gloo) or on loopback, never on all
+    for (_, _, addr), listening in zip(two_hosts, seen):
+        assert listening, "no listener seen: the sampling missed the run"
+        assert {a for a, _ in listening} <= {addr, "127.0.0.1"}, listening
+    assert (HOST_A, RDZV_PORT) in seen[0]
     multi = _metrics([tmp_path / "host0" / "netns", tmp_path / "host1" / "netns"])
     assert multi["world_size"] == 2
 
@@ -123,3 +137,53 @@ def test_two_namespaces_train_together(two_hosts, tmp_path):
     assert single["world_size"] == 2
     assert len(multi["losses"]) == len(single["losses"]) == 4
     assert multi["losses"] == pytest.approx(single["losses"], rel=1e-5, abs=1e-6)
+
+
+def test_a_one_host_run_cannot_be_reached_from_another_host(two_hosts, tmp_path):
+    """The open door of issue 42: a `--nproc` run on host A listened on every interface, and a
+    client on another host could write the rendezvous state torch unpickles. Host B now finds
+    nothing of the run at host A's address: every port the run listens on is refused there. A
+    listener of host A's own on every interface, reached from B, shows the probe can see one."""
+    (ns_a, _, _), (ns_b, _, _) = two_hosts
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    control = subprocess.Popen(["ip", "netns", "exec", ns_a, sys.executable, "-c",
+                                "import socket, time; s = socket.socket(); s.bind(('0.0.0.0', 29642)); s.listen(); "
+                                "time.sleep(600)"])
+    run = subprocess.Popen(["ip", "netns", "exec", ns_a, sys.executable, "-m", "shardlab", "train",
+                            str(ROOT / "configs" / "gpt-tiny.yaml"), *TRAIN_ARGS, "train.steps=8", "--nproc", "2",
+                            f"output.dir={tmp_path}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env=env, cwd=ROOT)
+    ports: set[int] = set()
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while run.poll() is None and time.monotonic() < deadline:
+            found = listeners_of(process_tree(run.pid))
+            new = {port for _, port in found} - ports
+            ports |= new
+            if new:   # probe while the run is alive: from host B, at host A's address
+                probe = subprocess.run(
+                    ["ip", "netns", "exec", ns_b, sys.executable, "-c", _PROBE, HOST_A, *map(str, sorted(ports))],
+                    capture_output=True, text=True, timeout=60)
+                assert probe.stdout.split() == ["refused"] * len(ports), (ports, probe.stdout, probe.stderr)
+            time.sleep(0.05)
+        out = run.communicate(timeout=RUN_TIMEOUT_S)[0]
+        assert run.returncode == 0, out[-3000:]
+        assert len(ports) >= 2, f"only {ports} seen listening: the sampling missed the run's stores"
+        probe = subprocess.run(["ip", "netns", "exec", ns_b, sys.executable, "-c", _PROBE, HOST_A, "29642"],
+                               capture_output=True, text=True, timeout=60)
+        assert probe.stdout.split() == ["reached"], probe
+    finally:
+        for p in (run, control):
+            p.kill()
+            p.wait()
+
+
+_PROBE = """
+import socket, sys
+for port in sys.argv[2:]:
+    try:
+        socket.create_connection((sys.argv[1], int(port)), timeout=5).close()
+        print("reached")
+    except OSError:
+        print("refused")
+"""
