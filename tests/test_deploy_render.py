@@ -33,7 +33,7 @@ def test_slurm_sbatch_layout(tmp_path):
     text = (out / "shardlab.sbatch").read_text()
     for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=2",
                  "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --cpus-per-task=8",
-                 "--nproc-per-node=2", '--rdzv-id="$SLURM_JOB_ID"', "--rdzv-backend=c10d",
+                 "--nproc-per-node=2", '--rdzv-id="$RDZV_ID"', "--rdzv-backend=c10d",
                  '--rdzv-endpoint="$HEAD_HOST:$RDZV_PORT"', "--max-restarts=5",
                  'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1', "NCCL_SOCKET_IFNAME",
                  f"#SBATCH --output={out.resolve()}/logs/%x-%j.out"):

@@ -71,6 +71,10 @@ NUM_AGENTS="${SLURM_NTASKS:?run this file with sbatch}"
 # Every agent must name the same rendezvous host: the allocation's first host.
 HEAD_HOST="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"
 RDZV_PORT=@rdzv_port
+# The rendezvous id: new for each start of this script and not guessable (the job id is), since
+# whoever reaches the endpoint and knows the id can write the rendezvous state torch unpickles
+# (docs/security.md). The tasks of this job inherit it.
+RDZV_ID="$SLURM_JOB_ID-$(od -An -N8 -tx1 /dev/urandom | tr -d ' \n')"
 
 # Which interface the collectives use. NCCL accepts an exclusion list; gloo needs a name.
 @socket_env
@@ -101,7 +105,7 @@ srun @srun_kill_flag --label --ntasks="$NUM_AGENTS" \
     @python -m shardlab.torchrun \
     --nnodes=@nnodes \
     --nproc-per-node=@nproc \
-    --rdzv-id="$SLURM_JOB_ID" \
+    --rdzv-id="$RDZV_ID" \
     --rdzv-backend=c10d \
     --rdzv-endpoint="$HEAD_HOST:$RDZV_PORT" \
     --max-restarts=@max_restarts \

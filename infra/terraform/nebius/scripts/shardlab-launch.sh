@@ -97,7 +97,9 @@ cd "$RUN_DIR"
 echo "shardlab-launch: node $SHARDLAB_NODE_RANK of $SHARDLAB_NNODES ($my_addr), $SHARDLAB_NPROC_PER_NODE worker(s)," \
     "rendezvous $SHARDLAB_HEAD_ADDR:$SHARDLAB_RDZV_PORT id $rdzv_id, InfiniBand $SHARDLAB_INFINIBAND, config $CONFIG"
 # --local-addr: peers reach this agent by its VPC address, not by a hostname they may not resolve
-exec "$SHARDLAB_VENV/bin/python" -m torch.distributed.run \
+# shardlab.torchrun: torchrun whose stores listen on --local-addr only, not on every interface
+# (docs/security.md); the security group admits the rendezvous port only from the cluster's nodes
+exec "$SHARDLAB_VENV/bin/python" -m shardlab.torchrun \
     --nnodes="$SHARDLAB_NNODES" \
     --nproc-per-node="$SHARDLAB_NPROC_PER_NODE" \
     --rdzv-backend=c10d \
