@@ -69,7 +69,7 @@ def test_store_server_listens_on_the_address_it_is_given():
 
 
 @pytest.mark.parametrize("host, expect", [("127.0.0.1", "127.0.0.1"), ("localhost", "127.0.0.1"),
-                                          ("127.0.0.5", "127.0.0.1")])
+                                          ("127.0.0.5", "127.0.0.5")])
 def test_a_loopback_endpoint_listens_on_loopback(host, expect):
     assert listen.listen_address(host) == expect
 

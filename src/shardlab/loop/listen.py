@@ -24,9 +24,9 @@ rendezvous handler registered as `shardlab` (torch's c10d handler with those two
 the launcher and `python -m shardlab.torchrun` use it in place of `c10d`); for the workers' store,
 loop/runtime.py.
 
-Which address: `listen_address`. A loopback endpoint (127.0.0.1, localhost, ::1): loopback, and
-the agents publish 127.0.0.1 to their workers (torchrun's --local-addr), so nothing else is
-needed. Otherwise the address of this host that the route to the endpoint leaves from (a UDP
+Which address: `listen_address`. A loopback endpoint (127.0.0.1, localhost, ::1, or a name that
+resolves to loopback here): that loopback address, which the agents also publish to their workers
+(torchrun's --local-addr), so nothing else is needed. Otherwise the address of this host that the route to the endpoint leaves from (a UDP
 socket "connected" to it and asked for its own name: no packet is sent); on the endpoint's own
 host that is the endpoint's address itself. The agent publishes that address to its workers,
 so the workers' store listens where the other hosts reach it, and only there.
@@ -37,6 +37,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import socket
+import sys
 from typing import Any
 
 LOOPBACK = "127.0.0.1"
@@ -79,8 +80,10 @@ def is_loopback_name(host: str) -> bool:
 def listen_address(endpoint_host: str) -> str:
     """The one address this host's stores listen on for a job meeting at `endpoint_host` (the
     Note above): loopback for a loopback endpoint, else the source address of the route to it."""
-    if is_loopback(endpoint_host):
+    if endpoint_host.lower() in _LOOPBACK_NAMES:
         return LOOPBACK
+    if is_loopback(endpoint_host):   # 127.0.0.5, or a host name that resolves to 127.0.1.1 here
+        return _resolve(endpoint_host)[0]
     for address in _resolve(endpoint_host):
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
         try:
@@ -152,7 +155,12 @@ def _create_handler(params: Any) -> Any:
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
     host = params.endpoint.rsplit(":", 1)[0] if params.endpoint else LOOPBACK
-    listen = params.local_addr or listen_address(host.strip("[]"))
+    host = host.strip("[]")
+    listen = params.local_addr or listen_address(host)
+    if params.max_nodes > 1 and is_loopback(listen) and not is_loopback_name(host):
+        print(f"shardlab: warning: the rendezvous endpoint {host} is {listen} (loopback) on this host: only agents "
+              "on this host can join; for agents on other hosts give an address they reach (--rdzv-endpoint "
+              "IP:PORT)", file=sys.stderr, flush=True)
     # the address this agent publishes to its workers (MASTER_ADDR) is the one its stores listen on
     params.local_addr = listen
     store = _rendezvous_store(params, listen)
