@@ -3,7 +3,12 @@ on this host; the second agent and its workers are SIGKILLed once the first chec
 committed; the first re-forms at world size 2, resumes from the last checkpoint at the same global
 batch (twice the accumulation). Then a third agent starts: the group stops at the next step boundary
 (a checkpoint of that step), re-forms at world size 4 and resumes from it. Its losses equal an
-uninterrupted run's to 1e-10 relative throughout (float64: tests/elastic64.py)."""
+uninterrupted run's to 1e-10 relative throughout (float64: tests/elastic64.py).
+
+The first two agents are plain torchrun's (`python -m shardlab.torchrun`, as rendered jobs start
+theirs; together, so that they meet in the first round), the third is `shardlab train --nnodes`.
+The survivor's workers' stderr is its output, where those that lost their peers say so in one line
+each, without gloo's traceback ([Note: a lost peer's traceback] in doctor/worker.py)."""
 
 import json
 import os
@@ -40,10 +45,14 @@ def _env():
             "SHARDLAB_LAST_CALL_S": "2", "SHARDLAB_KEEP_ALIVE_S": "1"}
 
 
-def _agent(out, log, endpoint, gate=None):
-    args = ["train", *COMMON, f"output.dir={out}", "output.run_name=run",
-            "--nproc", "2", "--nnodes", "1:2", "--rdzv-endpoint", endpoint, "--rdzv-id", "elastic-test"]
+def _agent(out, log, endpoint, gate=None, torchrun=False):
+    run = ["train", *COMMON, f"output.dir={out}", "output.run_name=run"]
+    args = [*run, "--nproc", "2", "--nnodes", "1:2", "--rdzv-endpoint", endpoint, "--rdzv-id", "elastic-test"]
     cmd = [sys.executable, "-c", _GATED, str(gate), *args] if gate else [sys.executable, "-m", "shardlab", *args]
+    if torchrun:  # the workers' stdout and stderr are the agent's: this log
+        cmd = [sys.executable, "-m", "shardlab.torchrun", "--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts",
+               "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "elastic-test",
+               "-m", "shardlab", *run]
     return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -100,8 +109,8 @@ def test_shrink_and_grow_keep_the_global_batch_and_the_losses(tmp_path):
     endpoint, gate = f"127.0.0.1:{port}", tmp_path / "grow"
     with open(tmp_path / "a.log", "w") as la, open(tmp_path / "b.log", "w") as lb, \
             open(tmp_path / "c.log", "w") as lc:
-        a = _agent(tmp_path, la, endpoint)
-        b = _agent(tmp_path, lb, endpoint)
+        a = _agent(tmp_path, la, endpoint, torchrun=True)
+        b = _agent(tmp_path, lb, endpoint, torchrun=True)
         c = _agent(tmp_path, lc, endpoint, gate)
         ckpt = tmp_path / "run" / "checkpoints" / "step_00000002" / "shardlab.json"
         killer = threading.Thread(target=_shrink_then_grow, args=(a, b, ckpt, tmp_path / "a.log", gate),
@@ -130,7 +139,13 @@ def test_shrink_and_grow_keep_the_global_batch_and_the_losses(tmp_path):
     assert int(shrink[0].split("resumed from step ")[1].split(",")[0]) < resumed < 60
     # the loss to the first step at the smaller size, as the line says: within parallel.timeout_s (60) + 30 s
     assert float(shrink[0].split(" step(s) lost, ")[1].split(" s from the loss")[0]) <= 60 + 30, shrink[0]
-    assert "Traceback" not in log
+    # the survivors under plain torchrun: one line each, their tracebacks in the run's debug files
+    assert "Traceback" not in log and "Connection reset" not in log and "Connection closed" not in log, log[-3000:]
+    lost = [ln for ln in log.splitlines() if "lost contact with another worker" in ln]
+    assert lost and all("Its traceback: " in ln and "SHARDLAB_VERBOSE=1 prints it here" in ln for ln in lost), lost
+    kept = list((tmp_path / "run" / "debug" / "tracebacks").glob("*/rank*.txt"))
+    assert kept and all("Traceback (most recent call last)" in p.read_text() for p in kept), kept
+    assert all(ln.split("Its traceback: ")[1].split(" (")[0] in map(str, kept) for ln in lost), (lost, kept)
     assert len(m["losses"]) == len(reference) == 60
     for step, (x, y) in enumerate(zip(m["losses"], reference), 1):
         assert abs(x - y) <= F64_RTOL * abs(y), (step, x, y)

@@ -8,7 +8,11 @@ Files under `<run dir>/debug/` for rank r (docs/debugging.md):
   rank<r>.exit.json  the exception that ended this worker, if one did
   rank<r>.fatal.txt  faulthandler's stacks on a fatal signal (segfault, abort), if one came
   request.json       a dump request (`shardlab doctor RUN_DIR --live`, or a rank that failed)
-A new launch moves the previous files of its rank to `debug/previous/<launch>-a<attempt>/`.
+  tracebacks/<launch>-a<attempt>/rank<r>.txt  the whole traceback of the exception that ended a
+                     worker, if one did (written with the doctor on or off, and never moved:
+                     [Note: a lost peer's traceback])
+A new launch moves the previous files of its rank (but its tracebacks) to
+`debug/previous/<launch>-a<attempt>/`.
 
 [Note: who can dump, and when]
 A dump is a thread's job, not a signal handler's: the watcher thread wakes every
@@ -33,6 +37,7 @@ import faulthandler
 import functools
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -51,6 +56,9 @@ ANSWER_WAIT_S = 3 * WATCH_PERIOD_S   # a failing rank's wait for the others' dum
 REQUEST_FILE = "request.json"
 EXITS_FILE = "exits.json"        # written by the launcher: exit codes per rank
 RUN_DIR_NOTE_ENV = "SHARDLAB_RUN_DIR_NOTE"   # a `shardlab.torchrun` agent's question: where is the run?
+#: "1": a worker that lost its peers prints its traceback on stderr too ([Note: a lost peer's traceback])
+VERBOSE_ENV = "SHARDLAB_VERBOSE"
+TRACEBACKS = "tracebacks"        # under debug/: <launch>-a<attempt>/rank<r>.txt
 
 
 def debug_dir(run_dir: str) -> str:
@@ -269,16 +277,19 @@ def attending(preempted: type[BaseException]) -> Iterator[None]:
     finish("finished")
 
 
-def worker_failed(exc: BaseException, rank: int, distributed: bool, timeout_s: float) -> None:
-    """The exception `exc` ends this worker (worker_main calls it before re-raising): when it is
-    a lost peer, say so first (before the doctor's wait), then the exit record and the request."""
+def worker_failed(exc: BaseException, rank: int, distributed: bool, timeout_s: float,
+                  traceback_at: str | None = None) -> None:
+    """The exception `exc` ends this worker (worker_main calls it before it exits): when it is
+    a lost peer, say so first (before the doctor's wait), then the exit record and the request.
+    `traceback_at`: where its traceback is, when it is not printed ([Note: a lost peer's traceback])."""
     global _ACTIVE
     peer = distributed and is_peer_failure(exc)
     if peer:
         # no advice here: whether a worker was lost (and a resume helps) is the launcher's verdict
-        print(f"error: rank {rank}: lost contact with another worker ({str(exc).splitlines()[0][:200]}); the "
+        where = f" Its traceback: {traceback_at} ({VERBOSE_ENV}=1 prints it here)." if traceback_at else ""
+        print(f"error: rank {rank}: lost contact with another worker ({peer_cause(str(exc))}); the "
               f"launcher's report (or `shardlab doctor RUN_DIR`) names the rank at fault. Collectives time out "
-              f"after parallel.timeout_s={timeout_s:g} s.", file=sys.stderr, flush=True)
+              f"after parallel.timeout_s={timeout_s:g} s.{where}", file=sys.stderr, flush=True)
     if _ACTIVE is not None:
         _ACTIVE.failed(exc, peer)
         _ACTIVE = None
@@ -291,6 +302,60 @@ def is_peer_failure(e: BaseException) -> bool:
     if not isinstance(e, (dist.DistBackendError, RuntimeError)):
         return False
     return isinstance(e, dist.DistBackendError) or reads_as_peer_failure(str(e))
+
+
+def peer_cause(text: str) -> str:
+    """A lost peer's error in a few words: what gloo's or NCCL's message means, with the peer's
+    address where it names one (the message itself is in the traceback and the exit record)."""
+    low = text.lower()
+    found = re.search(r"\[([0-9a-fA-F.:]+)\]:(\d+)", text)
+    peer = f" at {found.group(1)}:{found.group(2)}" if found else ""
+    if any(s in low for s in ("connection reset", "connection closed", "broken pipe")):
+        return f"the worker{peer} closed its connection: its process ended or its host went away"
+    if "timed out" in low or "timeout" in low:
+        return "a collective timed out waiting for it: it is stuck or gone"
+    if "connection refused" in low or "connectfullmesh" in low:
+        return f"could not connect to the worker{peer}"
+    first = (text.splitlines() or [""])[0]
+    return re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", first)[:200]   # gloo's source location dropped
+
+
+# [Note: a lost peer's traceback]
+# When a peer dies, every survivor's next collective raises (gloo: "Connection reset by peer"),
+# and a traceback per survivor says nothing the line above has not: the doctor names the rank at
+# fault, and under an elastic agent the run goes on. So a worker that lost its peers writes its
+# traceback to <run dir>/debug/tracebacks/<launch>-a<attempt>/rank<r>.txt (`keep_traceback`: a
+# path that a restart leaves in place, as the line names it), says where in that one
+# line, and exits 1 without printing it. It prints it when asked (SHARDLAB_VERBOSE=1), and when
+# its stderr is already a file under the run's debug/ (shardlab's own launcher redirects it
+# there, and its --verbose shows those files on the terminal). Any other exception (a bug, a
+# config or checkpoint error) is raised as it is: its traceback on stderr, and in the file too.
+def keep_traceback(exc: BaseException, run_dir: str, rank: int) -> str | None:
+    """`exc`'s whole traceback into <run dir>/debug/tracebacks/<launch>-a<attempt>/rank<r>.txt; its
+    path, None if it could not be written."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    path = os.path.join(debug_dir(run_dir), TRACEBACKS, f"{launch_id()}-a{attempt}", f"rank{rank}.txt")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(f"{path}.tmp", "w") as f:
+            f.write(f"# rank {rank}, pid {os.getpid()} on {socket.gethostname()}, launch {launch_id()}, attempt "
+                    f"{attempt}, {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime())}\n")
+            f.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+        os.replace(f"{path}.tmp", path)
+    except OSError:
+        return None
+    return path
+
+
+def prints_tracebacks(run_dir: str) -> bool:
+    """Whether a lost peer's traceback goes to stderr as well ([Note: a lost peer's traceback])."""
+    if os.environ.get(VERBOSE_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    try:  # shardlab's launcher: stderr is debug/workers/.../stderr.log already
+        target = os.path.realpath(os.readlink("/proc/self/fd/2"))
+    except OSError:
+        return False
+    return target.startswith(os.path.realpath(debug_dir(run_dir)) + os.sep)
 
 
 def reads_as_peer_failure(text: str) -> bool:

@@ -131,7 +131,8 @@ def _train(cfg: Config, rt: Runtime, guard: PreemptionGuard) -> dict[str, Any]:
 # -- one worker process -----------------------------------------------------------------------------
 def worker_main(cfg: Config) -> int:
     """Entry point of one worker process (under shardlab's launcher, torchrun, srun or a pod).
-    Exit codes: 0 done, PREEMPTED_EXIT_CODE (75) a signal was turned into a checkpoint."""
+    Exit codes: 0 done, PREEMPTED_EXIT_CODE (75) a signal was turned into a checkpoint, 1 it lost
+    its peers (said in one line; the traceback in <run dir>/debug/); other failures raise."""
     rt = start_runtime(cfg.parallel)
     clean = False
     try:
@@ -151,11 +152,17 @@ def worker_main(cfg: Config) -> int:
                   "The same command (checkpoint.resume=auto) continues from it.", flush=True)
         return PREEMPTED_EXIT_CODE
     except BaseException as e:
-        if doctor.is_peer_failure(e):  # elastic: the next group says what was lost (loop/elastic.py)
+        peer = doctor.is_peer_failure(e)
+        if peer:  # elastic: the next group says what was lost (loop/elastic.py)
             elastic.note_end(run_dir(cfg.output), rt.rank, RECORDER.step - 1, "lost")
+        kept = doctor.keep_traceback(e, run_dir(cfg.output), rt.rank) if cfg.output.run_name else None
+        # a lost peer: its traceback only in that file ([Note: a lost peer's traceback] in doctor/worker.py)
+        quiet = peer and rt.distributed and kept is not None and not doctor.prints_tracebacks(run_dir(cfg.output))
         # says "lost contact" if a peer died or hung; the exit record and others' stacks in <run dir>/debug
-        doctor.worker_failed(e, rt.rank, rt.distributed, cfg.parallel.timeout_s)
+        doctor.worker_failed(e, rt.rank, rt.distributed, cfg.parallel.timeout_s, kept if quiet else None)
         _record_for_agent(e)
+        if quiet:
+            return 1
         raise
     finally:
         shutdown(clean)  # see [Note: tearing down the process group] in runtime.py
