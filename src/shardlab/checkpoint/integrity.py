@@ -3,6 +3,7 @@ DCP's pickled `.metadata` through an unpickler that admits only the classes meta
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import logging
@@ -12,9 +13,11 @@ import pickle
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import filesystem as _dcp_filesystem
 from torch.distributed.checkpoint import metadata as _dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -23,6 +26,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.futures import Future
 
 from shardlab.checkpoint.format import DCP_METADATA, MANIFEST, CheckpointError, what_to_do
 
@@ -225,3 +230,46 @@ class SafeReader(FileSystemReader):
             self._metadata.storage_meta = StorageMeta()
         self._metadata.storage_meta.load_id = self.load_id
         return self._metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """DCP's read, one data file at a time, so that bytes which are not the tensors DCP wrote
+        name their file: a file replaced and its hash recorded anew passes check_file_hashes,
+        and only parsing it tells."""
+        by_file: dict[str, list] = {}
+        for item in plan.items:
+            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, items in by_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except _UNPARSABLE as e:
+                raise _corrupt(str(self.path), f"file {name} matches its recorded {HASH_KEY}, but its tensor data "
+                                               f"cannot be read ({_first_sentence(e)})") from e
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+
+# What torch.load raises on bytes that are not a tensor torch.save wrote (measured on random,
+# zeroed, truncated and partly overwritten data): weights_only's UnpicklingError, the zip
+# reader's RuntimeError, EOFError on an empty slice, ValueError on a bad seek.
+_UNPARSABLE = (pickle.UnpicklingError, RuntimeError, EOFError, ValueError)
+
+
+def _first_sentence(e: BaseException) -> str:
+    """An exception's type and the first sentence of its message: torch.load's weights-only error
+    goes on for a dozen lines about trusted sources, none of which applies to a damaged file."""
+    text = str(e).strip().split("\n", 1)[0].split(". ", 1)[0][:160]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def dcp_load(state: dict[str, Any], reader: SafeReader, planner: LoadPlanner, *, no_dist: bool) -> None:
+    """dcp.load, where a CheckpointError raised by a rank's read comes out as itself: dcp.load
+    wraps what the ranks raised in a CheckpointException, a BaseException whose text is every
+    rank's traceback. Anything else is no known checkpoint problem and goes on as it came."""
+    try:
+        dcp.load(state, storage_reader=reader, planner=planner, no_dist=no_dist)
+    except CheckpointException as e:
+        for failure, _ in e.failures.values():
+            if isinstance(failure, CheckpointError):
+                raise failure from None
+        raise

@@ -31,7 +31,7 @@ from shardlab.checkpoint.format import (
     _fsync_dir,
     step_dir_name,
 )
-from shardlab.checkpoint.integrity import HASH_KEY, SafeReader, check_file_hashes, file_sha256
+from shardlab.checkpoint.integrity import HASH_KEY, SafeReader, check_file_hashes, dcp_load, file_sha256
 from shardlab.checkpoint.planners import (
     _flat_local,
     _FlatPieceLoadPlanner,
@@ -414,8 +414,7 @@ class CheckpointManager:
         reads = _plan_reads(model, opt, manifest, md, self.rt.rank)
         try:
             with torch.no_grad():
-                dcp.load(reads.plain, storage_reader=reader, planner=_FlatPieceLoadPlanner(reads.pieces),
-                         no_dist=not _dist_ready())
+                dcp_load(reads.plain, reader, _FlatPieceLoadPlanner(reads.pieces), no_dist=not _dist_ready())
         except CheckpointError:
             raise
         except Exception as e:

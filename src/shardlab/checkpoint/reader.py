@@ -9,7 +9,6 @@ import warnings
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from shardlab.checkpoint.format import (
@@ -21,7 +20,7 @@ from shardlab.checkpoint.format import (
     list_checkpoints,
     what_to_do,
 )
-from shardlab.checkpoint.integrity import SafeReader, check_file_hashes
+from shardlab.checkpoint.integrity import SafeReader, check_file_hashes, dcp_load
 from shardlab.checkpoint.planners import TensorOnlyLoadPlanner
 from shardlab.models import rebuild_model
 
@@ -70,7 +69,7 @@ def read_tensors(path: str, prefix: str = "", *, manifest: dict[str, Any] | None
     try:
         with warnings.catch_warnings():  # DCP warns that no process group exists: that is the point here
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, storage_reader=reader, planner=TensorOnlyLoadPlanner(), no_dist=True)
+            dcp_load(state, reader, TensorOnlyLoadPlanner(), no_dist=True)
     except CheckpointError:
         raise
     except Exception as e:
