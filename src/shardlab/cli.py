@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 ELASTIC_RESTARTS = 3  # --nnodes without --max-restarts: a node lost is a restart of the others
 
@@ -158,12 +159,20 @@ def _add_module_command(sub, name: str, help_text: str, module) -> None:
     p.set_defaults(func=module.run)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser (every subcommand's too: subparsers take their parent's class) whose
+    errors read as the rest of the CLI's do: `error: <cause>` on the first line, the usage after."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message}\n{self.format_usage()}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     import shardlab
     from shardlab import bench, plan, verify
     from shardlab.data import describe, prepare
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="shardlab",
         description="Sharded data-parallel training on PyTorch: DDP, ZeRO-3 and FSDP written from scratch, "
                     "beside PyTorch's DDP and FSDP2, behind one config.",
@@ -230,10 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from shardlab.checkpoint import CheckpointError
+    from shardlab.data.shards import DataError
 
     try:
         return int(args.func(args) or 0)
-    except CheckpointError as e:  # a checkpoint that cannot be used: its message says what to do
+    except (CheckpointError, DataError) as e:  # a checkpoint or data that cannot be used: the message says what to do
         # One write of the whole line: workers that refuse a checkpoint together share the launcher's
         # stderr, and print's two writes (text, then newline) interleave: "error: Aerror: B" on one line.
         sys.stderr.write(f"error: {e}\n")

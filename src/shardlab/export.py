@@ -66,15 +66,19 @@ def export_checkpoint(checkpoint: str, out: str) -> dict[str, Any]:
 
 
 def load_exported(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
-    with safe_open(path, framework="pt") as f:
-        meta = f.metadata() or {}
-    if METADATA_KEY not in meta:
-        raise CheckpointError(f"{path} was not written by `shardlab export` (no {METADATA_KEY!r} metadata); the "
-                              "model config is unknown")
-    return load_file(path), json.loads(meta[METADATA_KEY])
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+        if METADATA_KEY not in meta:
+            raise CheckpointError(f"{path} was not written by `shardlab export` (no {METADATA_KEY!r} metadata); the "
+                                  "model config is unknown")
+        return load_file(path), json.loads(meta[METADATA_KEY])
+    except SafetensorError as e:  # any file can be named here: a text file, a .bin, a torn copy
+        raise CheckpointError(f"{path} is not a safetensors file ({e}); give a .safetensors file written by "
+                              "`shardlab export`, a run directory or a Hugging Face directory") from None
 
 
 def load_model(source: str, step: int | None = None) -> tuple[nn.Module, dict[str, Any]]:
@@ -157,11 +161,12 @@ def _export_hf_cmd(args: argparse.Namespace) -> int:
 
 
 def _generate_cmd(args: argparse.Namespace) -> int:
+    from shardlab.config import ConfigError
     from shardlab.data.text import Tokenizer
 
     try:
         model, info = load_model(args.model)
-    except CheckpointError as e:
+    except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if info["model"]["name"] == "hf":
@@ -238,6 +243,22 @@ def _eval_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _at_least(low: float, kind: type = int, note: str = ""):
+    """An argparse type: a number of `kind` >= low. argparse names the flag in its error, and the
+    command stops there, before any model is loaded."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not value >= low:  # NaN is refused too
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"must be {what} >= {low}{note}, got {text}")
+        return value
+
+    return parse
+
+
 def add_export_parsers(subparsers) -> None:
     ex = subparsers.add_parser("export", help="consolidate a sharded checkpoint into one safetensors file",
                                description="Read a sharded checkpoint in one process (no process group) and "
@@ -262,9 +283,10 @@ def add_export_parsers(subparsers) -> None:
                     help="hf models: wrap the prompt in the fine-tuning template (the tokenizer's chat template, "
                          "else docs/sft.md's) and print only the answer")
     ge.add_argument("--prompt", required=True)
-    ge.add_argument("--max-new-tokens", type=int, default=200)
-    ge.add_argument("--temperature", type=float, default=0.8)
-    ge.add_argument("--top-k", type=int, default=None)
+    ge.add_argument("--max-new-tokens", type=_at_least(1), default=200)
+    ge.add_argument("--temperature", type=_at_least(0, float, " (0: always the likeliest token)"), default=0.8)
+    ge.add_argument("--top-k", type=_at_least(1, note=" (leave it out to sample from every token)"), default=None,
+                    help="sample from the K likeliest tokens only")
     ge.add_argument("--seed", type=int, default=0)
     ge.set_defaults(func=_generate_cmd)
 
@@ -275,5 +297,6 @@ def add_export_parsers(subparsers) -> None:
     ev.add_argument("--config", default=None, metavar="CONFIG.yaml",
                     help="the data to evaluate on, for a model stored without its run config")
     ev.add_argument("--step", type=int, default=None, help="with a run directory: the checkpoint's step")
-    ev.add_argument("--batches", type=int, default=None, help="validation batches (default: train.eval_batches)")
+    ev.add_argument("--batches", type=_at_least(1), default=None,
+                    help="validation batches (default: train.eval_batches)")
     ev.set_defaults(func=_eval_cmd)
