@@ -196,20 +196,22 @@ def is_hf_dir(path: str) -> bool:
 
 
 def load_hf_dir(path: str, hf_dtype: str = "fp32") -> nn.Module:
-    """A local Hugging Face directory as shardlab's HFCausalLM on CPU, built as training builds it
-    (`shardlab.models.build_model` of a model section naming the directory): a whole model
+    """A local Hugging Face directory as shardlab's HFCausalLM on CPU, checked and built as training
+    does (`shardlab.models.build_model` of a model section naming the directory): a whole model
     (config.json + safetensors, read as model.hf_path is), or a peft adapter (adapter_config.json)
     on top of the base directory it names (`base_model_name_or_path`)."""
     import json
     from types import SimpleNamespace
 
     from shardlab.checkpoint import CheckpointError
-    from shardlab.models import build_model
+    from shardlab.models import build_model, model_spec
     from shardlab.models.hf import LoRAKeys
 
     adapter_file = os.path.join(path, "adapter_config.json")
     section = SimpleNamespace(name="hf", hf_path=path, hf_config=None, hf_dtype=hf_dtype, lora=LoRAKeys())
+    check = model_spec("hf").check  # what training checks of model.hf_path: a ConfigError naming the fix
     if not os.path.isfile(adapter_file):
+        check(section)
         return build_model(section).eval()
     with open(adapter_file) as f:
         a = json.load(f)
@@ -225,6 +227,7 @@ def load_hf_dir(path: str, hf_dtype: str = "fp32") -> nn.Module:
     section.hf_path = base
     section.lora = LoRAKeys(rank=a["r"], alpha=a["lora_alpha"], dropout=a.get("lora_dropout", 0.0),
                             target_modules=sorted(targets) if isinstance(targets, list) else targets)
+    check(section)
     model = build_model(section)
     set_peft_model_state_dict(model.model, load_file(os.path.join(path, "adapter_model.safetensors")))
     return model.eval()

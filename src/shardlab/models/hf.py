@@ -417,6 +417,11 @@ def _check(section) -> None:
     if "model_type" not in raw:
         raise ConfigError(f"{config_file(section)}: no \"model_type\" (e.g. \"mistral\", \"llama\", \"gpt2\"); "
                           "transformers needs it to pick the architecture")
+    transformers = require_transformers()
+    if raw["model_type"] not in transformers.CONFIG_MAPPING:  # else its refusal lists every type it knows
+        raise ConfigError(f"{config_file(section)}: model_type {raw['model_type']!r} is unknown to the installed "
+                          f"transformers {transformers.__version__}; upgrade transformers (pip install -U "
+                          "transformers) if the model is newer than it, or correct model_type")
     if section.hf_dtype not in HF_DTYPES:
         raise ConfigError(f"model.hf_dtype: unknown value {section.hf_dtype!r}; valid: {', '.join(HF_DTYPES)}")
     lo = section.lora
