@@ -24,6 +24,8 @@ import random
 import numpy as np
 import torch
 
+from shardlab.data.shards import DataError
+
 _ROUNDS = 6
 _MASK32 = np.uint64(0xFFFFFFFF)
 _MUL = (np.uint64(0x7FEB352D), np.uint64(0x846CA68B))
@@ -65,11 +67,20 @@ class FeistelPermutation:
         return torch.from_numpy(out.astype(np.int64))
 
 
+def require_one_global_batch(rows: int, global_batch_size: int, where: str = "",
+                             fix: str = "give more data or lower train.global_batch_size") -> None:
+    """A step trains on one global batch of distinct rows, so data with fewer rows cannot train.
+    The sources whose size is known before the workers start call it then (their `prepare`);
+    the sampler calls it for the others."""
+    if rows < global_batch_size:
+        prefix = f"{where}: " if where else ""
+        raise DataError(f"{prefix}the training data has {rows} row{'s' * (rows != 1)}, fewer than one global batch "
+                        f"(train.global_batch_size={global_batch_size}); {fix}")
+
+
 class GlobalBatchSampler:
     def __init__(self, num_samples: int, global_batch_size: int, seed: int = 0, shuffle: bool = True):
-        if num_samples < global_batch_size:
-            raise ValueError(f"the dataset has {num_samples} samples, fewer than one global batch "
-                             f"({global_batch_size}); give more data or lower train.global_batch_size")
+        require_one_global_batch(num_samples, global_batch_size)
         self.num_samples = num_samples
         self.global_batch_size = global_batch_size
         self.steps_per_epoch = num_samples // global_batch_size

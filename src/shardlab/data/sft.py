@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from shardlab.data.datasets import Datasets
+from shardlab.data.sampler import require_one_global_batch
 from shardlab.data.source import DataSource
 from shardlab.errors import ConfigError
 
@@ -527,5 +528,16 @@ def _check(cfg) -> None:
         raise ConfigError(problem)
 
 
+def _prepare_and_check(cfg) -> tuple[Path, str]:
+    """prepare, then the check that needs the rows: one global batch of them at least."""
+    path, tdir = prepare(cfg)
+    info = torch.load(path, weights_only=True, mmap=True)["info"]  # mmap: the rows stay on disk
+    unpack = ", set data.packing=false (packing puts several examples in a row)," if cfg.data.packing else ""
+    require_one_global_batch(info["train_rows"], cfg.train.global_batch_size,
+                             f"data.source=sft ({info['sft_source']})",
+                             f"give more examples{unpack} or lower train.global_batch_size")
+    return path, tdir
+
+
 # prepare: read, check (errors name file and line), tokenize and cache once, before the workers
-SOURCE = DataSource(name="sft", kind="tokens", build=build, check=_check, prepare=prepare, packing=True)
+SOURCE = DataSource(name="sft", kind="tokens", build=build, check=_check, prepare=_prepare_and_check, packing=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from shardlab.data.datasets import Datasets
+from shardlab.data.sampler import require_one_global_batch
 from shardlab.data.source import DataSource
 from shardlab.models import model_spec
 
@@ -46,4 +47,10 @@ def _build(cfg) -> Datasets:
                     tokens_per_sample=d.seq_len if kind == "tokens" else None, info={"synthetic": kind})
 
 
-SOURCE = DataSource(name="synthetic", kind=None, build=_build)
+def _prepare(cfg) -> None:
+    """Nothing to prepare; the size check, before any worker starts."""
+    require_one_global_batch(cfg.data.synthetic_samples, cfg.train.global_batch_size, "data.source=synthetic",
+                             "raise data.synthetic_samples or lower train.global_batch_size")
+
+
+SOURCE = DataSource(name="synthetic", kind=None, build=_build, prepare=_prepare)
