@@ -1,9 +1,12 @@
 """Files a reader never sees half written: `write_json_atomic` (run_args.json, metrics.json, a
-checkpoint's manifest, the hang doctor's records), and `remove_tree` (a checkpoint deleted), and `read_json` (such a file, or None). Standard library only, so the doctor's
+checkpoint's manifest, the hang doctor's records), and `remove_tree` (a checkpoint deleted), and `read_json` (such a file, or None);
+`disk_full_errno`, whether an error was a full filesystem (or quota). Standard library only, so the doctor's
 reading side and the launchers use it without torch."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
@@ -17,12 +20,33 @@ def write_json_atomic(path: str, data: Any, *, default: Any = None) -> None:
     values are an error, as a checkpoint manifest wants)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2, default=default)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, default=default)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, say: no temporary file is left behind
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+#: a filesystem without space (ENOSPC) or a user over their quota (EDQUOT)
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full_errno(exc: BaseException | None) -> int | None:
+    """ENOSPC or EDQUOT when `exc`, or an exception it was raised from or while handling, is an
+    OSError of a full filesystem (torch.save reports one as "unexpected pos", raised while handling it)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
+            return exc.errno
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def read_json(path: str) -> Any:

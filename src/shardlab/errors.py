@@ -17,5 +17,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be used; the message says which one, what is wrong and what to do."""
 
 
+class DiskFullError(CheckpointError):
+    """A checkpoint could not be written: its filesystem is full or the quota reached. The message
+    names the checkpoint, the intact one the same command resumes from, and the space needed."""
+
+
 class RenderError(ValueError):
     """A deploy request that cannot be rendered; the message says what to change."""

@@ -34,6 +34,7 @@ The package, one concern a module:
     integrity.py   SHA-256 of every file; DCP metadata read without running code
     reader.py      the offline reader for export/generate/eval (one process, no group)
     manager.py     CheckpointManager: when to save, where to resume, save and load
+    space.py       a save that did not fit (ENOSPC, EDQUOT): agreed by all ranks, said with what is intact
 """
 
 import warnings

@@ -8,7 +8,6 @@ import logging
 import math
 import os
 import re
-import shutil
 import threading
 import time
 from concurrent.futures import Future
@@ -19,9 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
-from shardlab.atomic import remove_tree, write_json_atomic
+from shardlab.atomic import disk_full_errno, remove_tree, write_json_atomic
 from shardlab.checkpoint.format import (
     DCP_METADATA,
     FORMAT,
@@ -47,6 +46,7 @@ from shardlab.checkpoint.reader import (
     verify_checkpoint,
 )
 from shardlab.checkpoint.rng import capture_rng, restore_rng
+from shardlab.checkpoint.space import RecordingWriter, agree_save, fresh_directory
 from shardlab.checkpoint.stage import StageCopy
 from shardlab.engines.api import engine_of
 from shardlab.models import model_record
@@ -263,36 +263,29 @@ class CheckpointManager:
         self.wait()  # one save in flight at most: its commit must precede pruning by the next
         t0 = time.perf_counter()
         final = os.path.join(self.root, step_dir_name(state.step))
-        tmp = final + ".tmp"
-        error = None
-        if self.rt.rank == 0:
-            try:
-                os.makedirs(self.root, exist_ok=True)
-                if os.path.exists(tmp):  # torn by an earlier crash at this same step
-                    shutil.rmtree(tmp)
-                os.makedirs(tmp)
-            except OSError as e:
-                error = f"cannot create checkpoint directory {tmp}: {e}"
-        self._agree(error)  # also the barrier: nobody writes into tmp before it is fresh
+        tmp, step = final + ".tmp", state.step
+        fresh_directory(self, step, tmp)  # rank 0 makes a fresh step_N.tmp; also the barrier
         plain, pieces, desc = self._collect(model, opt, state, stage=not blocking)
         desc_all = self._all_gather(desc)
         manifest = self._manifest(model, opt, sched, state, desc_all, self.rt.world_size)
         planner = _FlatPieceSavePlanner(pieces)
-        writer = FileSystemWriter(tmp, sync_files=True)
-        step = state.step
+        writer = RecordingWriter(tmp, sync_files=True)  # keeps a full disk's errno (checkpoint/space.py)
         if blocking:
             try:
                 dcp.save(plain, storage_writer=writer, planner=planner, no_dist=not _dist_ready())
+            except CheckpointException:  # raised on every rank together; a full disk: DiskFullError everywhere
+                agree_save(self, step, tmp, None, writer.errno)
+                raise
             except Exception as e:
                 raise CheckpointError(f"rank {self.rt.rank}: saving checkpoint step {step} failed ({e}); if another "
                                       "rank died, its log says why; the previous checkpoint is intact") from e
             hashes, hash_s = self._hash_own_files(tmp)
             error = self._commit(tmp, final, manifest, t0, hashes, hash_s) if self.rt.rank == 0 else None
-            self._agree(error)
+            agree_save(self, step, tmp, error, self.commit_full)
             self.last_saved_step = step
             return final
         fut = dcp.async_save(plain, storage_writer=writer, planner=planner, process_group=self._group)
-        self._pending, self._pending_step = fut, step
+        self._pending, self._pending_step, self._pending_writer = fut, step, writer
         self._commit_error = None
         self._commit_done.clear()
         if self.rt.rank == 0:
@@ -318,7 +311,7 @@ class CheckpointManager:
         """Finish the in-flight asynchronous save (every rank calls); raise if it failed anywhere."""
         if self._pending is None:
             return
-        fut, step = self._pending, self._pending_step
+        fut, step, writer = self._pending, self._pending_step, self._pending_writer
         self._pending = None
         error = None
         try:
@@ -328,7 +321,7 @@ class CheckpointManager:
         self._commit_done.wait()
         if error is None and self._commit_error is not None:
             error = f"committing checkpoint step {step} failed: {self._commit_error}"
-        self._agree(error)
+        agree_save(self, step, str(writer.path), error, writer.errno or self.commit_full)
 
     def _hash_own_files(self, tmp: str) -> tuple[dict[str, str], float]:
         """After a synchronous save, every rank hashes the data files it wrote itself (DCP names
@@ -379,6 +372,7 @@ class CheckpointManager:
             self.last_save_seconds = manifest["save_seconds"]
             self._prune(manifest["step"])
         except OSError as e:
+            self.commit_full = disk_full_errno(e)  # ENOSPC, EDQUOT: the save's agreement says so (space.py)
             return f"committing checkpoint {final} failed: {e}"
         return None
 

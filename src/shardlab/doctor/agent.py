@@ -38,11 +38,16 @@ def forget_exits(run_dir: str) -> None:
         os.remove(path)
 
 
-def record_exits(run_dir: str, launch: str | None, failures: dict[int, Any]) -> None:
+def record_exits(run_dir: str, launch: str | None, failures: dict[int, Any]) -> OSError | None:
     """The agent's view of the failed workers (torchrun's ProcessFailure per global rank);
-    `launch`: the workers' TORCHELASTIC_RUN_ID (None: unknown, read as this launch's)."""
+    `launch`: the workers' TORCHELASTIC_RUN_ID (None: unknown, read as this launch's). Best effort:
+    on a full disk the launcher still reports; returns the error of a write that failed."""
     ranks = {str(r): {"exitcode": f.exitcode, "pid": f.pid, "timestamp": f.timestamp} for r, f in failures.items()}
-    write_json_atomic(os.path.join(debug_dir(run_dir), EXITS_FILE), {"launch": launch, "ranks": ranks})
+    try:
+        write_json_atomic(os.path.join(debug_dir(run_dir), EXITS_FILE), {"launch": launch, "ranks": ranks})
+    except OSError as e:
+        return e
+    return None
 
 
 def print_failure_report(run_dir: str, file=None) -> analysis.Diagnosis:  # noqa: ANN001
@@ -69,14 +74,21 @@ def attempt_log_dir(run_dir: str, launch: str) -> str | None:
 
 
 def failure_lines(run_dir: str, d: analysis.Diagnosis | None, failures: dict[int, Any], logs: str | None,
-                  restarts: int = 0) -> list[str]:
+                  restarts: int = 0, disk: list[str] | None = None) -> list[str]:
     """What a launcher prints after its workers failed, in order: the doctor's verdict; the one
     exception that matters; where the tracebacks and the whole report are; and, only when a
-    worker was lost (not for a desync or an exception the code raised), how to resume."""
-    after = f" (after {restarts} restart(s))" if restarts else ""
+    worker was lost (not for a desync or an exception the code raised), how to resume. An error
+    the workers raised for the user (a full disk's: checkpoint/space.py) is said in its own words;
+    `disk`: the launcher's own lines on a filesystem too full for the workers' records, first."""
     told = report.user_errors(d) if d is not None else []
     if told:  # an error the user can fix, raised on purpose by every rank that failed: its own words
         return [f"error: {message}" for message in told] + [f"shardlab: run directory: {run_dir}"]
+    return [*(disk or []), *_failure_lines(run_dir, d, failures, logs, restarts, advise=not disk)]
+
+
+def _failure_lines(run_dir: str, d: analysis.Diagnosis | None, failures: dict[int, Any], logs: str | None,
+                   restarts: int, advise: bool) -> list[str]:
+    after = f" (after {restarts} restart(s))" if restarts else ""
     if d is not None and d.kind not in ("no record", "finished", "running"):
         lines = [f"error: {verdict(d)}{after}"]
         lost = report.worker_lost(d)
@@ -91,7 +103,7 @@ def failure_lines(run_dir: str, d: analysis.Diagnosis | None, failures: dict[int
     if d is not None and d.kind != "no record":
         where.append(f"the whole report: shardlab doctor {run_dir}")
     lines.append("shardlab: " + "; ".join([*where, f"run directory: {run_dir}"]))
-    if lost:
+    if lost and advise:
         lines.append("shardlab: a worker was lost: the same command resumes from the last complete checkpoint "
                      "(checkpoint.resume=auto); with checkpoint.every_steps and --max-restarts such failures are "
                      "survived unattended")

@@ -167,16 +167,18 @@ def worker_lost(d: Diagnosis) -> bool:
 
 
 #: shardlab's errors a user can fix (errors.py): their message says what to do, as in one process
-USER_ERRORS = ("CheckpointError", "ConfigError")
+USER_ERRORS = ("CheckpointError", "ConfigError", "DiskFullError")
 
 
 def user_errors(d: Diagnosis) -> list[str]:
     """When every rank that raised (not counting lost peers) raised one of USER_ERRORS: their
-    messages, each once (ranks that refuse a checkpoint together raise the same one)."""
+    messages, each once (ranks that refuse a checkpoint together raise the same one); a message
+    of several lines (the exit record's `lines`: a full disk's) whole."""
     raised = [v.exit for v in d.ranks.values() if v.exit is not None and not v.exit.get("peer_failure")]
     if not raised or any(e.get("exception") not in USER_ERRORS for e in raised):
         return []
-    return list(dict.fromkeys(str(e.get("message", "")).split(": ", 1)[-1] for e in raised))
+    return list(dict.fromkeys("\n".join(e["lines"]) if e.get("lines") else str(e.get("message", "")).split(": ", 1)[-1]
+                              for e in raised))
 
 
 def key_exception(d: Diagnosis) -> str | None:

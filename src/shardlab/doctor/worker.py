@@ -202,10 +202,13 @@ class Worker:
         self.stop("failed")
 
     def _exit_record(self, exc: BaseException, peer_failure: bool) -> str:
-        """rank<r>.exit.json; returns the exception's last line (its first line, if several)."""
+        """rank<r>.exit.json; returns the exception's last line (its first line, if several: all of
+        them in `lines`, which the launcher prints for an error the user can fix: report.user_errors)."""
         last = (traceback.format_exception_only(type(exc), exc)[-1].strip().splitlines() or [type(exc).__name__])[0]
+        lines = str(exc).splitlines()
         _write_json(os.path.join(self.debug, f"rank{self.rank}.exit.json"), {
             "rank": self.rank, "time": time.time(), "exception": type(exc).__name__, "message": last,
+            **({"lines": lines[:12]} if len(lines) > 1 else {}),
             "peer_failure": peer_failure, "step": RECORDER.step, "phase": PHASES[RECORDER.phase],
             "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-20000:]})
         RECORDER.set_state("failed")

@@ -133,7 +133,7 @@ def launch_local(cfg: Config, nproc: int, max_restarts: int = 0, extra_env: dict
                   f"{preemption.PREEMPTED_EXIT_CODE}. The same command resumes from it. Run directory: {out}",
                   file=sys.stderr)
             return preemption.PREEMPTED_EXIT_CODE
-        _report_failure(out, run_id, e, max_restarts, cfg.doctor.enabled, verbose)
+        _report_failure(out, run_id, e, max_restarts, cfg, verbose, alone=rdzv.max_nodes == 1)
         return 1
     finally:
         logging.getLogger(_AGENT_LOGGER).removeFilter(quiet)
@@ -146,15 +146,22 @@ def launch_local(cfg: Config, nproc: int, max_restarts: int = 0, extra_env: dict
     return 0
 
 
-def _report_failure(out: str, run_id: str, e: Exception, max_restarts: int, doctor_enabled: bool,
-                    verbose: bool) -> None:
+def _report_failure(out: str, run_id: str, e: Exception, max_restarts: int, cfg: Config, verbose: bool,
+                    alone: bool) -> None:
     """A few lines, the verdict first (doctor/agent.py, `failure_lines`); with --verbose the
-    doctor's whole report (a block per rank) before them."""
-    d = None
-    if doctor_enabled:
-        doctor.record_exits(out, run_id, e.failures)
+    doctor's whole report (a block per rank) before them. A filesystem too full for the workers'
+    records is said first (checkpoint/space.py; `alone`: no other agent's workers may still write)."""
+    from shardlab.checkpoint.space import full_filesystem_lines  # deferred: torch's DCP, for a failure only
+
+    d = write_error = None
+    if cfg.doctor.enabled:
+        write_error = doctor.record_exits(out, run_id, e.failures)  # best effort: None once written
         d = doctor.print_failure_report(out) if verbose else doctor.analysis.diagnose(out)
-    lines = doctor.failure_lines(out, d, e.failures, doctor.attempt_log_dir(out, run_id), max_restarts)
+    try:
+        disk = full_filesystem_lines(out, cfg.checkpoint.dir or os.path.join(out, "checkpoints"), write_error, alone)
+    except OSError:
+        disk = []
+    lines = doctor.failure_lines(out, d, e.failures, doctor.attempt_log_dir(out, run_id), max_restarts, disk)
     sys.stderr.write("".join(f"{line}\n" for line in lines))  # one write: nothing interleaves with it
     sys.stderr.flush()
 
