@@ -132,18 +132,29 @@ def test_accumulation_communicates_once_per_step(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_at_the_last_step_finishes_cleanly(tmp_path):
-    """A run resumed at its end (e.g. restarted after its final checkpoint) trains nothing,
-    exits 0, says so, and keeps the whole run's losses."""
+def test_a_finished_run_started_again_trains_and_rewrites_nothing(tmp_path):
+    """A run started again once it reached its last step (the same command, here at another
+    --nproc, as an elastic agent that joins a finished run) trains nothing, says so in one line,
+    exits 0 and leaves the records of the attempt that trained as they were; one that trains on
+    adds its attempt to metrics.json's `attempts` ([Note: records stay true])."""
     common = ["parallel.strategy=ddp", "model.preset=gpt-nano", "data.seq_len=32", "train.steps=3",
               "checkpoint.every_steps=3", "output.tensorboard=false"]
     first, _, _ = _train(tmp_path, "run", *common)
-    again, args, out = _train(tmp_path, "run", *common, "checkpoint.resume=auto")
-    assert args["resumed_from_step"] == 3
-    assert again["steps"] == 3 and again["steps_this_run"] == 0 and again["samples_per_s"] is None
-    assert again["losses"] == first["losses"] and again["final_loss"] == first["losses"][-1]
-    assert again["step_time_median_s"] is None
-    assert "nothing: resumed at step 3" in out.stdout
+    assert first["world_size"] == 2 and first["steps_this_run"] == 3
+    assert [(a["world_size"], a["steps_from"], a["steps_to"]) for a in first["attempts"]] == [(2, 0, 3)]
+    assert first["attempts"][0]["train_s"] == pytest.approx(sum(first["step_times_s"]))
+    run = tmp_path / "run"
+    kept = {name: (run / name).read_bytes() for name in ("metrics.json", "run_args.json", "steps.jsonl")}
+    _, _, out = _train(tmp_path, "run", *common, "checkpoint.resume=auto", nproc=1)
+    assert out.stdout.strip() == (f"shardlab: the run finished at step 3 (train.steps=3): nothing to do; its records "
+                                  f"are kept ({run}/metrics.json); a higher train.steps trains on"), out.stdout
+    assert {name: (run / name).read_bytes() for name in kept} == kept
+    longer, args, _ = _train(tmp_path, "run", *common, "train.steps=5", nproc=1)
+    assert args["resumed_from_step"] == 3 and args["world_size"] == 1
+    assert longer["world_size"] == 1 and longer["steps"] == 5 and longer["steps_this_run"] == 2
+    assert longer["losses"][:3] == first["losses"]
+    assert [(a["world_size"], a["steps_from"], a["steps_to"]) for a in longer["attempts"]] == [(2, 0, 3), (1, 3, 5)]
+    assert longer["attempts"][0]["launch"] != longer["attempts"][1]["launch"]
 
 
 def test_fp16_run_reports_scale_and_resumes_exactly(tmp_path):
@@ -180,9 +191,9 @@ def test_same_command_resumes_with_the_default_run_name(tmp_path, capsys):
     assert main(args) == 0
     (run,) = tmp_path.iterdir()
     assert run.name.startswith("gpt-single-") and "resumed" not in capsys.readouterr().out
-    assert main(args) == 0  # the same command
+    assert main(args) == 0  # the same command: the run had finished
     out = capsys.readouterr().out
-    assert f"shardlab: resumed from step 2 of {run}" in out and "nothing: resumed at step 2" in out
+    assert out.startswith("shardlab: the run finished at step 2 (train.steps=2): nothing to do") and "resumed" not in out
     assert main([*args, "train.steps=4"]) == 0  # train longer: the same run
     out = capsys.readouterr().out
     assert f"resumed from step 2 of {run}" in out

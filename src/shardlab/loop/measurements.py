@@ -124,7 +124,9 @@ class StepLogger:
         for tracker in self.trackers:
             tracker.close()
         self.trackers = []
-        if self.lines is not None:
+        if self.lines is not None:  # the attempt's end: the step it reached ([Note: records stay true])
+            with contextlib.suppress(OSError):
+                self._write({"event": "end", "attempt": self.run.rt.restart_count, "step": self.run.state.step})
             self.lines.close()
             self.lines = None
 

@@ -21,7 +21,7 @@ from torch import nn
 
 import shardlab
 from shardlab import memory
-from shardlab.atomic import write_json_atomic
+from shardlab.atomic import read_json, write_json_atomic
 from shardlab.config import (
     Config,
     OutputConfig,
@@ -68,6 +68,11 @@ class TrainState:
         self.skipped_steps += result.skipped
 
 
+class Finished(dict):
+    """metrics.json of a run that had reached its last step when this group started: what `train`
+    returns then, with nothing trained and nothing rewritten ([Note: records stay true] in run_summary.py)."""
+
+
 @dataclass
 class Run:
     """What one worker trains with: built once, then driven step by step."""
@@ -92,6 +97,7 @@ class Run:
     cost: CheckpointCost | None = None  # when saves are due and what each cost (loop/checkpoint_cost.py)
     layout: Layout | None = None      # micro batch and accumulation at this world size (data/layout.py)
     change: elastic.Change | None = None  # an elastic group's change since the last start (its line: StepLogger)
+    finished: Finished | None = None  # the run had reached its last step: its metrics.json, kept as it is
 
     def eval_due(self) -> bool:
         """train.eval_every: a validation loss at this step (the last step's comes after the final save)."""
@@ -242,8 +248,22 @@ def start_run(cfg: Config, rt: Runtime) -> Run:
                      strategy=cfg.parallel.strategy, timeout_s=cfg.parallel.timeout_s)
     run = build_run(cfg, rt)
     doctor.run_built(run.engine)  # phase "loop" from here
-    write_start(run)
+    run.finished = finished_record(run)
+    if run.finished is None:  # a finished run's run_args.json and elastic members stay as they were
+        write_start(run)
     return run
+
+
+def finished_record(run: Run) -> Finished | None:
+    """The run's metrics.json when this group resumed at (or past) train.steps and that file
+    records the step: nothing to train, nothing to rewrite ([Note: records stay true] in
+    run_summary.py). Rank 0 reads it; every rank returns rank 0's answer."""
+    if run.state.step < run.cfg.train.steps:  # the same on every rank: one checkpoint
+        return None
+    mine = read_json(os.path.join(run.out_dir, "metrics.json")) if run.rt.is_main else None
+    mine = mine if isinstance(mine, dict) and mine.get("steps") == run.state.step else None
+    found = all_gather_object(mine, run.rt)[0]
+    return Finished(found) if found is not None else None
 
 
 # -- what a run writes and says before its first step ---------------------------------------------

@@ -1,9 +1,23 @@
 """What a training run reports at its end: `summarize` (metrics.json, from every rank's
-measurements: measurements.py) and `print_summary` (the table rank 0 prints). `run` is run.Run."""
+measurements: measurements.py) and `print_summary` (the table rank 0 prints). `run` is run.Run.
+
+[Note: records stay true]
+A run may be trained by several attempts: restarts, preemptions, an elastic group re-formed at
+another world size, the same command run again. metrics.json's keys describe the attempt that
+trained the last steps, as they do for a run of one attempt (`world_size`, `steps_this_run`,
+`step_times_s`, throughput), and `attempts` lists every attempt that trained or resumed, oldest
+first: its launch and restart count, world size, the steps it went from and to, when it started,
+its wall and training seconds (`attempts_of`, from steps.jsonl's start and end events and step
+records; the attempt writing the file as it measured itself). A group that starts when the run
+had already reached its last step, and metrics.json records that step, trains nothing and
+rewrites nothing (run.py, `finished_record`): it says so in one line and exits 0.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from typing import Any
 
 from shardlab.atomic import write_json_atomic
@@ -11,6 +25,7 @@ from shardlab.data.mixture import MixtureSampler, source_counts
 from shardlab.engines import is_sharded
 from shardlab.loop import metrics as M
 from shardlab.loop.runtime import all_gather_object
+from shardlab.observe.runs import STEPS_FILE
 
 
 def step_tokens(run: Any, step_index: int) -> int | None:
@@ -31,9 +46,13 @@ def summarize(run: Any, timer: M.StepTimer, mine: dict, val_losses: dict, wall: 
     `losses` but not in its timings). val_losses: step -> evaluate.Evaluation. `extra`: rank 0's
     further keys (MFU: measurements.py)."""
     cfg, rt, state = run.cfg, run.rt, run.state
-    per_rank = all_gather_object(mine, rt)
     steps_run = len(timer.times)
     train_seconds = sum(timer.times)
+    this = {"launch": os.environ.get("TORCHELASTIC_RUN_ID"), "attempt": rt.restart_count, "world_size": rt.world_size,
+            "steps_from": state.step - steps_run, "steps_to": state.step, "started": time.time() - wall,
+            "wall_s": wall, "train_s": train_seconds}
+    # rank 0 reads the earlier attempts ([Note: records stay true]); the gather brings them to every rank
+    per_rank = all_gather_object({**mine, "attempts": attempts_of(run.out_dir, this) if rt.is_main else None}, rt)
     samples = steps_run * cfg.train.global_batch_size
     waits = [run.batches.wait_s.get(s, 0.0) for s in range(state.step - steps_run, state.step)] if run.batches else []
     result: dict[str, Any] = {
@@ -73,6 +92,7 @@ def summarize(run: Any, timer: M.StepTimer, mine: dict, val_losses: dict, wall: 
         **{f"val_loss/{name}": loss for name, loss in val_losses[state.step].by_source.items()},
         "val_losses_by_source": {step: v.by_source for step, v in val_losses.items() if v.by_source} or None,
         "restart_count": rt.restart_count,
+        "attempts": per_rank[0]["attempts"],  # every attempt of the run, oldest first ([Note: records stay true])
         # train.compile: seconds compiling (slowest rank; in the first step and samples/s, not the median step)
         "compile_s": max(r["compile"][0] for r in per_rank) if cfg.train.compile else None,
         "compiled_graphs": per_rank[0]["compile"][1] if cfg.train.compile else None,
@@ -92,6 +112,42 @@ def summarize(run: Any, timer: M.StepTimer, mine: dict, val_losses: dict, wall: 
     if rt.is_main:
         write_json_atomic(os.path.join(run.out_dir, "metrics.json"), result, default=str)
     return result
+
+
+def attempts_of(out_dir: str, this: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every attempt of the run in out_dir, oldest first, from steps.jsonl ([Note: records stay
+    true]): `this`, the attempt summarizing, in place of its own start event's reading."""
+    found: list[dict[str, Any]] = []
+    try:
+        with open(os.path.join(out_dir, STEPS_FILE)) as f:
+            for line in f:
+                try:
+                    r = json.loads(line)
+                except ValueError:  # a line cut short (a killed attempt)
+                    continue
+                _attempt_record(found, r)
+    except OSError:
+        pass
+    if found and (found[-1]["launch"], found[-1]["attempt"]) == (this["launch"], this["attempt"]):
+        found.pop()
+    return [*found, this]
+
+
+def _attempt_record(found: list[dict[str, Any]], r: dict[str, Any]) -> None:
+    """One line of steps.jsonl into the attempts: a start event opens one, what follows extends it."""
+    if r.get("event") == "start":
+        found.append({"launch": r.get("launch"), "attempt": r.get("attempt"), "world_size": r.get("world"),
+                      "steps_from": r.get("step"), "steps_to": r.get("step"), "started": r.get("time"),
+                      "wall_s": 0.0, "train_s": 0.0})
+        return
+    if not found or not isinstance(r.get("step"), int):
+        return
+    a = found[-1]
+    if r.get("event") == "end" or "loss" in r:
+        a["steps_to"] = r["step"] if r.get("event") == "end" else max(a["steps_to"] or 0, r["step"])
+    a["train_s"] += r.get("step_time_s") or 0.0
+    if isinstance(r.get("time"), (int, float)) and isinstance(a["started"], (int, float)):
+        a["wall_s"] = r["time"] - a["started"]
 
 
 def print_summary(result: dict[str, Any], out_dir: str) -> None:

@@ -33,7 +33,7 @@ from shardlab.loop.amp import autocast
 from shardlab.loop.loss import mean_over_ranks, token_weights
 from shardlab.loop.measurements import RunMeasurements
 from shardlab.loop.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionGuard
-from shardlab.loop.run import Run, default_run_name, run_dir, start_run, start_runtime
+from shardlab.loop.run import Finished, Run, default_run_name, run_dir, start_run, start_runtime
 from shardlab.loop.run_summary import print_summary
 from shardlab.loop.runtime import Runtime, shutdown
 
@@ -92,8 +92,9 @@ def train_step(run: Run, tracker: memory.LiveMemoryTracker | None = None,
 
 # -- the loop ---------------------------------------------------------------------------------------
 def train(cfg: Config, rt: Runtime) -> dict[str, Any]:
-    """Train with `cfg` in this worker; returns the metrics (written by rank 0). Raises
-    Preempted once a SIGTERM/SIGUSR1 turned into a complete checkpoint (docs/preemption.md)."""
+    """Train with `cfg` in this worker; returns the metrics (written by rank 0; a run that had
+    finished: its metrics.json as it was, a `Finished`). Raises Preempted once a SIGTERM/SIGUSR1
+    turned into a complete checkpoint (docs/preemption.md)."""
     with PreemptionGuard(cfg.preemption.enabled) as guard, doctor.attending(Preempted):
         return _train(cfg, rt, guard)
 
@@ -101,6 +102,11 @@ def train(cfg: Config, rt: Runtime) -> dict[str, Any]:
 def _train(cfg: Config, rt: Runtime, guard: PreemptionGuard) -> dict[str, Any]:
     measure = RunMeasurements()  # from here: the run's wall clock and compile time
     run = start_run(cfg, rt)
+    if run.finished is not None:  # it had reached its last step: nothing trained, nothing rewritten
+        if rt.is_main:
+            print(f"shardlab: the run finished at step {run.state.step} (train.steps={cfg.train.steps}): nothing to "
+                  f"do; its records are kept ({run.out_dir}/metrics.json); a higher train.steps trains on", flush=True)
+        return run.finished
     measure.watch(run, cfg.train, cfg.output)
     state = run.state
     run.model.train()
@@ -139,7 +145,7 @@ def worker_main(cfg: Config) -> int:
         if not cfg.output.run_name:  # the same on every rank: a function of the config
             cfg.output.run_name = default_run_name(cfg)
         result = train(cfg, rt)
-        if rt.is_main:
+        if rt.is_main and not isinstance(result, Finished):  # a finished run said so in one line
             print_summary(result, run_dir(cfg.output))
         clean = True
         return 0
