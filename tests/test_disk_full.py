@@ -95,3 +95,25 @@ def test_the_launcher_says_a_disk_too_full_for_the_workers_records(tmp_path):
         assert len(lines) <= 6 and not any("a worker was lost" in line for line in lines), lines
     finally:
         _unmount(disk)
+
+
+def test_a_run_directory_on_a_full_disk_is_one_line_before_any_worker(tmp_path):
+    disk = tmp_path / "full"
+    _mount(disk, "1m")
+    try:
+        (disk / "filler").write_bytes(b"")
+        with open(disk / "filler", "wb") as f:   # fill it
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+            except OSError:
+                pass
+        out = subprocess.run([sys.executable, "-m", "shardlab", "train", "configs/gpt-tiny.yaml", "--nproc", "2",
+                              "model.preset=gpt-nano", "data.seq_len=32", f"output.dir={disk}"],
+                             capture_output=True, text=True, timeout=300)
+        said = out.stdout + out.stderr
+        assert out.returncode == 1 and "Traceback" not in said and len(said.splitlines()) <= 15, said
+        assert out.stderr.startswith(f"error: cannot write the run directory {disk}/"), said
+        assert "No space left on device" in out.stderr.splitlines()[0]
+    finally:
+        _unmount(disk)

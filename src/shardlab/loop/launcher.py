@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
 import uuid
 from dataclasses import dataclass
 
-from shardlab.atomic import read_json
+from shardlab.atomic import disk_full_errno, read_json
 from shardlab.config import Config, dump_config
 from shardlab.doctor import agent as doctor
 from shardlab.loop import elastic, listen, preemption
@@ -83,10 +84,17 @@ def launch_local(cfg: Config, nproc: int, max_restarts: int = 0, extra_env: dict
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     out = os.path.join(cfg.output.dir, cfg.output.run_name)
-    os.makedirs(out, exist_ok=True)
     config_path = os.path.join(out, "config.yaml")
-    with open(config_path, "w") as f:
-        f.write(dump_config(cfg))
+    try:
+        os.makedirs(out, exist_ok=True)
+        with open(config_path, "w") as f:
+            f.write(dump_config(cfg))
+    except OSError as e:   # before any worker: the run directory cannot be written at all
+        free = shutil.disk_usage(cfg.output.dir).free if os.path.isdir(cfg.output.dir) else None
+        print(f"error: cannot write the run directory {out}: {e.strerror or e}"
+              + (f" ({free / 2**20:.1f} MiB free there); free space or choose output.dir on another filesystem"
+                 if free is not None and disk_full_errno(e) else "; check output.dir"), file=sys.stderr)
+        return 1
     # One thread per worker unless the user says otherwise: N workers on N cores.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ.update(extra_env or {})
