@@ -3,7 +3,9 @@
     python -m tests.doctor_overhead --strategies fsdp,torch-fsdp --rounds 3 --steps 10
 
 1. Per call, in this process: a collective's record (issue + complete), a phase mark, a step
-   mark, and the unit-label hooks on a unit's forward, each doctor on and off (timeit, best of 5).
+   mark, and the unit-label hooks on a unit's forward, each doctor on and off (timeit, best of 5);
+   per step, the step summary ([Note: the step summaries] in doctor/flight.py): a step of
+   SUMMARY_STEP collectives and phase marks recorded with the summaries on and off.
 2. Per step: `shardlab train --nproc 2` of gpt-mini on synthetic tokens (bench's settings),
    doctor.enabled=true and false alternated in each round (the order flips every round), step
    times from metrics.json without the warm-up steps; the median of all measured steps of all
@@ -21,6 +23,8 @@ import subprocess
 import sys
 import tempfile
 import timeit
+
+SUMMARY_STEP = (20, 10)     # the collectives and phase marks of the step whose summary is timed
 
 
 def per_call_costs(tmp: str) -> dict[str, float]:
@@ -62,6 +66,21 @@ def per_call_costs(tmp: str) -> dict[str, float]:
         out[f"phase mark ({state})"] = best(mark, 100_000)
         out[f"step mark ({state})"] = best(lambda: doctor.RECORDER.set_step(3), 100_000)
         rec.close()
+    step_time = {}
+    for summaries in (True, False):
+        rec.open(os.path.join(tmp, "bench3.flight"), rank=0, world=2, attempt=0, summaries=summaries)
+
+        def step():
+            rec.set_step(rec.step + 1)   # the previous step's summary is written here
+            for _ in range(SUMMARY_STEP[1]):
+                rec.enter_phase("forward")
+            for _ in range(SUMMARY_STEP[0]):
+                rec.complete(rec.issue("all_gather", 4096, None))
+
+        step_time[summaries] = best(step, 20_000)
+        rec.close()
+    calls, marks = SUMMARY_STEP
+    out[f"step summary (on), per step of {calls} collectives and {marks} marks"] = step_time[True] - step_time[False]
     doctor.RECORDER.open(os.path.join(tmp, "bench2.flight"), rank=0, world=2, attempt=0)
     pre = unit.register_forward_pre_hook(lambda m, a: _enter_unit(0, m, a), prepend=True)
     post = unit.register_forward_hook(lambda m, a, o: _leave_unit(0, m, a, o))
@@ -118,9 +137,10 @@ def main() -> None:
             # one micro batch per rank and step (16 = 2 ranks x 8): data, forward, backward and
             # optimizer phase marks and a step mark; gpt-mini's units, each forward and backward once
             units = GPT_PRESETS["gpt-mini"].n_layer
+            summary = next(v for k, v in costs.items() if k.startswith("step summary (on)"))
             predicted = (calls * costs["collective record (on)"] + 4 * costs["phase mark (on)"]
                          + costs["step mark (on)"] + units * costs["unit labels, per unit forward + backward (on)"]
-                         ) / 1e6 / off
+                         + summary) / 1e6 / off
             print(f"| {strategy} | {off:.3f} | {on:.3f} | {on / off:.3f} | {calls} | {100 * predicted:.3f} % |",
                   flush=True)
 

@@ -7,7 +7,8 @@ and `shardlab trace`.
   the fault): `run`, 2 ranks of fsdp with every installed tracker, read back by the report (in
   headless Chromium where installed), the trace (in Perfetto where installed), the MFU check and
   the trackers' stores; `straggler`, 3 ranks of ddp, rank 1's data loading sleeping 50 ms per
-  step; `alike`, 2 ranks of ddp on one core, where no rank may be named.
+  step; `alike`, 2 ranks of ddp on one core, where no rank may be named, with a flight record of
+  32 collectives and marks per rank (a few steps): the report still covers every step.
 A killed and restarted run's report and trace are checked in tests/test_checkpoint_dist.py's
 SIGKILL test, on the run it already kills and restarts (no launch of its own here).
 """
@@ -42,6 +43,7 @@ SLOW_MS = 50
 # 0.0-0.5 ms excess against a 2.3-3 ms margin, 6 steps: up to 3.3 ms)
 STEPS = 20
 EVERY = 5          # the 2-rank run's eval and checkpoint interval
+RING = 32          # the `alike` run's doctor.record_size: its flight record holds its last few steps
 
 
 # ------------------------------------------------------------------------------------ no processes
@@ -88,6 +90,56 @@ def test_step_split_from_a_hand_made_record(tmp_path, monkeypatch):
         assert s.total == pytest.approx(1.0)
         assert s.parts["data"] == pytest.approx(0.2) and s.parts["checkpoint"] == pytest.approx(0.1)
         assert s.parts["comm"] == pytest.approx(0.2) and s.parts["compute"] == pytest.approx(0.5)
+
+
+def test_step_summaries_cover_the_steps_the_rings_lost(tmp_path, monkeypatch):
+    """[Note: the step summaries]: a rank whose rings (16 collectives and marks) hold its last steps
+    only still has every step's split in rank<r>.steps, equal to the rings' split where both have it;
+    the coverage names the steps the rings hold and why."""
+    clock = Clock()
+    monkeypatch.setattr(F, "time", clock)
+    rec = FlightRecorder()
+    rec.describe_group = lambda g: ("0", [0, 1])
+    debug = tmp_path / "debug"
+    debug.mkdir()
+    rec.open(str(debug / "rank0.flight"), rank=0, world=2, attempt=0, capacity=16)
+    (debug / "rank0.meta.json").write_text(json.dumps({"rank": 0, "world": 2, "launch": "L", "attempt": 0}))
+
+    def at(t: float) -> FlightRecorder:
+        clock.now = 1000.0 + t
+        return rec
+
+    at(-0.5).enter_phase("loop")
+    for s in range(1, 31):
+        t = s - 1.0
+        at(t).set_step(s)
+        at(t + 0.1).enter_phase("data")                          # 0.1 s, 0.2 s on even steps
+        at(t + 0.2 + 0.1 * (s % 2 == 0)).enter_phase("forward")
+        n = at(t + 0.4).issue("all_reduce", 8, None)              # blocking: 0.1 s exposed
+        at(t + 0.5).complete(n)
+        at(t + 0.6).enter_phase("loop")
+    at(30.0).enter_phase("finish")
+    rec.close("finished")
+    f = read_flight(str(debug / "rank0.flight"))
+    summaries = F.read_step_summaries(F.steps_path(str(debug / "rank0.flight")))
+    assert [x.step for x in summaries] == list(range(1, 31))
+    for x in summaries:
+        data = 0.2 if x.step % 2 == 0 else 0.1
+        assert x.total == pytest.approx(1.0) and x.parts["data"] == pytest.approx(data)
+        assert x.parts["comm"] == pytest.approx(0.1) and x.parts["compute"] == pytest.approx(0.9 - data)
+        assert (x.calls, x.nbytes) == (1, 8)
+    held = runs.step_splits(f)
+    first, last = f.whole_steps()
+    assert last == 30 and first > 20 and [s.step for s in held] == list(range(first, 31))
+    for s in held:
+        x = summaries[s.step - 1]
+        assert x.flags == 0 and s.parts == pytest.approx(x.parts, abs=1e-6) and (s.calls, s.nbytes) == (1, 8)
+    assert summaries[0].flags == 0                               # the rings held step 1 when it ended
+    (attempt,) = runs.read_attempts(str(debug))
+    assert [s.step for s in runs.attempt_splits(attempt)[0]] == list(range(1, 31))
+    note = runs.coverage(attempt)["note"]
+    assert note == (f"collectives and phases of steps {first}-30 only: the flight record keeps the last 16 "
+                    "collectives and phase marks per rank (doctor.record_size)"), note
 
 
 def _split(rank: int, step: int, total: float, comm: float, data: float = 0.0) -> runs.Split:
@@ -251,8 +303,9 @@ def launched(tmp_path_factory, monkeypatch_module):
     _launch(root, "straggler", 3, f"data-slow:1:{SLOW_MS}", "parallel.strategy=ddp", "checkpoint.every_steps=0",
             "checkpoint.final=false", "output.trackers=[]")
     # [Note: no straggler, measured] (test_no_rank_is_named_when_the_ranks_are_alike)
+    # and a ring of RING collectives and marks: its last few steps ([Note: the step summaries] in doctor/flight.py)
     _launch(root, "alike", 2, "", "parallel.strategy=ddp", "checkpoint.every_steps=0", "checkpoint.final=false",
-            "train.eval_every=0", "output.trackers=[]", one_core=True)
+            "train.eval_every=0", "output.trackers=[]", f"doctor.record_size={RING}", one_core=True)
     print(f"\nobserve launches (one after the other): {time.monotonic() - t0:.1f} s")
     return {"root": root, "run": root / "run", "straggler": root / "straggler", "alike": root / "alike",
             "trackers": trackers}
@@ -284,9 +337,52 @@ def test_no_rank_is_named_when_the_ranks_are_alike(launched):
     both ranks (and their launcher) on one core: whatever else runs there slows them alike."""
     text = _report(launched["alike"])
     (attempt,) = runs.read_run(str(launched["alike"])).attempts
-    verdict = runs.slowest_rank({r: runs.step_splits(f) for r, f in attempt.flights.items()})
+    verdict = runs.slowest_rank(runs.attempt_splits(attempt))
     assert "slowest rank: none stands out" in text and "<b>slowest rank" not in text, verdict
     assert verdict is not None and verdict["steps"] == STEPS - 1
+
+
+def test_report_covers_every_step_and_says_what_the_trace_holds(launched, capsys):
+    """The `alike` run's rings (doctor.record_size=RING) hold its last few steps: the report's split
+    and slowest rank still cover all STEPS (the step summaries), equal to the rings' split where both
+    have a step; the collectives table and the trace say which steps they show, and why."""
+    from shardlab.cli import main
+
+    run_dir = launched["alike"]
+    (attempt,) = runs.read_run(str(run_dir)).attempts
+    splits = runs.attempt_splits(attempt)
+    assert {r: [s.step for s in ss] for r, ss in splits.items()} == {r: list(range(1, STEPS + 1)) for r in (0, 1)}
+    held = {r: runs.step_splits(f) for r, f in attempt.flights.items()}
+    for r, ss in held.items():
+        assert ss and ss[0].step > 2 and ss[-1].step == STEPS, [s.step for s in ss]   # the ring lost the first ones
+        for s in ss:
+            x = splits[r][s.step - 1]
+            assert x.parts == pytest.approx(s.parts, abs=1e-6) and (x.calls, x.nbytes) == (s.calls, s.nbytes)
+    first = max(ss[0].step for ss in held.values())
+    text = _report(run_dir)
+    assert f"steps 1-{STEPS} ({STEPS} steps): every step each rank completed" in text
+    assert re.search(rf"collectives of steps \d+-{STEPS} \(\d+ of the {STEPS} steps rank 0 completed\): the flight "
+                     rf"record keeps the last {RING} collectives and phase marks per rank", text), text[-3000:]
+    assert main(["trace", str(run_dir), "--out", str(run_dir / "t.json")]) == 0
+    printed = capsys.readouterr().out
+    other = json.loads((run_dir / "t.json").read_text())["otherData"]
+    assert f"the flight record keeps the last {RING} collectives and phase marks per rank" in other["note"]
+    assert other["note"] in printed
+    assert {c["rank"]: tuple(c["steps_completed"]) for c in other["coverage"]} == {0: (1, STEPS), 1: (1, STEPS)}
+    assert all(c["steps_in_trace"][0] >= first - 1 and c["steps_in_trace"][1] == STEPS for c in other["coverage"])
+
+
+def test_step_summaries_equal_the_rings_split(launched):
+    """The 2-rank fsdp run (evaluation, checkpoints), whose rings hold all its steps: each rank's
+    step summaries are the rings' split of the same steps, and there is one for every step."""
+    (attempt,) = runs.read_run(str(launched["run"])).attempts
+    for r, f in attempt.flights.items():
+        held, every = runs.step_splits(f), attempt.summaries[r]
+        assert [s.step for s in held] == [s.step for s in every] == list(range(1, STEPS + 1))
+        for s, x in zip(held, every):
+            assert x.parts == pytest.approx(s.parts, abs=1e-6), (r, s.step)
+            assert (x.start, x.total, x.calls, x.nbytes) == (pytest.approx(s.start), pytest.approx(s.total, abs=1e-6),
+                                                             s.calls, s.nbytes)
 
 
 def test_report_opens_in_chromium_with_every_plot_drawn(launched, tmp_path):

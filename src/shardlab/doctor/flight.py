@@ -16,6 +16,10 @@ last wrote survives it (frozen, killed, crashed) for the others and for `shardla
                           and phase: every phase change and every new step, so the time of each
                           step splits into its phases afterwards (shardlab report, trace)
 
+The rings keep the last `capacity` collectives and marks (doctor.record_size, 4096 by default: a
+few hundred steps of a small model, fewer of a large one), so beside them each rank appends one
+record per completed step to `<run dir>/debug/rank<r>.steps` ([Note: the step summaries]).
+
 `waited`: 0.0 for a blocking call (the rank waited from its issue), the time its `wait()` began
 for an asynchronous one, -1.0 for one completed by a callback this rank never waited on (PyTorch
 DDP's bucket futures): the exposed part of a collective is from `waited` (or its issue) to its
@@ -37,6 +41,18 @@ reader of a live file may at worst see one entry half written, which the next re
 The kernel writes the dirty pages back on its own schedule (and at exit, also after SIGKILL);
 on a shared filesystem other hosts see them after that write-back, or after a dump (msync).
 docs/benchmarks.md has the measured cost per call and per step.
+
+[Note: the step summaries]
+`rank<r>.steps`: a header (STEPS_MAGIC, rank, attempt), then one STEP_BYTES record per step the
+rank completed: the step, flags (STEP_PARTIAL_*: the rings no longer held all of the step when it
+ended), its start and wall time, its seconds by part (PARTS: [Note: where a step's time goes] in
+observe/runs.py, computed by `split_step`, the function the readers use on the rings) and the
+calls and payload bytes of its training collectives. When a step ends (the next step's mark, or
+the run's "finish" mark) the recorder reads that step back from its rings, still in memory, and
+appends the record with one write: nothing is added to a collective's or a phase mark's cost, a
+step pays about 10 µs for 20 collectives and 10 marks (docs/debugging.md, "Limits"), and the file
+grows by STEP_BYTES a step (56 MB for a million steps). `shardlab report` reads it for every step's split; the rings
+still hold the individual collectives and phases of the last steps (`shardlab trace`).
 """
 
 from __future__ import annotations
@@ -65,8 +81,16 @@ PHASES = ("startup", "loop", "data", "forward", "backward", "optimizer", "eval",
 #: Run states in the header.
 STATES = ("running", "finished", "failed", "preempted")
 
+#: what a step's time splits into, in report order ([Note: where a step's time goes] in observe/runs.py)
+PARTS = ("data", "compute", "comm", "checkpoint", "eval", "log")
+#: phases counted as themselves, their collectives included
+APART = ("data", "checkpoint", "eval", "log")
+
 _KIND_CODE = {k: i + 1 for i, k in enumerate(KINDS)}
 _PHASE_CODE = {p: i for i, p in enumerate(PHASES)}
+_APART_CODES = frozenset(_PHASE_CODE[p] for p in APART)
+_APART_SET = frozenset(APART)
+_OUTSIDE_CODES = frozenset(_PHASE_CODE[p] for p in ("startup", "finish"))   # no step's time
 
 # header: identity (written once), progress (every phase mark), entry count, watcher fields
 _IDENTITY = struct.Struct("<8siiiiiid")          # magic version rank world pid attempt capacity started
@@ -91,10 +115,48 @@ ENTRY_BYTES = 64
 # mark: number time step phase
 _MARK = struct.Struct("<qdii")
 MARK_BYTES = 24
+_SLOT = struct.Struct("<qiiqqddhhid")             # a whole entry slot (the entry, then waited): for iter_unpack
+# the step summaries ([Note: the step summaries]): header magic rank attempt; per step: step flags
+# start total, the PARTS' seconds, calls bytes
+STEPS_MAGIC = b"SHDLSTP1"
+_STEPS_HEADER = struct.Struct("<8sii")
+_STEP = struct.Struct("<iid7fiq")
+STEP_BYTES = _STEP.size
+STEP_PARTIAL_MARKS = 1      # the ring of marks had lost the step's first marks when it ended
+STEP_PARTIAL_ENTRIES = 2    # the ring of collectives had lost some of the step's
 
 
 def flight_path(debug_dir: str, rank: int) -> str:
     return os.path.join(debug_dir, f"rank{rank}.flight")
+
+
+def steps_path(flight: str) -> str:
+    """The step summaries beside a flight file: rank<r>.steps."""
+    return f"{flight[:-len('.flight')] if flight.endswith('.flight') else flight}.steps"
+
+
+def split_step(spans: list[tuple[float, float, str]], waits: list[tuple[float, float]], start: float,
+               end: float) -> dict[str, float]:
+    """A step's seconds by part (PARTS), from its phase spans (from, to, phase) and the intervals in
+    which the rank waited for a collective of its phases that are not APART ([Note: where a step's
+    time goes] in observe/runs.py): the writer's step summaries and the readers' rings alike.
+    Exposed communication is the union of the waits within [start, end], in one sweep."""
+    parts = dict.fromkeys(PARTS, 0.0)
+    for a, b, phase in spans:
+        if phase in _APART_SET:
+            parts[phase] += b - a
+    comm, reach = 0.0, start
+    for a, b in sorted(waits):
+        if b > end:
+            b = end
+        if a < reach:
+            a = reach
+        if b > a:
+            comm += b - a
+            reach = b
+    parts["comm"] = comm
+    parts["compute"] = max(0.0, (end - start) - sum(parts.values()))
+    return parts
 
 
 class FlightRecorder:
@@ -107,6 +169,8 @@ class FlightRecorder:
         self.capacity = 0
         self.count = 0
         self.marks = 0
+        self.steps_fd: int | None = None        # rank<r>.steps ([Note: the step summaries])
+        self._step_mark = self._step_entry = 0  # the first mark and entry of the step under way
         self.step = 0
         self.phase = 0
         self.unit = -1
@@ -119,11 +183,18 @@ class FlightRecorder:
         self.on_new_group: Callable[[], None] | None = None
 
     # -- lifecycle --------------------------------------------------------------------------------
-    def open(self, path: str, *, rank: int, world: int, attempt: int, capacity: int = DEFAULT_CAPACITY) -> None:
+    def open(self, path: str, *, rank: int, world: int, attempt: int, capacity: int = DEFAULT_CAPACITY,
+             summaries: bool = True) -> None:
         """Create (truncate) the file at `path` and map it. Falls back to anonymous memory when
         the filesystem cannot map files shared (some FUSE mounts): `flush` then writes a copy
-        to `path`, which the watcher thread does every few seconds and at every dump."""
+        to `path`, which the watcher thread does every few seconds and at every dump. With
+        `summaries`, also (truncate) the step summaries beside it ([Note: the step summaries])."""
         self.close()
+        if summaries:
+            with contextlib.suppress(OSError):  # without the file, no summaries: the rings still work
+                fd = os.open(steps_path(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+                self.steps_fd = fd
+                os.write(fd, _STEPS_HEADER.pack(STEPS_MAGIC, rank, attempt))
         size = HEADER_BYTES + capacity * (ENTRY_BYTES + MARK_BYTES)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -138,6 +209,7 @@ class FlightRecorder:
             self.mapped_file = False
         self.path = path
         self.capacity, self.count, self.marks, self.step, self.phase, self.unit = capacity, 0, 0, 0, 0, -1
+        self._step_mark = self._step_entry = 0
         self.groups, self.by_name, self.group_names = {}, {}, []
         now = time.time()
         _IDENTITY.pack_into(self.mm, 0, MAGIC, VERSION, rank, world, os.getpid(), attempt, capacity, now)
@@ -152,6 +224,14 @@ class FlightRecorder:
             return
         if state is not None:
             self.set_state(state)
+        if self.phase == _PHASE_CODE["finish"] and self.step > 0 and self.marks > self._step_mark > 0:
+            # the run ended well: its last step ended at the "finish" mark
+            finished = _MARK.unpack_from(self.mm, self._mark_at(self.marks))[1]
+            self._summarize(finished, self.marks - 1)
+        if self.steps_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.steps_fd)
+            self.steps_fd = None
         with contextlib.suppress(OSError):  # a full filesystem must not fail the run's end
             self.flush()
         self.mm.close()
@@ -176,8 +256,16 @@ class FlightRecorder:
 
     # -- progress ---------------------------------------------------------------------------------
     def set_step(self, step: int) -> None:
+        if self.mm is None:
+            self.step = step
+            return
+        now = time.time()
+        if step != self.step:
+            if self.step > 0 and self._step_mark > 0:
+                self._summarize(now, self.marks)   # the step under way ends at this mark
+            self._step_mark, self._step_entry = self.marks + 1, self.count + 1
         self.step = step
-        self._progress(time.time())
+        self._progress(now)
 
     def enter_phase(self, name: str) -> int:
         """Set the phase (and no unit until a unit's hook says so); returns the previous phase's
@@ -206,6 +294,43 @@ class FlightRecorder:
             _MARK.pack_into(mm, HEADER_BYTES + self.capacity * ENTRY_BYTES + ((n - 1) % self.capacity) * MARK_BYTES,
                             n, now, self.step, self.phase)
             _MARKS.pack_into(mm, _MARKS_AT, n)
+
+    def _mark_at(self, n: int) -> int:
+        return HEADER_BYTES + self.capacity * ENTRY_BYTES + ((n - 1) % self.capacity) * MARK_BYTES
+
+    def _summarize(self, end: float, last_mark: int) -> None:
+        """The step under way ended at `end`, its last mark `last_mark`: its record, read back from
+        the rings, appended to rank<r>.steps ([Note: the step summaries])."""
+        mm, cap, fd = self.mm, self.capacity, self.steps_fd
+        if mm is None or fd is None:
+            return
+        flags, first_mark, first_entry = 0, self._step_mark, self._step_entry
+        if first_mark <= self.marks - cap:
+            flags, first_mark = flags | STEP_PARTIAL_MARKS, self.marks - cap + 1
+        if first_entry <= self.count - cap:
+            flags, first_entry = flags | STEP_PARTIAL_ENTRIES, self.count - cap + 1
+        marks = [(t, ph) for _, t, _, ph in _slots(mm, HEADER_BYTES + cap * ENTRY_BYTES, _MARK, cap, first_mark,
+                                                    last_mark)]
+        spans = [(t, nxt, PHASES[ph]) for (t, ph), nxt in zip(marks, [t for t, _ in marks[1:]] + [end])
+                 if ph not in _OUTSIDE_CODES and nxt >= t]
+        if not spans:
+            return
+        calls = nbytes = 0
+        waits = []
+        n = first_entry
+        for num, _, _, _, size, issued, completed, _, ph, _, waited in _slots(mm, HEADER_BYTES, _SLOT, cap,
+                                                                               first_entry, self.count):
+            if num == n and completed > 0 and ph not in _APART_CODES and ph not in _OUTSIDE_CODES:
+                calls += 1
+                nbytes += size
+                if waited >= 0:
+                    waits.append((waited if waited > 0 else issued, completed))
+            n += 1
+        start = spans[0][0]
+        parts = split_step(spans, waits, start, spans[-1][1])
+        with contextlib.suppress(OSError):  # a full filesystem must not fail the run
+            os.write(fd, _STEP.pack(self.step, flags, start, spans[-1][1] - start, *(parts[p] for p in PARTS),
+                                    calls, nbytes))
 
     # -- collectives ------------------------------------------------------------------------------
     def issue(self, kind: str, nbytes: int, group: Any) -> int:
@@ -274,6 +399,19 @@ class FlightRecorder:
 RECORDER = FlightRecorder()
 
 
+def _slots(mm: Any, base: int, layout: struct.Struct, capacity: int, first: int, last: int) -> list[tuple]:
+    """Ring slots `first`..`last` (numbers from 1, the oldest still in the ring), unpacked: one or two
+    contiguous runs of slots, whatever the ring's wrap (what a step summary reads back)."""
+    if last < first:
+        return []
+    a, b = (first - 1) % capacity, (last - 1) % capacity + 1
+    size = layout.size
+    if a < b:
+        return list(layout.iter_unpack(mm[base + a * size:base + b * size]))
+    return [*layout.iter_unpack(mm[base + a * size:base + capacity * size]),
+            *layout.iter_unpack(mm[base:base + b * size])]
+
+
 # ------------------------------------------------------------------------------------------ reading
 @dataclass(frozen=True)
 class Entry:
@@ -324,6 +462,47 @@ class Flight:
     state: str
     entries: tuple[Entry, ...]   # oldest first
     marks: tuple[Mark, ...] = ()  # oldest first (format 2; none in a format 1 file)
+    marked: int = 0               # phase marks written so far (the ring keeps the last `capacity`)
+
+    def whole_steps(self) -> tuple[int, int] | None:
+        """The first and last step whose collectives and phase marks the rings still hold whole
+        (None: no step recorded); earlier steps were overwritten (`capacity`, doctor.record_size)."""
+        steps = [m.step for m in self.marks if m.step > 0]
+        if not steps:
+            return None
+        first = steps[0] + (1 if self.marked > self.capacity else 0)
+        if self.issued > self.capacity and self.entries:
+            first = max(first, self.entries[0].step + 1)
+        return (first, steps[-1]) if first <= steps[-1] else None
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    """One step of a rank as its step summaries hold it ([Note: the step summaries])."""
+
+    step: int
+    flags: int           # STEP_PARTIAL_*: 0 when the rings held all of the step
+    start: float
+    total: float
+    parts: dict[str, float]
+    calls: int           # the training collectives' calls and payload bytes (not APART's)
+    nbytes: int
+
+
+def read_step_summaries(path: str) -> list[StepSummary]:
+    """A rank<r>.steps file, oldest step first ([] when it is missing or not one; a record being
+    written is left out)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return []
+    if len(data) < _STEPS_HEADER.size or data[:8] != STEPS_MAGIC:
+        return []
+    body = data[_STEPS_HEADER.size:]
+    body = body[:len(body) - len(body) % STEP_BYTES]
+    return [StepSummary(step, flags, start, total, dict(zip(PARTS, parts)), calls, nbytes)
+            for step, flags, start, total, *parts, calls, nbytes in _STEP.iter_unpack(body)]
 
 
 def read_flight(path: str) -> Flight:
@@ -352,9 +531,10 @@ def read_flight(path: str) -> Flight:
                              KINDS[kind - 1] if 0 < kind <= len(KINDS) else "unknown", _phase_name(ph), st,
                              waited if version > 1 else 0.0))
     marks = _read_marks(data, capacity) if version > 1 else ()
+    marked = _MARKS.unpack_from(data, _MARKS_AT)[0] if version > 1 else 0
     return Flight(rank, world, pid, attempt, capacity, started, step, _phase_name(phase), unit, since,
                   max(updated, last_issue), count, tick, answered,
-                  STATES[state] if 0 <= state < len(STATES) else "unknown", tuple(entries), marks)
+                  STATES[state] if 0 <= state < len(STATES) else "unknown", tuple(entries), marks, marked)
 
 
 def _phase_name(code: int) -> str:

@@ -3,6 +3,8 @@ issued them, answers dump requests, and leaves a record of how the worker ended.
 
 Files under `<run dir>/debug/` for rank r (docs/debugging.md):
   rank<r>.flight     heartbeat and the last collectives (flight.py), updated in place
+  rank<r>.steps      one summary per completed step: its time by part, its collectives' calls and
+                     bytes ([Note: the step summaries] in flight.py), appended
   rank<r>.meta.json  who wrote it (pid, host, launch, attempt) and the names behind the numbers
   rank<r>.stacks.txt every thread's Python stack (faulthandler) at the latest dump
   rank<r>.exit.json  the exception that ended this worker, if one did
@@ -421,7 +423,7 @@ def _move_previous(debug: str, rank: int) -> None:
         return
     dest = os.path.join(debug, "previous", f"{old.get('launch', 'unknown')}-a{old.get('attempt', 0)}")
     os.makedirs(dest, exist_ok=True)
-    for suffix in ("flight", "meta.json", "stacks.txt", "exit.json", "fatal.txt", "torch-fr.json"):
+    for suffix in ("flight", "steps", "meta.json", "stacks.txt", "exit.json", "fatal.txt", "torch-fr.json"):
         src = os.path.join(debug, f"rank{rank}.{suffix}")
         if os.path.exists(src):
             shutil.move(src, os.path.join(dest, os.path.basename(src)))

@@ -24,7 +24,9 @@ from shardlab.observe.runs import (
     PARTS,
     NotARun,
     Run,
+    attempt_splits,
     collective_totals,
+    coverage,
     mean_split,
     read_run,
     slowest_rank,
@@ -115,6 +117,7 @@ def _attempts(run: Run, now: float, plots: Any) -> str:
 
 def _step_range(a) -> str:
     steps = [m.step for f in a.flights.values() for m in f.marks if m.step > 0]
+    steps += [s.step for ss in a.summaries.values() for s in ss]   # the marks' ring may hold the last ones only
     return f"{min(steps)}-{max(steps)}" if steps else "-"
 
 
@@ -147,11 +150,11 @@ def _time_split(run: Run, plots: Any) -> str:
            '<p class="note">From the flight records: data wait (phase data), exposed communication (waiting '
            "for a collective), checkpoint and eval (those phases), compute (the rest).</p>"]
     for a in run.attempts:
-        splits = {r: step_splits(f) for r, f in sorted(a.flights.items())}
-        splits = {r: s for r, s in splits.items() if s}
+        splits = attempt_splits(a)
         if not splits:
             out.append(f'<p class="note">{_esc(a.label)}: no complete step recorded</p>')
             continue
+        out.append(f'<p class="note" data-covers="split">{_esc(a.label)}: {_esc(_split_coverage(a, splits))}</p>')
         means = {r: mean_split(s) for r, s in splits.items()}
         out.append(_figure(plots.time_split(means, f"{a.label}: ms per step by part"), f"split-{a.attempt}-{a.launch}",
                            ""))
@@ -162,6 +165,16 @@ def _time_split(run: Run, plots: Any) -> str:
         series = {r: [(s.step, s.busy * 1000) for s in ss] for r, ss in splits.items()}
         out.append(_figure(plots.busy_per_step(series), f"busy-{a.attempt}-{a.launch}", ""))
     return "".join(out)
+
+
+def _split_coverage(a, splits) -> str:
+    """Which steps the split covers: every completed step (the step summaries), else the rings'."""
+    ranges = sorted({(s[0].step, s[-1].step, len(s)) for s in splits.values()})
+    steps = "; ".join(f"steps {x}-{y} ({n} steps)" for x, y, n in ranges)
+    if all(r in a.summaries for r in splits):
+        return f"{steps}: every step each rank completed (its step summaries, debug/rank<r>.steps)"
+    note = coverage(a)["note"]
+    return f"{steps}, from the flight record" + (f" ({note}; this run wrote no step summaries)" if note else "")
 
 
 def _slowest_text(s: dict[str, Any] | None) -> str:
@@ -196,6 +209,7 @@ def _collectives(run: Run, plots: Any) -> str:
     totals = collective_totals(flight, steps)
     if not totals or not steps:
         return "<h2>Collectives</h2><p class='note'>no collective recorded in a complete step</p>"
+    covers = _collectives_coverage(a, steps)
     theory, note = _theory(run, a.world)
     rows = []
     for kind, t in sorted(totals.items()):
@@ -208,8 +222,25 @@ def _collectives(run: Run, plots: Any) -> str:
                    [[r["kind"], f"{r['calls']:.1f}", r["theory_calls"] or "-", f"{r['bytes'] / 1024:.1f}",
                      f"{r['theory_bytes'] / 1024:.1f}" if r["theory_bytes"] is not None else "-",
                      _ms(r["seconds"]), _ms(r["exposed_s"]), _ms(r["theory_s"])] for r in rows])
-    return (f"<h2>Collectives per step (rank 0, {len(steps)} steps of {_esc(a.label)})</h2>"
+    return (f"<h2>Collectives per step (rank 0, steps {min(steps)}-{max(steps)} of {_esc(a.label)})</h2>"
+            + (f'<p class="note" data-covers="collectives">{_esc(covers)}</p>' if covers else "")
             + _figure(plots.collectives(rows), "collectives", "") + table + f'<p class="note">{_esc(note)}</p>')
+
+
+def _collectives_coverage(a, steps: set[int]) -> str | None:
+    """When the table holds fewer steps than rank 0 completed: which, why, and what every step's
+    summary says of the same collectives (calls and bytes per step)."""
+    every = a.summaries.get(0) or []
+    if not every:  # a run from before the step summaries
+        return coverage(a)["note"]
+    if len(every) <= len(steps):
+        return None
+    calls = sum(s.calls for s in every) / len(every)
+    kib = sum(s.nbytes for s in every) / len(every) / 1024
+    return (f"collectives of steps {min(steps)}-{max(steps)} ({len(steps)} of the {len(every)} steps rank 0 "
+            f"completed): the flight record keeps the last {a.flights[0].capacity:,} collectives and phase marks "
+            f"per rank (doctor.record_size). Over all {len(every)} steps (steps {every[0].step}-{every[-1].step}, "
+            f"the step summaries): {calls:.1f} calls and {kib:.1f} KiB per step.")
 
 
 def _theory(run: Run, world: int) -> tuple[dict[str, dict[str, float]], str]:

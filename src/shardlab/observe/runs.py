@@ -21,6 +21,12 @@ their exposed communication). It is named only when it is the busiest rank in at
 SLOWEST_SHARE of the steps and its median busy time exceeds the other ranks' by at least
 SLOWEST_MARGIN of the median step: a margin of the step, not of the noise seen on one machine,
 so that ranks doing the same work are never told apart by scheduling jitter.
+The flight record's rings keep the last doctor.record_size collectives and marks of a rank: the
+last few hundred steps of a small model. Each rank also appends every step's split, computed
+the same way (`split_step` in doctor/flight.py), to debug/rank<r>.steps as the step ends ([Note:
+the step summaries] in doctor/flight.py): `attempt_splits` reads those, so the split and the
+slowest rank cover every step; only the individual collectives and phases (the trace, the
+report's collectives table) are the rings' last steps, which `Flight.whole_steps` names.
 """
 
 from __future__ import annotations
@@ -34,16 +40,21 @@ from typing import Any
 
 from shardlab.atomic import read_json
 from shardlab.doctor.analysis import NOT_RUNNING_AFTER_S
-from shardlab.doctor.flight import Flight, read_flight
+from shardlab.doctor.flight import (
+    APART,
+    PARTS,
+    Flight,
+    read_flight,
+    read_step_summaries,
+    split_step,
+    steps_path,
+)
 
 #: rank 0's per-step records, one JSON object a line (loop/measurements.py's `StepLogger` writes it)
 STEPS_FILE = "steps.jsonl"
 
 SLOWEST_SHARE = 0.75
 SLOWEST_MARGIN = 0.10
-#: what a step's time splits into, in report order
-PARTS = ("data", "compute", "comm", "checkpoint", "eval", "log")
-_APART = ("data", "checkpoint", "eval", "log")   # phases counted as themselves, their collectives included
 
 
 class NotARun(ValueError):
@@ -60,6 +71,7 @@ class Attempt:
     flights: dict[int, Flight] = field(default_factory=dict)
     metas: dict[int, dict[str, Any]] = field(default_factory=dict)
     exits: dict[int, dict[str, Any]] = field(default_factory=dict)
+    summaries: dict[int, list[Split]] = field(default_factory=dict)   # every completed step (rank<r>.steps)
 
     @property
     def label(self) -> str:
@@ -98,6 +110,8 @@ class Split:
     start: float
     total: float
     parts: dict[str, float]
+    calls: int = 0       # the step's training collectives (not those of APART's phases)
+    nbytes: int = 0
 
     @property
     def busy(self) -> float:
@@ -173,6 +187,9 @@ def read_attempts(debug: str) -> list[Attempt]:
             key = (str(meta.get("launch")), int(meta.get("attempt", 0)))
             a = found.setdefault(key, Attempt(key[0], key[1], int(meta.get("world", 1))))
             a.flights[r], a.metas[r] = flight, meta
+            summaries = read_step_summaries(steps_path(os.path.join(folder, f"rank{r}.flight")))
+            if summaries:
+                a.summaries[r] = [Split(r, x.step, x.start, x.total, x.parts, x.calls, x.nbytes) for x in summaries]
             exit_record = read_json(os.path.join(folder, f"rank{r}.exit.json"))
             if exit_record:
                 a.exits[r] = exit_record
@@ -180,41 +197,60 @@ def read_attempts(debug: str) -> list[Attempt]:
 
 
 # -- where each step's time went --------------------------------------------------------------------
-def _union(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
-
-
 def step_splits(flight: Flight) -> list[Split]:
-    """The rank's complete steps, each split by part ([Note: where a step's time goes])."""
+    """The rank's complete steps that its rings still hold whole, each split by part ([Note: where a
+    step's time goes]); `attempt_splits` has every step."""
     marks = sorted(flight.marks, key=lambda m: m.number)
     spans: dict[int, list[tuple[float, float, str]]] = {}
     for m, nxt in zip(marks, marks[1:]):
         if m.step > 0 and m.phase not in ("startup", "finish") and nxt.time >= m.time:
             spans.setdefault(m.step, []).append((m.time, nxt.time, m.phase))
     done = {m.step - 1 for m in marks if m.step > 1} | {m.step for m in marks if m.phase == "finish"}
-    wrapped = flight.issued > flight.capacity and flight.entries
-    first_whole = flight.entries[0].step + 1 if wrapped else 1   # earlier steps lost collectives to the ring
+    whole = flight.whole_steps()   # earlier steps lost collectives or marks to the rings
     waits: dict[int, list[tuple[float, float]]] = {}
+    calls: dict[int, list[int]] = {}
     for e in flight.entries:
-        if e.done and e.phase not in _APART and e.waited >= 0:
+        if not e.done or e.phase in APART or e.phase in ("startup", "finish"):
+            continue
+        calls.setdefault(e.step, []).append(e.nbytes)
+        if e.waited >= 0:
             waits.setdefault(e.step, []).append((e.waited if e.waited > 0 else e.issued, e.completed))
     out = []
-    for step in sorted(s for s in spans if s in done and s >= first_whole):
-        parts = dict.fromkeys(PARTS, 0.0)
+    for step in sorted(s for s in spans if s in done and whole and s >= whole[0]):
         start, end = spans[step][0][0], spans[step][-1][1]
-        for a, b, phase in spans[step]:
-            if phase in _APART:
-                parts[phase] += b - a
-        parts["comm"] = _union([(max(a, start), min(b, end)) for a, b in waits.get(step, []) if b > a])
-        parts["compute"] = max(0.0, (end - start) - sum(parts.values()))
-        out.append(Split(flight.rank, step, start, end - start, parts))
+        parts = split_step(spans[step], waits.get(step, []), start, end)
+        sizes = calls.get(step, [])
+        out.append(Split(flight.rank, step, start, end - start, parts, len(sizes), sum(sizes)))
     return out
+
+
+def attempt_splits(a: Attempt) -> dict[int, list[Split]]:
+    """Every rank's complete steps of the attempt, split by part: all of them from the rank's step
+    summaries, else (a run from before them) those its rings still hold (`step_splits`)."""
+    out = {r: a.summaries.get(r) or step_splits(f) for r, f in sorted(a.flights.items())}
+    return {r: s for r, s in out.items() if s}
+
+
+def coverage(a: Attempt) -> dict[str, Any]:
+    """What of the attempt each view can show: per rank, the steps its step summaries cover (every
+    step it completed) and those whose individual collectives and phases its rings still hold
+    (`Flight.whole_steps`), and a sentence when the rings no longer hold every step."""
+    steps = {r: (s[0].step, s[-1].step) for r, s in attempt_splits(a).items()}
+    held = {r: f.whole_steps() for r, f in sorted(a.flights.items())}
+    short: dict[tuple[int, int], list[int]] = {}
+    for r, h in held.items():
+        f = a.flights[r]
+        if h and (f.issued > f.capacity or f.marked > f.capacity):
+            short.setdefault(h, []).append(r)
+    capacity = max((f.capacity for f in a.flights.values()), default=0)
+    note = None
+    if short:
+        alike = len(short) == 1 and len(next(iter(short.values()))) == len(held)
+        which = "; ".join(f"steps {x}-{y}" + ("" if alike else f" on rank {', '.join(map(str, ranks))}")
+                          for (x, y), ranks in sorted(short.items()))
+        note = (f"collectives and phases of {which} only: the flight record keeps the last {capacity:,} "
+                f"collectives and phase marks per rank (doctor.record_size)")
+    return {"steps": steps, "held": held, "capacity": capacity, "note": note}
 
 
 def slowest_rank(splits: dict[int, list[Split]]) -> dict[str, Any] | None:
@@ -250,7 +286,7 @@ def collective_totals(flight: Flight, steps: set[int]) -> dict[str, dict[str, fl
     completion, exposed seconds (as in the split)."""
     out: dict[str, dict[str, float]] = {}
     for e in flight.entries:
-        if e.step not in steps or e.phase in _APART or not e.done:
+        if e.step not in steps or e.phase in APART or not e.done:
             continue
         t = out.setdefault(e.kind, {"calls": 0, "bytes": 0, "seconds": 0.0, "exposed_s": 0.0})
         t["calls"] += 1

