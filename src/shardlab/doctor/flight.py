@@ -200,6 +200,10 @@ class FlightRecorder:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 os.ftruncate(fd, size)
+                # reserve the blocks now: a sparse file on a full filesystem maps fine, then kills the
+                # process with SIGBUS at the first write to a page it cannot back (seen on a full tmpfs)
+                if hasattr(os, "posix_fallocate"):
+                    os.posix_fallocate(fd, 0, size)
                 self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
                 os.close(fd)
