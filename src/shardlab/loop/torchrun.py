@@ -119,12 +119,20 @@ def _doctor_report(note: str, e: BaseException, launch: str) -> bool:
         if d.kind == "no record":
             return False
         lines = doctor.failure_lines(run_dir, d, failures, None)
-        sys.stderr.write("".join(f"shardlab.torchrun: {line.split(': ', 1)[1]}\n" for line in lines))
+        sys.stderr.write("".join(f"shardlab.torchrun: {_unprefixed(line)}\n" for line in lines))
         sys.stderr.flush()
         return True
     except Exception as err:  # noqa: BLE001 - the agent's own exit code must come through regardless
         print(f"shardlab.torchrun: the doctor could not read {run_dir}: {err}", file=sys.stderr, flush=True)
         return False
+
+
+def _unprefixed(line: str) -> str:
+    """A launcher line without its own `error: ` / `shardlab: ` (this agent prefixes its name)."""
+    for prefix in ("error: ", "shardlab: "):
+        if line.startswith(prefix):
+            return line[len(prefix):]
+    return line
 
 
 def _exit_now(code: int, marker: str | None) -> None:
