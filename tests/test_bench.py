@@ -14,6 +14,24 @@ import pytest
 from shardlab.bench import _speed_vs, comm_bus_theory, plan_cells, summarize
 from shardlab.testing import run_workers
 
+# hang guards only, not speed budgets: the six cells of test_bench_runs_any_config_with_axes (each a
+# `shardlab train`) take about a minute idle, 154 s beside two CPU hogs, and went past a 300 s budget
+# in CI at load 9-12. A spawn's guard is also its ranks' collective timeout, so a rank that raises
+# keeps the other waiting that long: several minutes, not half an hour.
+HANG_GUARD_S = 1200
+SPAWN_HANG_GUARD_S = 600
+pytestmark = pytest.mark.timeout(HANG_GUARD_S + 300)   # pytest-timeout (the suite's 300 s) above them
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess:
+    """`shardlab bench ARGS`, its output captured; fails the test after HANG_GUARD_S (a hang guard)."""
+    try:
+        return subprocess.run([sys.executable, "-m", "shardlab", "bench", *args], capture_output=True, text=True,
+                              timeout=HANG_GUARD_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"hang guard: shardlab bench still running after {HANG_GUARD_S} s: killed\n"
+                             f"{(e.stdout or b'')[-2000:]!r}") from None
+
 
 @pytest.mark.parametrize("args, fragment", [
     (["--nproc", "0"], "--nproc values must be >= 1"),
@@ -70,10 +88,8 @@ def test_bench_runs_any_config_with_axes(tmp_path):
     cfg = tmp_path / "mlp.yaml"
     cfg.write_text("model:\n  name: mlp\n  mlp_sizes: [16, 32, 4]\ndata:\n  source: synthetic\n"
                    "train:\n  optimizer: sgd\n  micro_batch_size: 4\n  global_batch_size: 8\n")
-    out = subprocess.run([sys.executable, "-m", "shardlab", "bench", str(cfg), "data.synthetic_samples=256",
-                          "--strategies", "ddp,fsdp", "--nproc", "1,2", "--steps", "3", "--warmup", "1",
-                          "--reshard-after-forward", "true,false", "--out", str(tmp_path / "b")],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = _bench(str(cfg), "data.synthetic_samples=256", "--strategies", "ddp,fsdp", "--nproc", "1,2", "--steps", "3",
+                 "--warmup", "1", "--reshard-after-forward", "true,false", "--out", str(tmp_path / "b"))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     rows = json.loads((tmp_path / "b" / "bench.json").read_text())["rows"]
     cells = {(r["strategy"], r["world_size"], r["variant"]) for r in rows}
@@ -146,7 +162,7 @@ def _timed_steps(rank: int, world: int) -> dict:
 
 
 def test_every_engine_times_each_collective_kind():
-    per_rank = run_workers(2, _timed_steps, timeout_s=180)
+    per_rank = run_workers(2, _timed_steps, timeout_s=SPAWN_HANG_GUARD_S)
     expected_kinds = {"torch-ddp {}": {"all_reduce"}, "torch-fsdp {}": {"all_gather", "reduce_scatter"},
                       "zero3 {}": {"broadcast", "reduce"},
                       "fsdp {'shard_size': 1}": {"all_gather", "reduce_scatter", "all_reduce"},
@@ -173,10 +189,8 @@ def test_bench_hsdp_cell_matches_theory_and_reports_comm_time(tmp_path):
     shard each); S = 4 is skipped with its reason. Traffic and model state equal the theory
     columns exactly (S = 1: no padding, the all-gathers and reduce-scatters send nothing);
     per-kind times are in bench.json and the table."""
-    out = subprocess.run([sys.executable, "-m", "shardlab", "bench", "--strategies", "fsdp", "--nproc", "2",
-                          "--preset", "gpt-nano", "--seq-len", "16", "--micro-batch", "2", "--steps", "3",
-                          "--warmup", "1", "--shard-size", "1,4", "--out", str(tmp_path / "b")],
-                         capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = _bench("--strategies", "fsdp", "--nproc", "2", "--preset", "gpt-nano", "--seq-len", "16", "--micro-batch", "2",
+                 "--steps", "3", "--warmup", "1", "--shard-size", "1,4", "--out", str(tmp_path / "b"))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "skipped: fsdp x2 shard_size=4: parallel.shard_size=4 must divide the world size 2" in out.stdout
     result = json.loads((tmp_path / "b" / "bench.json").read_text())
@@ -201,10 +215,9 @@ def test_bench_sharded_accumulation_sends_k_times_the_reduce_scatter(tmp_path):
     order, _ = plan_cells(["ddp", "fsdp"], [2], [{"accumulate": "local"}, {"accumulate": "sharded"}])
     assert order == [("ddp", 2, {}), ("fsdp", 2, {"accumulate": "local"}), ("fsdp", 2, {"accumulate": "sharded"})]
     k = 3
-    out = subprocess.run([sys.executable, "-m", "shardlab", "bench", "--strategies", "fsdp", "--nproc", "2",
-                          "--preset", "gpt-nano", "--seq-len", "16", "--micro-batch", "1", "--micro-batches", str(k),
-                          "--steps", "2", "--warmup", "1", "--accumulate", "local,sharded", "--out", str(tmp_path / "b")],
-                         capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = _bench("--strategies", "fsdp", "--nproc", "2", "--preset", "gpt-nano", "--seq-len", "16", "--micro-batch", "1",
+                 "--micro-batches", str(k), "--steps", "2", "--warmup", "1", "--accumulate", "local,sharded",
+                 "--out", str(tmp_path / "b"))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     rows = {r["variant"]: r for r in json.loads((tmp_path / "b" / "bench.json").read_text())["rows"]}
     local, sharded = (rows[f"accumulate={m}"]["comm_bus_bytes_per_step_by_kind"] for m in ("local", "sharded"))
