@@ -89,6 +89,7 @@ class Family:
 
 NO_DROPOUT = dict(attention_dropout=0.0, hidden_dropout=0.0)
 GEMMA_HEAD = dict(head_dim=8, query_pre_attn_scalar=8)
+MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.25)
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", dict(rope_theta=500.0), chat="llama3"),
     "mistral": Family("mistral", dict(sliding_window=5), chat="mistral"),
@@ -114,7 +115,20 @@ FAMILIES: dict[str, Family] = {
     "gpt_neox": Family("gpt_neox", dict(NO_DROPOUT, rotary_pct=0.5), chat="plain"),
     "falcon": Family("falcon", dict(NO_DROPOUT, new_decoder_architecture=True, num_kv_heads=2), chat="plain",
                      ),
+    # mixtures of experts, written in the Hub's layout (one tensor per expert: save_pretrained's),
+    # with the router's auxiliary loss on where the family has one (check 7: .loss includes it)
+    "mixtral": Family("mixtral", dict(MOE, num_local_experts=4), chat="mistral"),
+    "qwen2_moe": Family("qwen2_moe", dict(MOE, num_experts=4, moe_intermediate_size=32,
+                                          shared_expert_intermediate_size=32, use_sliding_window=False)),
+    "qwen3_moe": Family("qwen3_moe", dict(MOE, num_experts=4, moe_intermediate_size=32, head_dim=8)),
+    "olmoe": Family("olmoe", dict(MOE, num_experts=4), chat="tulu"),
+    # MLA attention (keys for every head, as DeepSeek ships it) and a dense first layer; no router loss in transformers
+    "deepseek_v3": Family("deepseek_v3", dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                              kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                              v_head_dim=8, first_k_dense_replace=1, n_group=1, topk_group=1,
+                                              n_shared_experts=1), chat="plain"),
 }
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
 # family -> why it is not in the sweep (one line each; docs/sft.md lists them too)
 SKIPPED: dict[str, str] = {}
 

@@ -50,9 +50,12 @@ def shardlab_model(path: str, strategy: str = "single", dtype: str = "fp64", att
 
 
 def reference(path: str, dtype=torch.float64):
+    """transformers' own load of the directory; in float64 with its eager experts (its default
+    calls torch._grouped_mm, which has no float64 kernel: [Note: float64 experts] in models/hf_router.py)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    eager = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **eager)
 
 
 def examples(name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -153,6 +156,7 @@ def test_packed_examples_are_isolated(dirs, name, impl):
     model = shardlab_model(dirs[name], attention=impl)  # model.hf_attention=impl
     inner = shardlab.engine_of(model).unwrapped()
     assert inner.attention == impl
+    inner.double()  # every parameter float64, as verify's proof has it (DeepSeek-V3 keeps its router in float32)
     model.eval()
     exs = examples(name)
     x, _ = packed_row(exs)
@@ -191,11 +195,14 @@ def test_loss_is_transformers_loss(dirs, name, packed):
     kwargs = {"input_ids": x[:, 0], "position_ids": x[:, 1]} if packed else {"input_ids": x}
     out = ref(**kwargs, labels=labels, use_cache=False)
     ce64 = F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), y.reshape(-1), ignore_index=-100).item()
+    if getattr(out, "aux_loss", None) is not None:  # (7) the router's loss, as transformers adds it to .loss
+        ce64 += ref.router_aux_loss_coef * out.aux_loss.item()
     assert out.logits.dtype == torch.float64
     assert loss == pytest.approx(ce64, rel=1e-12, abs=0), (name, loss, ce64)
     # transformers' own .loss upcasts the logits with .float(): in a float64 model that rounds to
     # float32 (1e-6 here); with that cast kept in float64 (Float64Everywhere) it is the same loss
     assert loss == pytest.approx(out.loss.item(), rel=1e-6, abs=0), (name, loss, out.loss.item())
+    ref.double(), shardlab.engine_of(model).unwrapped().double()  # as verify: DeepSeek-V3's float32 router too
     with Float64Everywhere():
         exact = ref(**kwargs, labels=labels, use_cache=False).loss.item()
         mine = model(x, y).item()

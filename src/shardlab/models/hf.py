@@ -40,7 +40,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import warnings
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -69,6 +68,8 @@ from shardlab.models.hf_load import (  # noqa: F401  (SafetensorsReader, weight_
     seed_for,
     weight_files,
 )
+from shardlab.models.hf_lora import _add_lora, _init_lora_, _is_lora_leaf
+from shardlab.models.hf_router import float64_experts_, router_loss, router_term
 from shardlab.models.init import materialize_
 from shardlab.models.lm_loss import choose_loss, chunked_loss, full_loss
 from shardlab.models.safetensors_check import check_safetensors_dir
@@ -125,12 +126,16 @@ class HFCausalLM(nn.Module):
                     if _is_lora_leaf(name):
                         m.to(dtype)
         self.model = model
+        if dtype == torch.float64:  # transformers' default experts have no float64 kernel ([Note: float64 experts])
+            float64_experts_(self.hf_model)
+        # the family's router loss when the config asks for it, or why it cannot be added (hf_router.py)
+        self.router_fn, self.router_problem = router_loss(self.hf_model)
+        self.router_groups = 1  # verify's one-process reference: its micro batch's rows in N groups
         # the scale the family puts on lm_head's output, or why the chunked loss cannot follow it
         self.head_scale, self.head_problem = head_scale(self.hf_model)
         self.loss = "full"  # what use_loss chose (train.loss); a model built outside training keeps the full loss
         self._reader: SafetensorsReader | None = None
         self._names: dict[str, str] | None = None  # model key -> checkpoint key (see _find)
-        self._converted: list[str] = []
         if device.type != "meta":
             materialize_(self, device, seed)
 
@@ -184,12 +189,21 @@ class HFCausalLM(nn.Module):
                 kwargs["attention_mask"] = packed_mask(pos, route, next(self.parameters()).dtype)
         else:
             ids = inputs
+        router = self.router_fn if targets is not None else None  # [Note: the router loss across micro batches and ranks]
+        if router is not None:
+            kwargs["output_router_logits"] = True
         if targets is not None and self.loss == "chunked":  # the decoder's last hidden state, then the head
-            hidden = self.hf_model.get_decoder()(input_ids=ids, use_cache=False, **kwargs).last_hidden_state
+            out = self.hf_model.get_decoder()(input_ids=ids, use_cache=False, **kwargs)
             head = self.hf_model.get_output_embeddings()
-            return chunked_loss(hidden, head.weight, targets, bias=head.bias, scale=self.head_scale)
-        logits = self.model(input_ids=ids, use_cache=False, **kwargs).logits
-        return logits if targets is None else full_loss(logits, targets)
+            loss = chunked_loss(out.last_hidden_state, head.weight, targets, bias=head.bias, scale=self.head_scale)
+        else:
+            out = self.model(input_ids=ids, use_cache=False, **kwargs)
+            if targets is None:
+                return out.logits
+            loss = full_loss(out.logits, targets)
+        if router is not None:
+            loss = loss + router_term(self.hf_model, router, out.router_logits, targets, self.router_groups)
+        return loss
 
     def use_loss(self, requested: str) -> str | None:
         """train.loss (auto | chunked | full) -> the loss forward computes; a line to print, or None."""
@@ -207,9 +221,9 @@ class HFCausalLM(nn.Module):
 
     def _find(self, reader: SafetensorsReader, key: str, alternatives: list[str]) -> str | None:
         """The checkpoint key of model key `key` (or of one of `alternatives`), through transformers'
-        renaming of checkpoint keys (hf_load.checkpoint_names), with or without the base prefix."""
+        renaming and converters of checkpoint keys (hf_load.checkpoint_names), with or without the base prefix."""
         if self._names is None:
-            self._names, self._converted = checkpoint_names(self.hf_model, reader.files)
+            self._names = checkpoint_names(self.hf_model, reader)
         prefix = getattr(self.hf_model, "base_model_prefix", "") + "."
         for k in [key, *alternatives]:
             for cand in (k, k.removeprefix(prefix), prefix + k):
@@ -221,10 +235,6 @@ class HFCausalLM(nn.Module):
         """The checkpoint key holding parameter `canonical` (or one of the names it is tied to)."""
         key = self._find(reader, self.checkpoint_key(canonical), [self.checkpoint_key(n) for n in tied_names])
         if key is None:
-            if self._converted:
-                raise KeyError(f"model.hf_path {self.hf_path!r}: {self.checkpoint_key(canonical)!r} is made by transformers' "
-                               f"weight converters from several stored tensors ({self._converted[0]}, ...); shardlab reads "
-                               "tensors one by one and cannot load this layout")
             raise KeyError(f"model.hf_path {self.hf_path!r} has no weight for {self.checkpoint_key(canonical)!r}; "
                            "the directory does not match its config.json")
         return key
@@ -326,37 +336,6 @@ class HFCausalLM(nn.Module):
         if self._reader is None:
             self._reader = SafetensorsReader(self.hf_path)
         return self._reader
-
-
-def _is_lora_leaf(module_name: str) -> bool:
-    return ".lora_" in module_name
-
-
-def _init_lora_(p: torch.Tensor, name: str, seed: int) -> None:
-    """peft's default LoRA init (A: Kaiming uniform, B: zeros), drawn on CPU from (seed, name)."""
-    if ".lora_B" in name:
-        p.zero_()
-        return
-    g = torch.Generator().manual_seed(seed_for(seed, name))
-    value = torch.empty(p.shape, dtype=torch.float64)
-    bound = (1.0 / p.shape[1]) ** 0.5  # kaiming_uniform_(a=sqrt(5)) = U(-1/sqrt(fan_in), 1/sqrt(fan_in))
-    value.uniform_(-bound, bound, generator=g)
-    p.copy_(value.to(p.dtype))
-
-
-def _add_lora(model: nn.Module, lora: dict[str, Any]) -> nn.Module:
-    try:  # deferred: peft costs 3 s to import and is an optional extra (shardlab[hf])
-        from peft import LoraConfig, get_peft_model
-    except ImportError as e:  # pragma: no cover
-        raise RuntimeError("model.lora needs the `peft` package: pip install 'shardlab[hf]'") from e
-    config = LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-                        target_modules=lora.get("target_modules"), task_type="CAUSAL_LM")
-    with warnings.catch_warnings():
-        # peft's PeftModel.__init__ reads transformers' deprecated `is_gradient_checkpointing`
-        # (FutureWarning, transformers 5): that one warning of that one call, nothing else
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
-                                category=FutureWarning)
-        return get_peft_model(model, config)
 
 
 # -- registry entry (shardlab.models.MODELS) -------------------------------------------------------
@@ -463,7 +442,7 @@ def _meta_build_cached(key: tuple) -> tuple[HFCausalLM | None, str | None]:
         if attention is None:
             raise
         return None, f"model.hf_attention={attention}: {str(e).splitlines()[0]}"
-    return model, build_problem(model, hf_path)
+    return model, model.router_problem or build_problem(model, hf_path)
 
 
 def _packing_problem(section) -> str | None:

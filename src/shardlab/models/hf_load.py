@@ -67,6 +67,8 @@ class SafetensorsReader:
         self.hf_path = hf_path
         self.files = weight_files(hf_path)
         self._open: dict[str, Any] = {}
+        # model key -> the transformers converter making it from several stored tensors (models/hf_convert.py)
+        self.conversions: dict[str, Any] = {}
         self.bytes_read = 0       # what was read from the files, for tests and reports
         self.elements_read = 0
 
@@ -76,10 +78,14 @@ class SafetensorsReader:
         return self._open[path]
 
     def __contains__(self, key: str) -> bool:
-        return key in self.files
+        return key in self.files or key in self.conversions
 
     def get(self, key: str, index: Any = None) -> torch.Tensor:
-        """The tensor `key`, or only `index` of it (safetensors reads just that slice)."""
+        """The tensor `key`, or only `index` of it (safetensors reads just that slice); a converted
+        key is made by its converter from the stored tensors."""
+        if key in self.conversions:
+            t = self.conversions[key].get(self)
+            return t if index is None else t[index]
         f = self._handle(self.files[key])
         t = f.get_tensor(key) if index is None else f.get_slice(key)[index]
         self._count(t)
@@ -87,6 +93,8 @@ class SafetensorsReader:
 
     def shape(self, key: str) -> tuple[int, ...]:
         """The stored shape of `key`, from the file's header (no data read)."""
+        if key in self.conversions:
+            return self.conversions[key].shape(self)
         return tuple(self._handle(self.files[key]).get_slice(key).get_shape())
 
     def read_flat_range(self, key: str, start: int, end: int) -> torch.Tensor:
@@ -104,6 +112,8 @@ class SafetensorsReader:
         """
         if not 0 <= start < end:
             raise ValueError(f"{key}: empty or negative element range [{start}, {end})")
+        if key in self.conversions:  # only the experts the range covers ([Note: reading what transformers converts])
+            return self.conversions[key].read_flat_range(self, start, end)
         shape = self.shape(key)
         numel = math.prod(shape)
         if end > numel:
@@ -123,32 +133,19 @@ class SafetensorsReader:
         self._open.clear()
 
 
-def checkpoint_names(hf_model: nn.Module, keys: Iterable[str]) -> tuple[dict[str, str], list[str]]:
-    """(model key -> checkpoint key, checkpoint keys shardlab cannot read one by one). transformers
-    renames some checkpoint keys when it loads (its conversion mapping: GPT-NeoX's `embed_out` is
-    the model's `lm_head`, legacy `gamma`/`beta`, ...) and reverts them when it saves; shardlab reads
-    the files the way `from_pretrained` does, through the same mapping. A key that one of its
-    WeightConverters would fuse or split with others is in the second list."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import (
-        WeightConverter,
-        WeightRenaming,
-        apply_converters,
-        apply_renamings,
-    )
+def checkpoint_names(hf_model: nn.Module, reader: SafetensorsReader) -> dict[str, str]:
+    """model key -> the key `reader` gives it by. transformers renames some checkpoint keys when it
+    loads (its conversion mapping: GPT-NeoX's `embed_out` is the model's `lm_head`, legacy
+    `gamma`/`beta`, ...) and reverts them when it saves, and its WeightConverters make some model
+    tensors from several stored ones (per-expert MoE tensors): shardlab reads the files the way
+    `from_pretrained` does, through the same mapping. A converted tensor's key is its model key,
+    registered with the reader (models/hf_convert.py)."""
+    from shardlab.models.hf_convert import conversions
 
-    transforms = get_model_conversion_mapping(hf_model)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    names: dict[str, str] = {}
-    converted: list[str] = []
-    for key in keys:
-        renamed = apply_renamings(key, renamings)
-        if apply_converters(renamed, converters)[1] is not None:
-            converted.append(key)
-        else:
-            names[renamed] = key
-    return names, converted
+    names, converted = conversions(hf_model, reader.files)
+    reader.conversions = converted
+    names.update({k: k for k in converted})
+    return names
 
 
 # -- filling the tensors (see [Note: every tensor after the meta device]) ---------------------------
@@ -240,15 +237,17 @@ def underived_buffers(model: nn.Module, fill: Callable[[nn.Module], None]) -> li
 
 def build_problem(model: nn.Module, hf_path: str | None) -> str | None:
     """What stops shardlab from filling `model` (an HFCausalLM built on the meta device; its buffers
-    are given storage here), found before any worker starts: a checkpoint layout it cannot read
-    tensor by tensor, or a buffer nothing derives (`underived_buffers`). None: nothing."""
+    are given storage here), found before any worker starts: a checkpoint layout whose
+    transformers converter fails on it, or a buffer nothing derives (`underived_buffers`). None: nothing."""
     kind = type(model.hf_model).__name__
     if hf_path:
-        _, converted = checkpoint_names(model.hf_model, weight_files(hf_path))
-        if converted:
-            return (f"model.hf_path {hf_path!r}: {kind} loads {converted[0]} (and {len(converted) - 1} more) through "
-                    "transformers' weight converters (several stored tensors into one); shardlab reads tensors one by "
-                    "one and cannot load this layout")
+        from shardlab.models.hf_convert import conversion_problem
+
+        reader = SafetensorsReader(hf_path)
+        checkpoint_names(model.hf_model, reader)
+        problem = conversion_problem(hf_path, kind, reader)
+        if problem:
+            return problem
     bad = underived_buffers(model, lambda m: m.shardlab_initialize_())
     if bad:
         return (f"model: {kind}'s buffer{'s' if len(bad) > 1 else ''} {', '.join(bad)} "

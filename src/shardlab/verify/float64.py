@@ -24,8 +24,8 @@ EQUAL, and blamed averaging, for a model that trains exactly as one process woul
 The fix lives where the cause does, and touches only verify: `Float64Everywhere` is a
 `TorchFunctionMode` that verify enters around each of its runs (never `shardlab train`). While it
 is on, a float64 tensor asked to become a lower-precision float (`.to(torch.float32)`,
-`.float()`, `.half()`, `.bfloat16()`, `.type_as(float32 tensor)`, an op's `dtype=torch.float32`
-with a float64 input) stays float64, so the model computes in float64 end to end and the proof is
+`.float()`, `.half()`, `.bfloat16()`, `.type(torch.float32)`, `.type_as(float32 tensor)`, an op's `dtype=torch.float32`
+with a float64 input, a `torch.zeros`/`ones`/`empty`/`full` asked for float32) stays float64, so the model computes in float64 end to end and the proof is
 a proof again. The rewrites are counted by the module that made them (`kept`) for verify's notes.
 
 What the mode cannot rewrite (a kernel that returns float32 from float64 input by itself, an
@@ -46,6 +46,7 @@ from torch.overrides import TorchFunctionMode
 
 LOWER_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _SKIPPED_FILES = {__file__, torch.overrides.__file__}
+_FACTORIES = (torch.zeros, torch.ones, torch.empty, torch.full)
 _TO_LOWER = {torch.Tensor.float: torch.float32, torch.Tensor.half: torch.float16,
              torch.Tensor.bfloat16: torch.bfloat16}
 
@@ -64,6 +65,12 @@ def _any_float64(args: tuple, kwargs: dict) -> bool:
 def _lower_output(out: Any) -> torch.dtype | None:
     t = out[0] if isinstance(out, (list, tuple)) and out else out
     return t.dtype if isinstance(t, torch.Tensor) and t.dtype in LOWER_FLOATS else None
+
+
+def _type_target(args: tuple, kwargs: dict) -> Any:
+    """The dtype `Tensor.type(dtype)` is asked for (None: a string type name, or none)."""
+    target = args[1] if len(args) > 1 else kwargs.get("dtype")
+    return target if isinstance(target, torch.dtype) else None
 
 
 def _to_dtype_position(args: tuple, kwargs: dict) -> tuple[str, Any] | None:
@@ -97,7 +104,15 @@ class Float64Everywhere(TorchFunctionMode):
         if func is torch.Tensor.type_as and _is_float64(args[0]) and _lower_output(args[1]) is not None:
             self._keep("type_as()")
             return args[0]
-        if func is torch.Tensor.to and _is_float64(args[0]):
+        if func is torch.Tensor.type and _is_float64(args[0]) and _type_target(args, kwargs) in LOWER_FLOATS:
+            self._keep(f"type({_type_target(args, kwargs)})")  # DeepSeek-V3's router: .type(torch.float32)
+            return args[0]
+        if func in _FACTORIES and kwargs.get("dtype") in LOWER_FLOATS:
+            # a float32 accumulator made from nothing (transformers' MoE balancing loss sums its
+            # expert shares into torch.zeros(..., dtype=torch.float32)): float64 as the run
+            self._keep(f"{func.__name__}(dtype={kwargs['dtype']})")
+            kwargs["dtype"] = torch.float64
+        elif func is torch.Tensor.to and _is_float64(args[0]):
             args, kwargs = self._keep_to(args, kwargs)
         elif kwargs.get("dtype") in LOWER_FLOATS and _any_float64(args, kwargs):
             self._keep(f"{getattr(func, '__name__', func)}(dtype={kwargs['dtype']})")

@@ -125,6 +125,10 @@ def disable_dropout_(model: nn.Module) -> list[str]:
 def adapt_model(model: nn.Module, *, dtype: torch.dtype | None, keep_dropout: bool, log: list[str]) -> nn.Module:
     if dtype is not None:
         model = model.to(dtype)  # on the meta device: the engines materialize in this dtype
+        if dtype == torch.float64 and hasattr(model, "hf_model"):  # experts with a float64 kernel
+            from shardlab.models.hf_router import float64_experts_
+
+            float64_experts_(model.hf_model)
     if not keep_dropout:
         log.extend(disable_dropout_(model))
     return model
@@ -273,6 +277,8 @@ def _record_run(rt: Runtime, cfg, kind: str, plan: Plan, data, mode) -> None:
     run = build_run(cfg, rt, data=data, adapt_model=partial(adapt_model, dtype=dtype,
                                                             keep_dropout=plan.keep_dropout, log=dropped))
     interleave = plan.nproc if kind != "engine" and rt.world_size == 1 else 1
+    if hasattr(run.engine.unwrapped(), "router_groups"):  # [Note: the router loss across micro batches and ranks]
+        run.engine.unwrapped().router_groups = interleave
     run.sampler = StepOrder(run.sampler, cfg.train.micro_batch_size, interleave, reverse=kind == "noise")
     b = run.batches  # the loop's DataLoader, reading in verify's order (micro batches, targets: unchanged)
     run.batches = StepBatches(b.dataset, run.sampler, rt.rank, rt.world_size, b.micro, b.end_step, b.device,
