@@ -43,6 +43,10 @@ SLOW_MS = 50
 # 0.0-0.5 ms excess against a 2.3-3 ms margin, 6 steps: up to 3.3 ms)
 STEPS = 20
 EVERY = 5          # the 2-rank run's eval and checkpoint interval
+HANG_GUARD_S = 600  # a hang guard only: each launch takes 10-30 s, idle or beside two CPU hogs
+# pytest-timeout (the suite's is 300 s a test, setup included): the first test of `launched` carries
+# its three launches, 61-82 s beside two to ten CPU hogs, more at load 10
+pytestmark = pytest.mark.timeout(3 * HANG_GUARD_S)
 RING = 32          # the `alike` run's doctor.record_size: its flight record holds its last few steps
 
 
@@ -281,7 +285,12 @@ def _launch(root: Path, name: str, nproc: int, fault: str, *extra: str, one_core
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True,
                              preexec_fn=(lambda: os.sched_setaffinity(0, {cpu})) if one_core else None)
         try:
-            assert p.wait(timeout=180) == 0, (root / f"{name}.log").read_text()[-3000:]
+            code = p.wait(timeout=HANG_GUARD_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"hang guard: {name} still running after {HANG_GUARD_S} s: killed\n"
+                                 + (root / f"{name}.log").read_text()[-3000:]) from None
+        else:
+            assert code == 0, (root / f"{name}.log").read_text()[-3000:]
         finally:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
@@ -499,11 +508,21 @@ def test_mfu_equals_the_hand_computation(launched):
     assert m["flops_per_step_per_rank"] == m["flops_per_token"] * tokens_rank
     cached = [json.loads(Path(p).read_text()) for p in glob.glob(os.path.join(os.environ["SHARDLAB_CACHE"], "peaks",
                                                                                 "*.json"))]
-    assert m["peak_flops_per_s"] in [c["peak_flops"] for c in cached], "the peak is the cached measurement"
+    # the peak this run measured (the cache was empty: the fixture's SHARDLAB_CACHE). [Note: a peak
+    # measured on busy cores] (observe/flops.py): with a round that had the cores, the figure is cached
+    # and the run divides by it; without one (beside ten CPU hogs on 2 cores, the best rounds had 3-44 %
+    # of their time), the run divides by what it measured, says so, and caches nothing
+    peak, source = m["peak_flops_per_s"], m["peak_flops_source"]
+    if "measured under load" in source:
+        assert "not cached" in source and peak not in [c["peak_flops"] for c in cached], source
+    else:
+        assert "cached in" in source and peak in [c["peak_flops"] for c in cached], "the peak is the cached measurement"
     for step_time, mfu in zip(m["step_times_s"], m["mfu_per_step"]):
-        hand = m["flops_per_step_per_rank"] / step_time / m["peak_flops_per_s"]
+        hand = m["flops_per_step_per_rank"] / step_time / peak
         assert mfu == pytest.approx(hand, rel=0.01)
-    assert 0 < m["mfu"] < 1
+    assert m["mfu"] > 0
+    if m["mfu"] >= 1:  # only a peak measured on busy cores can be that low, and the run says so
+        assert "measured under load" in source and "is too low" in m["mfu_note"], (source, m["mfu_note"])
     records = [json.loads(x) for x in (launched["run"] / "steps.jsonl").read_text().splitlines()]
     assert [r["mfu"] for r in records if "mfu" in r] == m["mfu_per_step"]
 
