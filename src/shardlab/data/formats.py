@@ -7,7 +7,12 @@ sniffed once, before any work:
   compressed file is read as one stream.
 - **Format** of the (decompressed) content: Parquet by its `PAR1` magic; then the name without
   its compression suffix: `.jsonl`/`.ndjson` are JSONL; `.json` is a JSON array when its first
-  non-blank character is `[`, else JSONL (C4's `.json.gz` are JSONL); anything else is text.
+  non-blank character is `[`, else JSONL (C4's `.json.gz` are JSONL); `.csv` and `.tsv` are
+  tables (a header row, the text in the --field column: data/tables.py), never one document;
+  anything else is text.
+- **Byte-order marks**: a UTF-8 BOM (EF BB BF) at the start is not part of the text: the readers
+  drop it (data/inputs.py) and count it. A UTF-16 or UTF-32 file (its BOM, or NUL bytes every
+  other byte) is not UTF-8: refused with the conversion to run (iconv), skipped in a tree.
 - **Not text**: a file whose first SNIFF_BYTES (decompressed) hold a NUL byte, or more than
   MAX_INVALID_SHARE of bytes that are not valid UTF-8, is not a document. Named on the command
   line it is refused with an error; found under a directory or by a glob it is skipped and
@@ -35,29 +40,54 @@ MAX_INVALID_SHARE = 0.30  # Latin-1 prose is a few %; compressed or random bytes
 SKIPPED_DIRS = frozenset({"CVS", "_darcs"})
 MAGIC = ((b"\x1f\x8b", "gz"), (b"BZh", "bz2"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zst"))
 SUFFIXES = {"gz": (".gz", ".gzip"), "bz2": (".bz2",), "xz": (".xz", ".lzma"), "zst": (".zst", ".zstd")}
-SUPPORTED = "text, JSONL, JSON arrays and Parquet, optionally compressed with gzip, bzip2, xz or zstd"
+SUPPORTED = ("text, JSONL, JSON arrays, CSV/TSV with a header row, Parquet and `datasets` save_to_disk folders, "
+             "optionally compressed with gzip, bzip2, xz or zstd")
+UTF8_BOM = b"\xef\xbb\xbf"
+WIDE_BOMS = ((b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe\x00\x00", "UTF-32"), (b"\xfe\xff", "UTF-16"),
+             (b"\xff\xfe", "UTF-16"))  # UTF-32-LE's BOM begins with UTF-16-LE's: longest first
 
 
 @dataclass(frozen=True)
 class Sniffed:
-    format: str               # text | jsonl | json | parquet
+    format: str               # text | jsonl | json | csv | tsv | parquet
     compression: str | None   # gz | bz2 | xz | zst | None
     not_text: str | None      # why the file is not text (None: it is)
     bytes: int = 0            # its size on disk
 
 
-def walk(spec: str) -> tuple[list[str], bool]:
-    """The files of a spec and whether it named a single file: a file, every file below a
-    directory (hidden and VCS entries pruned, see the Note), or a recursive glob; sorted."""
+def is_datasets_dir(path: str) -> bool:
+    """A folder `datasets`' save_to_disk wrote: a Dataset (its state.json and dataset_info.json)
+    or a DatasetDict (its dataset_dict.json, a folder per split)."""
+    return os.path.isfile(os.path.join(path, "dataset_dict.json")) or \
+        all(os.path.isfile(os.path.join(path, m)) for m in ("state.json", "dataset_info.json"))
+
+
+def walk(spec: str) -> tuple[list[str], bool, list[str]]:
+    """The files of a spec, whether it named a single file, and the `datasets` folders in it: a
+    file, every file below a directory (hidden and VCS entries pruned, see the Note; a `datasets`
+    folder is returned whole, its Arrow files are not files of the corpus), or a recursive glob;
+    sorted."""
     if os.path.isfile(spec):
-        return [spec], True
+        return [spec], True, []
     if os.path.isdir(spec):
-        out = []
+        if is_datasets_dir(spec):
+            return [], True, [spec]
+        out, found = [], []
         for root, dirs, files in os.walk(spec):
+            dirs.sort()
+            for d in [d for d in dirs if is_datasets_dir(os.path.join(root, d))]:
+                found.append(os.path.join(root, d))
+                dirs.remove(d)
             dirs[:] = [d for d in dirs if not d.startswith(".") and d not in SKIPPED_DIRS]
             out += [os.path.join(root, f) for f in files if not f.startswith(".")]
-        return sorted(out), False
-    return sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p)), False
+        return sorted(out), False, sorted(found)
+    found = []
+    for p in sorted(glob.glob(spec, recursive=True)):  # a folder first, then what is in it
+        if os.path.isdir(p) and is_datasets_dir(p) and not any(p.startswith(f + os.sep) for f in found):
+            found.append(p)
+    inside = tuple(f + os.sep for f in found)
+    return sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p) and not p.startswith(inside)), \
+        False, found
 
 
 def open_stream(path: str, compression: str | None, raw=None):
@@ -160,6 +190,26 @@ def _strip_compression(name: str, compression: str | None) -> str:
     return name
 
 
+def _wide_encoding(sample: bytes) -> str | None:
+    """UTF-16/32 by its BOM, or UTF-16 without one (ASCII-range text: a NUL every other byte); as
+    iconv names it (with a BOM, iconv's UTF-16 reads the byte order from it and drops it)."""
+    for bom, name in WIDE_BOMS:
+        if sample.startswith(bom):
+            return name
+    even, odd = sample[0:64:2], sample[1:64:2]
+    if len(sample) < 16:
+        return None
+    if not odd.strip(b"\0") and _ascii_text(even):
+        return "UTF-16LE"
+    if not even.strip(b"\0") and _ascii_text(odd):
+        return "UTF-16BE"
+    return None
+
+
+def _ascii_text(half: bytes) -> bool:
+    return half.isascii() and all(b >= 0x20 or b in b"\t\n\r" for b in half)
+
+
 def sniff(path: str, force_format: str | None = None) -> Sniffed:
     """See [Note: formats by content]; force_format: the format when the file is text (data.source=text)."""
     with open(path, "rb") as f:
@@ -174,6 +224,10 @@ def sniff(path: str, force_format: str | None = None) -> Sniffed:
     fmt = "text"
     if name.endswith(".parquet"):
         return Sniffed("parquet", compression, "named .parquet but has no Parquet magic (PAR1)", size)
+    wide = _wide_encoding(sample)
+    if wide is not None:
+        return Sniffed(fmt, compression, f"{wide} text, not UTF-8; convert it first: iconv -f {wide} -t UTF-8 "
+                                         "FILE > FILE.utf8", size)
     if b"\0" in sample:
         return Sniffed(fmt, compression, "holds NUL bytes (a binary file)", size)
     share = _invalid_utf8_share(sample)
@@ -184,5 +238,7 @@ def sniff(path: str, force_format: str | None = None) -> Sniffed:
     elif name.endswith((".jsonl", ".ndjson")):
         fmt = "jsonl"
     elif name.endswith(".json"):
-        fmt = "json" if sample.lstrip()[:1] == b"[" else "jsonl"
+        fmt = "json" if sample.removeprefix(UTF8_BOM).lstrip()[:1] == b"[" else "jsonl"
+    elif name.endswith((".csv", ".tsv")):
+        fmt = name[-3:]
     return Sniffed(fmt, compression, None, size)

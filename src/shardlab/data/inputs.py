@@ -1,10 +1,10 @@
-"""What `shardlab prepare` reads: inputs (text, JSONL, JSON arrays, Parquet, a `datasets`
-directory; compressed or not: data/formats.py decides by content), cut into pieces that a
-worker reads on its own, each yielding documents as text.
+"""What `shardlab prepare` reads: inputs (text, JSONL, JSON arrays, CSV/TSV, Parquet, `datasets`
+folders wherever they are in a tree; compressed or not: data/formats.py decides by content),
+cut into pieces that a worker reads on its own, each yielding documents as text.
 
 [Note: pieces] A piece is a small part of one input: about PIECE_BYTES of an uncompressed text
 or JSONL file, one Parquet row group, a range of rows of a `datasets` directory, or a whole
-compressed file or JSON array (a stream that cannot be entered in the middle; a compressed
+compressed file, JSON array or CSV (a stream that cannot be entered in the middle; a compressed
 JSONL larger than a unit is cut by prepare's process as it decompresses it instead, into pieces
 that carry their bytes: data/units.py). Pieces are planned from sizes and metadata alone, so
 planning reads no text, and they depend only on the inputs: the same corpus gives the same
@@ -14,8 +14,9 @@ b it moves back to the start of the UTF-8 character at b. Both pieces that share
 compute the same cut, so they cover the file exactly once.
 
 A text file is one document (a tokenizer sees it in pieces cut after newlines, so no token
-spans a cut); a JSONL line, a JSON array element, a Parquet row or a `datasets` row is one
-document (its --field). A record that cannot be read (not JSON, no --field, a field that is not
+spans a cut); a JSONL line, a JSON array element, a CSV row, a Parquet row or a `datasets` row
+is one document (its --field). A UTF-8 byte-order mark at the start of a file is dropped, never
+part of a document or a record, and counted (ReplacementCounter.boms). A record that cannot be read (not JSON, no --field, a field that is not
 text) is a bad record: BadRecords skips and counts it, or stops the prepare (--on-bad-record),
 and names it by file and line (JSON arrays: element; Parquet: row group and row).
 """
@@ -31,51 +32,48 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from shardlab.data.formats import SUPPORTED, head, open_stream, read_errors, sniff, walk
+from shardlab.data.formats import SUPPORTED, UTF8_BOM, head, open_stream, read_errors, sniff, walk
 from shardlab.data.shards import DataError
+from shardlab.data.tables import csv_bom, csv_column, csv_rows, dataset_splits, load_dataset_table
 
 PIECE_BYTES = 1 << 20
 CUT_WINDOW = 64 << 10
-DATASETS_MARKERS = ("state.json", "dataset_info.json")  # what datasets.save_to_disk writes
 KEEP_LOCATIONS = 5  # bad records and skipped files named in the summary and the manifest
 
 
 @dataclass(frozen=True)
 class Input:
     path: str
-    format: str   # text | jsonl | json | parquet | datasets
+    format: str   # text | jsonl | json | csv | tsv | parquet | datasets
     bytes: int    # on disk (compressed, when it is)
     compression: str | None = None  # see data/formats.py
 
     @property
     def streamed(self) -> bool:
         """Read from start to end in one piece (see [Note: pieces])."""
-        return self.compression is not None or self.format == "json"
-
-
-def _is_datasets_dir(path: str) -> bool:
-    return os.path.isdir(path) and all(os.path.isfile(os.path.join(path, m)) for m in DATASETS_MARKERS)
+        return self.compression is not None or self.format in ("json", "csv", "tsv")
 
 
 def _dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
 
 
-def scan_inputs(specs: list[str], force_format: str | None = None, pool=None) -> tuple[list[Input], list[str]]:
+def scan_inputs(specs: list[str], force_format: str | None = None, pool=None,
+                splits: list[str] | None = None) -> tuple[list[Input], list[str]]:
     """Files, directories and globs, in the order given, each directory's and glob's files
     sorted, sniffed (data/formats.py; by `pool`'s workers when given): the inputs, and "path:
     reason" for each file skipped as not text. A file named on its own that is not text is an
-    error. force_format: read every text file as that format (data.source=text)."""
+    error. force_format: read every text file as that format (data.source=text). A `datasets`
+    folder (named, or found in a tree: after the files beside it) is an input per split (splits:
+    a DatasetDict's to read, default all; data/tables.py)."""
     found: list[tuple[str, bool] | Input] = []
     for spec in specs:
         spec = os.path.expanduser(spec)
-        if _is_datasets_dir(spec):
-            found.append(Input(spec, "datasets", _dir_bytes(spec)))
-            continue
-        files, named = walk(spec)
-        if not files:
+        files, named, datasets_dirs = walk(spec)
+        if not files and not datasets_dirs:
             raise DataError(f"input {spec!r}: no such file, directory or glob match")
         found += [(f, named) for f in files]
+        found += [Input(d, "datasets", _dir_bytes(d)) for dd in datasets_dirs for d in dataset_splits(dd, splits)]
     paths = [f[0] for f in found if not isinstance(f, Input)]
     check = functools.partial(sniff, force_format=force_format)
     sniffed = iter(pool.map(check, paths, chunksize=256) if pool is not None else map(check, paths))
@@ -133,6 +131,8 @@ class Piece:
 def plan_pieces(inputs: list[Input], field: str) -> list[Piece]:
     pieces: list[Piece] = []
     for i, inp in enumerate(inputs):
+        if inp.format in ("csv", "tsv"):
+            csv_column(inp.path, inp.compression, inp.format, field)  # refused here, before any work
         if inp.streamed:
             pieces.append(Piece(i, 0, inp.bytes, inp.bytes, True, True))
         elif inp.format in ("text", "jsonl"):
@@ -146,8 +146,7 @@ def plan_pieces(inputs: list[Input], field: str) -> list[Piece]:
             pieces += [Piece(i, g, g + 1, meta.row_group(g).total_byte_size, g == 0, g == groups - 1)
                        for g in range(groups)]
         else:
-            ds = _load_datasets_dir(inp.path, field)
-            rows = len(ds)
+            rows = _datasets_table(inp.path, field).num_rows
             per_row = max(1, inp.bytes // max(1, rows))
             step = max(1, PIECE_BYTES // per_row)
             pieces += [Piece(i, a, min(rows, a + step), (min(rows, a + step) - a) * per_row, a == 0, a + step >= rows)
@@ -186,6 +185,13 @@ class ReplacementCounter:
 
     def __init__(self) -> None:
         self.count = 0
+        self.boms = 0  # UTF-8 byte-order marks dropped (counted here: every reader has this object)
+
+    def strip_bom(self, raw: bytes) -> bytes:
+        if raw.startswith(UTF8_BOM):
+            self.boms += 1
+            return raw[len(UTF8_BOM):]
+        return raw
 
     @staticmethod
     def _handle(err: UnicodeDecodeError) -> tuple[str, int]:
@@ -203,17 +209,17 @@ codecs.register_error(ReplacementCounter.NAME, ReplacementCounter._handle)
 # -- reading documents ----------------------------------------------------------------------------
 # What read_piece saw of a file it read from its start, kept (per process, until asked for once)
 # so that a small file is opened once, not three times (read, document key, hash)
-_HEADS: dict[str, bytes] = {}
+_HEADS: dict[str, tuple[bytes, bool]] = {}  # path -> (head, whether it is the whole document)
 _WHOLE_SHA256: dict[str, str] = {}
 HEAD_KEPT = 4096
 
 
 def document_head(inp: Input, n: int) -> bytes:
     """The first n bytes of a text input's document (decompressed)."""
-    kept = _HEADS.pop(inp.path, None)
-    if kept is not None and (len(kept) >= n or len(kept) == inp.bytes):
+    kept, whole = _HEADS.pop(inp.path, (None, False))  # its BOM already dropped
+    if kept is not None and (len(kept) >= n or whole):
         return kept[:n]
-    return head(inp.path, inp.compression, n)
+    return head(inp.path, inp.compression, n + 3).removeprefix(UTF8_BOM)[:n]
 
 
 def whole_file_sha256(path: str) -> str | None:
@@ -241,10 +247,11 @@ def read_piece(inp: Input, piece: Piece, field: str, counter: ReplacementCounter
             f.seek(a)
             raw = f.read(max(0, b - a))
         if a == 0:
-            if inp.format == "text":  # prepare asks for a text document's head (its key) once
-                _HEADS[inp.path] = raw[:HEAD_KEPT]
             if b == inp.bytes:
                 _WHOLE_SHA256[inp.path] = hashlib.sha256(raw).hexdigest()
+            if inp.format == "text":  # prepare asks for a text document's head (its key) once
+                raw = counter.strip_bom(raw)  # (JSONL: _jsonl_documents, which counts lines)
+                _HEADS[inp.path] = (raw[:HEAD_KEPT], b == inp.bytes)
         if inp.format == "text":
             if raw and raw.isascii():
                 yield None, raw
@@ -263,9 +270,14 @@ def read_piece(inp: Input, piece: Piece, field: str, counter: ReplacementCounter
                 text = _text_of(value, lambda r=row: f"{inp.path}: row group {piece.start}, row {r}", field, bad)
                 yield text, b""
     else:
-        ds = _load_datasets_dir(inp.path, field)
-        for k, value in enumerate(ds[piece.start:piece.stop][field]):
-            yield _text_of(value, lambda r=piece.start + k: f"{inp.path}: row {r}", field, bad), b""
+        column = _datasets_table(inp.path, field).column(field).slice(piece.start, piece.stop - piece.start)
+        k = piece.start
+        for chunk in column.chunks:
+            for value in chunk.to_pylist():
+                text = _text_of(value, lambda r=k: f"{inp.path}: row {r}", field, bad)
+                k += 1
+                if text is not None:
+                    yield text, b""
 
 
 def _streamed(inp: Input, field: str, counter: ReplacementCounter, bad: BadRecords):
@@ -276,9 +288,12 @@ def _streamed(inp: Input, field: str, counter: ReplacementCounter, bad: BadRecor
                 yield from _text_stream(f, counter)
             elif inp.format == "jsonl":
                 for n, line in enumerate(f, 1):
-                    text = _record(line, lambda n=n: f"{inp.path}:{n}", field, counter, bad)
+                    text = _record(counter.strip_bom(line) if n == 1 else line, lambda n=n: f"{inp.path}:{n}",
+                                   field, counter, bad)
                     if text is not None:
                         yield text, b""
+            elif inp.format in ("csv", "tsv"):
+                yield from _csv_documents(inp, field, counter, bad)
             else:
                 yield from _json_array(inp.path, f, field, counter, bad)
     except read_errors() as e:
@@ -293,10 +308,25 @@ def damaged(inp: Input, e: BaseException) -> DataError:
                      "the file is damaged or truncated")
 
 
+def _csv_documents(inp: Input, field: str, counter: ReplacementCounter, bad: BadRecords):
+    counter.boms += csv_bom(inp.path, inp.compression)
+    ReplacementCounter._current = counter
+    for line, record in csv_rows(inp.path, inp.compression, inp.format, ReplacementCounter.NAME):
+        where = functools.partial("{}:{}".format, inp.path, line)
+        if field not in record:
+            bad.report(where, f"a row of {len(record)} columns, without the {field!r} column")
+            continue
+        if record[field]:  # an empty cell is an empty record: skipped
+            yield record[field], b""
+
+
 def _text_stream(f, counter: ReplacementCounter):
     decoder = codecs.getincrementaldecoder("utf-8")(ReplacementCounter.NAME)
+    first = True
     while True:
         raw = f.read(PIECE_BYTES)
+        if first:
+            raw, first = counter.strip_bom(raw), False
         if raw and raw.isascii() and decoder.getstate()[0] == b"":
             yield None, raw
             continue
@@ -310,7 +340,7 @@ def _text_stream(f, counter: ReplacementCounter):
 
 def _json_array(path: str, f, field: str, counter: ReplacementCounter, bad: BadRecords):
     try:
-        records = json.loads(counter.decode(f.read()))
+        records = json.loads(counter.decode(counter.strip_bom(f.read())))
     except json.JSONDecodeError as e:
         raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); a .json input is a JSON array of records "
                         "or JSONL") from None
@@ -360,6 +390,8 @@ def _jsonl_documents(path: str, offset: int, raw: bytes, line_at: Callable[[int]
                      counter: ReplacementCounter, bad: BadRecords):
     """The records of `raw`, the lines from byte `offset` of `path`; line_at(offset): its line number."""
     at = offset
+    if offset == 0 and raw != (raw := counter.strip_bom(raw)):  # the file's first line
+        at = len(UTF8_BOM)
     for line in raw.split(b"\n"):
         where, at = at, at + len(line) + 1
         text = _record(line, lambda w=where: f"{path}:{line_at(w)}", field, counter, bad)
@@ -385,7 +417,7 @@ def line_number(path: str, offset: int) -> int:
     return lines + 1
 
 
-_OPENED: dict[str, Any] = {}  # per process: a worker opens each Parquet file / datasets dir once
+_OPENED: dict[Any, Any] = {}  # per process: a worker opens each Parquet file / datasets dir once
 
 def _parquet_file(path: str, field: str):
     if path not in _OPENED:
@@ -393,24 +425,15 @@ def _parquet_file(path: str, field: str):
             import pyarrow.parquet as pq
         except ImportError:
             raise DataError(f"{path}: Parquet input needs pyarrow: pip install 'shardlab[data]'") from None
-        pf = pq.ParquetFile(path)
-        if field not in pf.schema_arrow.names:
-            raise DataError(f"{path}: no column {field!r} (columns: {pf.schema_arrow.names[:8]}); pass --field NAME")
-        _OPENED[path] = pf
-    return _OPENED[path]
+        _OPENED[path] = pq.ParquetFile(path)
+    pf = _OPENED[path]
+    if field not in pf.schema_arrow.names:  # checked at each call: another prepare here may ask for another
+        raise DataError(f"{path}: no column {field!r} (columns: {pf.schema_arrow.names[:8]}); pass --field NAME")
+    return pf
 
 
-def _load_datasets_dir(path: str, field: str):
-    if path not in _OPENED:
-        try:
-            import datasets
-        except ImportError:
-            raise DataError(f"{path}: a `datasets` directory needs the datasets package: pip install datasets") \
-                from None
-        ds = datasets.load_from_disk(path)  # memory-maps its Arrow files
-        if not isinstance(ds, datasets.Dataset):
-            raise DataError(f"{path}: a DatasetDict ({list(ds)}); give one split's directory, e.g. {path}/train")
-        if field not in ds.column_names:
-            raise DataError(f"{path}: no column {field!r} (columns: {ds.column_names[:8]}); pass --field NAME")
-        _OPENED[path] = ds
-    return _OPENED[path]
+def _datasets_table(path: str, field: str):
+    """A Dataset folder's --field column as a memory-mapped pyarrow Table (data/tables.py)."""
+    if (path, field) not in _OPENED:  # a table of that column alone
+        _OPENED[path, field] = load_dataset_table(path, [field])
+    return _OPENED[path, field]

@@ -1,8 +1,9 @@
 """`shardlab prepare INPUT... --out DATA_DIR [--tokenizer DIR] [--field NAME] [--workers N]
 [--val-fraction F] [--shard-mb M]`: documents to memory-mappable token shards, once.
 
-Inputs are text files, JSONL (one record per line, the text in --field), Parquet (the --field
-column) and `datasets` directories written by `save_to_disk`, mixed as you like: files,
+Inputs are text files, JSONL (one record per line, the text in --field), CSV/TSV and Parquet
+(the --field column) and `datasets` folders written by `save_to_disk` (--split chooses a
+DatasetDict's splits), mixed as you like: files,
 directories and globs as `data.path` takes them (data/inputs.py). The output format and
 manifest are in data/shards.py; training maps the result with `data.source=tokens
 data.path=DATA_DIR`.
@@ -238,6 +239,7 @@ def run_unit(job: Job, unit: int, pieces: list[Piece], inputs: dict[int, Input])
     flush()
     whole = {p.input for p in pieces if p.first and p.data is None} & {p.input for p in pieces if p.last}
     return {"unit": unit, "train": train.close(), "documents": documents, "replaced_bytes": counter.count,
+            "boms": counter.boms,
             "input_bytes": sum(p.bytes for p in pieces), "bad_records": bad.count, "bad_first": bad.first,
             "hashes": {i: input_sha256(inputs[i]) for i in sorted(whole)}, "digests": digests,
             "val": (np.concatenate(val) if val else np.zeros(0, dtype), val_ends)}
@@ -329,9 +331,10 @@ def _pool_or_none(workers: int):
 def prepare(specs: list[str], out: str, *, tokenizer: str | None = None, field: str = "text", workers: int = 1,
             val_fraction: float = 0.0, shard_mb: float = 64.0, force_format: str | None = None,
             progress: bool = True, on_bad_record: str = "skip", dedup: str = "none",
-            wait_if_busy: bool = False) -> str:
+            wait_if_busy: bool = False, splits: list[str] | None = None) -> str:
     """Prepare `specs` into DATA_DIR `out` (see the module docstring); returns `out`.
-    wait_if_busy: wait for another prepare into `out` to end (else refuse at once)."""
+    wait_if_busy: wait for another prepare into `out` to end (else refuse at once). splits: a
+    DatasetDict's splits to read (default all)."""
     if not 0.0 <= val_fraction < 1.0 or shard_mb <= 0 or workers < 1:
         raise DataError("--val-fraction must be in [0, 1), --shard-mb > 0 and --workers >= 1")
     if on_bad_record not in ("skip", "fail"):
@@ -346,13 +349,14 @@ def prepare(specs: list[str], out: str, *, tokenizer: str | None = None, field: 
         remove_leftovers(out)
         with _pool_or_none(workers) as pool:
             return _prepare_locked(specs, out, pool, tokenizer, field, val_fraction, shard_mb, force_format,
-                                   progress, on_bad_record, dedup)
+                                   progress, on_bad_record, dedup, splits)
 
 
 def _prepare_locked(specs: list[str], out: str, pool, tokenizer: str | None, field: str, val_fraction: float,
-                    shard_mb: float, force_format: str | None, progress: bool, on_bad_record: str, dedup: str) -> str:
+                    shard_mb: float, force_format: str | None, progress: bool, on_bad_record: str, dedup: str,
+                    splits: list[str] | None = None) -> str:
     """prepare, under the lock on `out`, with the worker pool (None: one worker)."""
-    inputs, skipped = scan_inputs(specs, force_format, pool)
+    inputs, skipped = scan_inputs(specs, force_format, pool, splits)
     tok = Tokenizer(tokenizer)
     dtype = token_dtype(tok.vocab_size)
     pieces = plan_pieces(inputs, field)
@@ -393,8 +397,8 @@ class _Collector:
         self.train: list[dict] = []
         self.val_shards: list[dict] = []
         self.val = ShardWriter(job.tmp, "val-00000", self.dtype)
-        self.counts = {"documents": 0, "replaced_invalid_utf8_bytes": 0, "input_bytes": 0, "bad_records": 0,
-                       "bad_records_first": []}
+        self.counts = {"documents": 0, "replaced_invalid_utf8_bytes": 0, "byte_order_marks": 0, "input_bytes": 0,
+                       "bad_records": 0, "bad_records_first": []}
         self.hashes: dict[int, str] = {}
         self.tokens = 0
         self.seen: set[bytes] = set()  # document hashes, --dedup exact
@@ -424,6 +428,7 @@ class _Collector:
         c = self.counts
         c["documents"] += r["documents"]
         c["replaced_invalid_utf8_bytes"] += r["replaced_bytes"]
+        c["byte_order_marks"] += r["boms"]
         c["input_bytes"] += r["input_bytes"]
         c["bad_records"] += r["bad_records"]
         c["bad_records_first"] = (c["bad_records_first"] + r["bad_first"])[:KEEP_LOCATIONS]
@@ -517,11 +522,14 @@ def default_workers() -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("inputs", nargs="+", metavar="INPUT",
-                   help="text/JSONL/Parquet files, directories, globs, or a datasets save_to_disk directory")
+                   help="text/JSONL/CSV/Parquet files, directories, globs, datasets save_to_disk folders")
     p.add_argument("--out", required=True, metavar="DATA_DIR", help="the directory to create (must not exist)")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="a local directory with tokenizer.json (an HF model directory works); default: bytes")
-    p.add_argument("--field", default="text", metavar="NAME", help="JSONL/Parquet/datasets text field (default text)")
+    p.add_argument("--field", default="text", metavar="NAME",
+                   help="JSONL/CSV/Parquet/datasets text field or column (default text)")
+    p.add_argument("--split", default=None, metavar="NAME[,NAME]",
+                   help="a datasets DatasetDict folder's splits to read (default: every split)")
     p.add_argument("--workers", type=int, default=default_workers(), metavar="N",
                    help=f"worker processes, one core each (default: the usable cores, {default_workers()} here)")
     p.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION, metavar="F",
@@ -542,10 +550,14 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     _init_worker()  # --workers 1 encodes in this process: one core too
     signal.signal(signal.SIGTERM, _raise_interrupt)  # as Ctrl-C: the partial output is removed
+    if hasattr(signal, "SIGUSR1"):  # kill -USR1 PID: every thread's stack, here and in the workers (forked after)
+        import faulthandler
+
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         out = prepare(args.inputs, args.out, tokenizer=args.tokenizer, field=args.field, workers=args.workers,
                       val_fraction=args.val_fraction, shard_mb=args.shard_mb, on_bad_record=args.on_bad_record,
-                      dedup=args.dedup)
+                      dedup=args.dedup, splits=args.split.split(",") if getattr(args, "split", None) else None)
     except (DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -561,6 +573,8 @@ def run(args: argparse.Namespace) -> int:
           f"{m['splits']['train']['tokens']:,} train and {m['splits']['val']['tokens']:,} val tokens "
           f"({m['dtype']}, vocab {m['tokenizer']['vocab_size']}), {c['documents']:,} documents, "
           f"{c['replaced_invalid_utf8_bytes']} invalid UTF-8 bytes replaced -> {out}")
+    if c.get("byte_order_marks"):
+        print(f"dropped {c['byte_order_marks']:,} UTF-8 byte-order mark(s) at the start of files (not text)")
     if "duplicates" in c:
         print(f"dropped {c['duplicates']:,} duplicate documents (--dedup exact)")
     for what, n, first in (("bad records", c["bad_records"], c["bad_records_first"]),

@@ -1,9 +1,12 @@
 """`data.source=sft`: supervised fine-tuning examples from local JSON/JSONL, or the embedded
 default instruction set, as (inputs, targets) rows with the prompt masked.
 
-Formats (one record per JSONL line, or a JSON list of records; detected per record):
+Formats (records of JSONL, JSON arrays, Parquet, CSV or `datasets` folders, compressed or not,
+a file, folder or glob: data/records.py; detected per record, by its keys):
     alpaca  {"instruction": ..., "input": ... (optional), "output": ...}
     chat    {"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}
+    prompt/completion  {"prompt": ..., "completion": ...}: two texts (a user and an assistant
+            turn) or two lists of messages (concatenated), as TRL writes them
 
 Prompt template: the tokenizer's chat template when it has one; otherwise DEFAULT_TEMPLATE
 (docs/sft.md): "### Instruction:/### Input:/### Response:" for alpaca, "### User:/### Assistant:"
@@ -26,6 +29,7 @@ tokenizer files, the chat template and the row settings, and read by the others.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import importlib
 import inspect
@@ -61,30 +65,27 @@ class SFTDataError(ValueError):
 
 # -- reading ---------------------------------------------------------------------------------------
 def read_examples(path: str) -> list[dict[str, Any]]:
-    """Records of a JSONL file (or a JSON list), each checked: alpaca or chat, with a response."""
-    text = Path(path).read_text(encoding="utf-8")
-    records: list[tuple[int, Any]] = []
-    if path.endswith(".json") and text.lstrip().startswith("["):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise SFTDataError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); fix the file at that line") from None
-        records = [(i + 1, r) for i, r in enumerate(data)]
-        where = "record"
-    else:
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                records.append((n, json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise SFTDataError(f"{path}:{n}: not valid JSON ({e.msg}); each line of a JSONL file must be one "
-                                   "JSON object, e.g. {\"instruction\": ..., \"output\": ...}") from None
-        where = "line"
-    if not records:
+    """Records of data.path (a file, folder or glob of JSONL, JSON arrays, Parquet, CSV or
+    `datasets` folders, compressed or not: data/records.py), each checked: alpaca, chat or
+    prompt/completion, with a response. Errors name the file and the line or row."""
+    return _read(path)[0]
+
+
+def _read(path: str) -> tuple[list[dict[str, Any]], str]:
+    """read_examples' examples and the data's content hash."""
+    from shardlab.data import records as R
+    from shardlab.data.shards import DataError
+
+    try:
+        inputs = R.scan(path)
+        out = [check_example(r, where) for inp in inputs for where, r in R.records(inp)]
+        digest = R.sha256(inputs)
+    except DataError as e:
+        raise SFTDataError(str(e)) from None
+    if not out:
         raise SFTDataError(f"{path}: no examples; give alpaca records (instruction/input/output) or chat records "
                            "(messages with roles)")
-    return [check_example(r, f"{path}:{n}" if where == "line" else f"{path} record {n}") for n, r in records]
+    return out, digest
 
 
 def check_example(r: Any, where: str) -> dict[str, Any]:
@@ -106,6 +107,14 @@ def check_example(r: Any, where: str) -> dict[str, Any]:
                                "response: nothing would teach the model to answer it. End each record with an "
                                "assistant turn (remove the trailing turn or add its answer)")
         return {"messages": msgs}
+    if "prompt" in r and "completion" in r:  # TRL's prompt-completion: two texts, or two lists of messages
+        p, c = r["prompt"], r["completion"]
+        if isinstance(p, str) and isinstance(c, str):
+            return check_example({"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": c}]},
+                                 where)
+        if isinstance(p, list) and isinstance(c, list):
+            return check_example({"messages": p + c}, where)
+        raise SFTDataError(f"{where}: \"prompt\" and \"completion\" must both be text or both lists of messages")
     if "instruction" in r or "output" in r:
         if not isinstance(r.get("instruction"), str) or not r["instruction"].strip():
             raise SFTDataError(f"{where}: alpaca record without an \"instruction\" string")
@@ -117,8 +126,8 @@ def check_example(r: Any, where: str) -> dict[str, Any]:
         if not isinstance(inp, str):
             raise SFTDataError(f"{where}: \"input\" must be a string")
         return {"instruction": r["instruction"], "input": inp, "output": out}
-    raise SFTDataError(f"{where}: neither alpaca (instruction/input/output) nor chat (messages) keys; "
-                       f"found {sorted(r)[:5]}")
+    raise SFTDataError(f"{where}: neither alpaca (instruction/input/output), chat (messages) nor "
+                       f"prompt/completion keys; found {sorted(r)[:5]}")
 
 
 # -- the embedded default instruction set ------------------------------------------------------------
@@ -324,7 +333,7 @@ class Prepared:
 
 def _examples(cfg) -> tuple[list[dict[str, Any]], str, str]:
     if cfg.data.path:
-        return read_examples(cfg.data.path), hashlib.sha256(Path(cfg.data.path).read_bytes()).hexdigest(), cfg.data.path
+        return *_read(cfg.data.path), cfg.data.path
     ex = builtin_examples()
     return ex, hashlib.sha256(json.dumps(ex).encode()).hexdigest(), "builtin (python stdlib docstrings)"
 
@@ -520,9 +529,9 @@ def build(cfg):
 def _check(cfg) -> None:
     """data.source=sft: the data file exists; pretrained weights come with their tokenizer."""
     d = cfg.data
-    if d.path is not None and not os.path.isfile(d.path):
-        raise ConfigError(f"data.path {d.path!r}: no such file; give a JSON or JSONL file of alpaca or chat records "
-                          "(or null for the embedded instruction set)")
+    if d.path is not None and not os.path.exists(os.path.expanduser(d.path)) and not glob.glob(d.path, recursive=True):
+        raise ConfigError(f"data.path {d.path!r}: no such file, folder or glob match; give JSONL, JSON, Parquet, CSV "
+                          "or a datasets folder of alpaca or chat records (or null for the embedded instruction set)")
     problem = tokenizer_problem(cfg)
     if problem is not None:
         raise ConfigError(problem)
