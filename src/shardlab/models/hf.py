@@ -40,6 +40,8 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
+import warnings
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -66,6 +68,7 @@ from shardlab.models.hf_load import (  # noqa: F401  (SafetensorsReader, weight_
     marks,
     packed_mask,
     seed_for,
+    takes_4d_masks,
     weight_files,
 )
 from shardlab.models.hf_lora import _add_lora, _init_lora_, _is_lora_leaf
@@ -118,6 +121,7 @@ class HFCausalLM(nn.Module):
             model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype, **chosen)
             # the family hands restarting position ids to transformers' mask builder ([Note: packed sequences])
             self.packs_by_position_ids = builds_packed_masks(model)
+            self.takes_4d_masks = takes_4d_masks(model)  # Bloom's ALiBi does not: packing refused
             if self.lora is not None:
                 for p in model.parameters():
                     p.requires_grad_(False)
@@ -166,7 +170,7 @@ class HFCausalLM(nn.Module):
 
         if self.packs_by_position_ids and self.attention in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
             return POSITION_IDS
-        return fallback_route(self.hf_config)
+        return fallback_route(self.hf_config) if self.takes_4d_masks else None
 
     def attention_record(self, packing: bool) -> dict[str, Any]:
         """What run_args.json records and the run prints once: the implementation and how packed
@@ -216,7 +220,8 @@ class HFCausalLM(nn.Module):
         """Our parameter name -> its key in a transformers checkpoint."""
         key = canonical.removeprefix("model.")
         if self.lora is not None:
-            key = key.removeprefix("base_model.model.").replace(".base_layer.", ".")
+            # peft nests one wrapper per adapted parameter of a module (MoE experts: gate_up_proj and down_proj)
+            key = re.sub(r"(\.base_layer)+\.", ".", key.removeprefix("base_model.model."))
         return key
 
     def _find(self, reader: SafetensorsReader, key: str, alternatives: list[str]) -> str | None:
@@ -409,7 +414,7 @@ def _check(section) -> None:
     if lo.rank and (lo.alpha <= 0 or not 0 <= lo.dropout < 1):
         raise ConfigError("model.lora.alpha must be > 0 and model.lora.dropout in [0, 1)")
     if lo.rank:
-        problem = lora_target_problem(section, raw["model_type"])
+        problem = lora_target_problem(section, raw["model_type"]) or lora_parameter_problem(section)
         if problem:
             raise ConfigError(problem)
     problem = _meta_build(section)[1]
@@ -451,6 +456,10 @@ def _packing_problem(section) -> str | None:
     model = _meta_build(section)[0]
     if model is None or model.packed_route() is not None:
         return None
+    if not model.takes_4d_masks:
+        return (f"data.packing=true: {type(model.hf_model).__name__} builds neither its mask from position ids nor "
+                "takes a 4-D attention mask (Bloom: its ALiBi bias is built from a 2-D mask), so packed examples "
+                "cannot be kept apart; set data.packing=false")
     return (f"data.packing=true: {type(model.hf_model).__name__} under attention {model.attention!r} has no known way "
             "to keep packed examples apart (transformers does not build its mask from the position ids, and this "
             "implementation takes no 4-D mask shardlab writes, or a sliding window would be lost); set "
@@ -496,6 +505,25 @@ def lora_target_problem(section, model_type: str) -> str | None:
                 f"{model_type} model that LoRA can adapt; its Linear (and Conv1D, Embedding) layers: "
                 f"{', '.join(linear)}")
     return None
+
+
+def lora_parameter_problem(section) -> str | None:
+    """Why the LoRA targets cannot train on shardlab's engines (None: they can): peft adapts the fused
+    expert parameters of transformers 5's MoE blocks (DeepSeek-V3's `experts.down_proj`, matched by
+    a `down_proj` target) through a parametrization of the parameter itself, which the engines'
+    flat-buffer views of parameters do not carry (fsdp: 'has no parameter ... down_proj')."""
+    transformers = require_transformers()
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # peft's notes on patterns that matched nothing
+        model = _add_lora(transformers.AutoModelForCausalLM.from_config(load_hf_config(section)), asdict(section.lora))
+    wrapped = sorted({f"{n.removeprefix('base_model.model.').split('.base_layer')[0]}.{m.parameter_name}"
+                      for n, m in model.named_modules() if type(m).__name__ == "ParamWrapper"})
+    if not wrapped:
+        return None
+    return (f"model.lora.target_modules: peft would adapt the fused expert parameter {wrapped[0]} (and "
+            f"{len(wrapped) - 1} more) by parametrization, which shardlab's engines do not support; name the Linear "
+            "layers to adapt so that peft leaves the experts alone (e.g. the attention's q_proj, o_proj), or train "
+            "the experts with full fine-tuning (model.lora.rank=0)")
 
 
 def _build(section, seed: int, vocab_size: int | None) -> HFCausalLM:

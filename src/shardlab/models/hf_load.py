@@ -295,6 +295,22 @@ def builds_packed_masks(hf_model: nn.Module) -> bool:
     return False
 
 
+@torch.no_grad()
+def takes_4d_masks(hf_model: nn.Module) -> bool:
+    """Whether this model (on the meta device) runs with a 4-D attention mask at all: Bloom builds
+    its ALiBi bias from the mask's two dimensions (`build_alibi_tensor` unpacks `attention_mask.shape`)
+    and fails on one; such a family gets no fallback route, so packing is refused before workers."""
+    with torch.device("meta"):
+        ids = torch.zeros(1, 4, dtype=torch.long)
+        mask = packed_mask(torch.tensor([[0, 1, 0, 1]]), FALLBACK_MASKS.get(hf_model.config._attn_implementation,
+                                                                            ADDITIVE), hf_model.dtype)
+    try:
+        hf_model(input_ids=ids, attention_mask=mask, use_cache=False)
+    except Exception:  # noqa: BLE001 - any failure: this family does not take shardlab's 4-D mask
+        return False
+    return True
+
+
 def fallback_route(config: Any) -> str | None:
     """For a family that does not build packed masks from position ids: the 4-D mask form its
     attention implementation takes (ADDITIVE for eager, which adds the mask to the scores; BOOLEAN
