@@ -19,6 +19,7 @@ from shardlab.engines.api import ENGINE_ATTR, Engine, MixedPrecision, attach, en
 from shardlab.engines.compile import Checkpointing, apply_to_units
 from shardlab.engines.measuring import Measurable, optimizer_state_bytes
 from shardlab.engines.planning import Plannable
+from shardlab.engines.state_dict import STATE_DICT_VALUES, install_state_dict
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def default_device() -> torch.device:
 def parallelize(model: nn.Module, strategy: str = "fsdp", wrap: Any = None, *,
                 group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
                 activation_checkpointing: bool | str = "none", ac_every: int = 1, compile: bool = False,
-                compile_mode: str | None = None, **options: Any) -> nn.Module:
+                compile_mode: str | None = None, state_dict: str = "sharded", **options: Any) -> nn.Module:
     """Wrap `model` with `strategy` and return the module to train.
 
     model: a plain nn.Module, possibly on the meta device (sharded engines then
@@ -97,6 +98,9 @@ def parallelize(model: nn.Module, strategy: str = "fsdp", wrap: Any = None, *,
         False mean "full" and "none". ac_every=K: only units 0, K, 2K, ...
     compile: torch.compile each unit's forward (inductor; compile_mode: torch.compile's mode).
         Both leave the engine's hooks outside: engines/compile.py.
+    state_dict: what the returned module's `state_dict()` gives on a sharded engine, always under
+        the user's module's keys: "sharded" (DTensors, as FSDP2's) or "full" (full CPU tensors);
+        engines/state_dict.py, [Note: what model.state_dict() holds].
     options: engine options, e.g. reshard_after_forward, mixed_precision, bucket_size_bytes, prefetch.
     """
     cls = engine_class(strategy)
@@ -109,9 +113,12 @@ def parallelize(model: nn.Module, strategy: str = "fsdp", wrap: Any = None, *,
                            "(torch.distributed.init_process_group, or run through `shardlab train`)")
     if hasattr(model, ENGINE_ATTR):
         raise ValueError("this model is already parallelized")
+    if state_dict not in STATE_DICT_VALUES:
+        raise ValueError(f"state_dict must be one of {', '.join(STATE_DICT_VALUES)}, not {state_dict!r}")
     device = torch.device(device) if device is not None else default_device()
     checkpointing = Checkpointing.parse(activation_checkpointing, ac_every)
     units = resolve_units(model, wrap)
     apply_to_units(units, checkpointing, compile, compile_mode)
     engine = cls(model, strategy=strategy, group=group, device=device, units=units, **options)
+    install_state_dict(engine, state_dict)
     return attach(engine)

@@ -290,12 +290,16 @@ def replicate_from_rank0(module: nn.Module, device: torch.device, group: dist.Pr
 @dataclass(frozen=True)
 class StateKey:
     """One key of the unwrapped module's state_dict: a parameter (`param`: the engine's own
-    reference to it) or a buffer (`module`, `attr`)."""
+    reference to it; `name`, `shape`, `dtype`: its canonical name, the one `shard_layout`
+    pieces carry, and what it was) or a buffer (`module`, `attr`)."""
 
     key: str
     param: Hashable | None = None
     module: nn.Module | None = None
     attr: str = ""
+    name: str = ""
+    shape: torch.Size = torch.Size()
+    dtype: torch.dtype | None = None
 
 
 class StateDictMirror:
@@ -305,11 +309,11 @@ class StateDictMirror:
     param_ref maps a parameter to the engine's reference for it (a canonical name, a slot)."""
 
     def __init__(self, root: nn.Module, param_ref: Callable[[nn.Parameter], Hashable]):
-        param_ids = {id(p) for p in root.parameters()}  # tied names share one Parameter
+        canonical = {id(p): n for n, p in root.named_parameters()}  # tied names share one Parameter
         self.keys: list[StateKey] = []
         for key, t in root.state_dict(keep_vars=True).items():
-            if id(t) in param_ids:
-                self.keys.append(StateKey(key, param=param_ref(t)))
+            if id(t) in canonical:
+                self.keys.append(StateKey(key, param=param_ref(t), name=canonical[id(t)], shape=t.shape, dtype=t.dtype))
                 continue
             path, _, attr = key.rpartition(".")
             module = root.get_submodule(path)

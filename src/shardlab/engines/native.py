@@ -1,6 +1,7 @@
 """PyTorch's own engines behind shardlab's interface, for production use and comparison.
 
-- torch-ddp: `torch.nn.parallel.DistributedDataParallel`.
+- torch-ddp: `torch.nn.parallel.DistributedDataParallel`, run from hooks on the user's module (which
+  keeps its names: [Note: torch-ddp without DDP's wrapper]).
 - torch-fsdp: FSDP2 `fully_shard` on each unit (transformer block, ResNet stage), then on
   the root, so parameters outside every unit (embeddings, tied head, final norm) are
   sharded with the root group. Tied parameters live in the root group, as FSDP2 requires.
@@ -84,7 +85,7 @@ class TorchDDPEngine(Engine, Plannable, Measurable):
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = True, **kw: Any):
         super().__init__(module, **kw)
         self.inner = materialize_whole_(module, self.device)
-        self.module = nn.parallel.DistributedDataParallel(
+        self.ddp = nn.parallel.DistributedDataParallel(
             self.inner,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
             process_group=self.group,
@@ -93,17 +94,46 @@ class TorchDDPEngine(Engine, Plannable, Measurable):
             gradient_as_bucket_view=gradient_as_bucket_view,
         )
         self.counter = collectives.CommCounter()
-        self.module.register_comm_hook(None, _counting_allreduce_hook(self.counter, self.group, self.world_size))
+        self.ddp.register_comm_hook(None, _counting_allreduce_hook(self.counter, self.group, self.world_size))
+        _drive_from_hooks(self.ddp, self.inner)
+        self.module = self.inner
 
     def comm_counters(self) -> list[collectives.CommCounter]:
         return [self.counter]
 
     def no_sync(self) -> contextlib.AbstractContextManager:
-        return self.module.no_sync()
+        return self.ddp.no_sync()
 
     @classmethod
     def step_traffic(cls, model: ModelTraffic, options: Mapping[str, Any]) -> list[Collective]:
         return bucketed_all_reduce(model, options.get("bucket_size_bytes", 25 * 2**20))
+
+
+# [Note: torch-ddp without DDP's wrapper]
+# DistributedDataParallel wraps the module, so the wrapper's state_dict and named_parameters carry
+# `module.`: a state dict saved under torch-ddp would not load under any other engine, and DCP's
+# state-dict helpers strip the prefix only for a DDP instance they are handed. The user gets their
+# own module instead, whose forward runs DDP's two halves from hooks, as DDP.forward runs them
+# around the module's call: `_pre_forward` (the reducer's forward bookkeeping, buffer broadcast,
+# inputs moved to the device) and `_post_forward` (the reducer prepared for backward). It is what
+# PyTorch's composable `replicate` does; the reducer, its buckets and its hooks are DDP's, unchanged.
+# `_active_ddp_module` tells torch.compile's DDPOptimizer that a compiled unit runs inside DDP.
+
+
+def _drive_from_hooks(ddp: nn.parallel.DistributedDataParallel, module: nn.Module) -> None:
+    """Run `ddp`'s forward halves around every call of `module` ([Note: torch-ddp without DDP's wrapper])."""
+    cls = nn.parallel.DistributedDataParallel
+
+    def pre(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        cls._active_ddp_module = ddp
+        return ddp._pre_forward(*args, **kwargs)
+
+    def post(_m: nn.Module, _args: tuple, _kwargs: dict, output: Any) -> Any:
+        cls._active_ddp_module = None
+        return ddp._post_forward(output)
+
+    module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
+    module.register_forward_hook(post, with_kwargs=True)
 
 
 class TorchFSDPEngine(Engine, Plannable, Measurable):
