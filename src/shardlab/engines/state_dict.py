@@ -66,9 +66,8 @@ def install_state_dict(engine: Engine, values: str) -> None:
 
 
 def _is_dtensor(t: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
+    """Asked without importing torch.distributed.tensor (0.5 s), which only DTensor users need."""
+    return isinstance(t, torch.Tensor) and hasattr(t, "device_mesh") and hasattr(t, "full_tensor")
 
 
 def _ours(state_dict: dict, prefix: str) -> list[str]:
