@@ -1,4 +1,4 @@
-"""`shardlab prepare` on the shapes issue 45 found silently wrong: CSV/TSV (read as tables, never
+"""`shardlab prepare` on the shapes a trial found silently wrong: CSV/TSV (read as tables, never
 one document), byte-order marks (dropped, every record kept), `datasets` save_to_disk folders
 anywhere in a tree (read with pyarrow alone). Each compares document by document with the
 documents the test wrote (bytes tokenizer: a document's tokens are its UTF-8 bytes)."""
@@ -129,3 +129,30 @@ def test_datasets_folders_anywhere_in_a_tree(tmp_path):
         _prep(tmp_path, [tree / "deep" / "chat"], "dd-val", splits=["val"])
     with pytest.raises(DataError, match=r"wiki: no column 'body' \(columns: \['text', 'title'\]\); pass --field"):
         _prep(tmp_path, [tree / "wiki"], "no-field", field="body")
+
+
+def test_a_worker_killed_mid_unit_stops_the_prepare_naming_it(tmp_path, monkeypatch):
+    """A worker the kernel kills (out of memory) took its unit with it: the pool would wait
+    forever (the stall a user met); the prepare stops within seconds, naming the worker and unit."""
+    import signal
+    import time
+
+    from shardlab.data import prepare as P
+
+    docs = truth(40, 4)
+    for i, d in enumerate(docs):
+        (tmp_path / f"{i:02d}.txt").write_text(d)
+    real = P.run_unit
+
+    def dies(job, unit, pieces, inputs):
+        if unit == 0:  # the workers are forked: they run this patched function
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(job, unit, pieces, inputs)
+
+    monkeypatch.setattr(P, "run_unit", dies)
+    monkeypatch.setattr(P, "unit_target", lambda pieces, shard: 1)  # a unit per file
+    t0 = time.monotonic()
+    with pytest.raises(DataError, match=r"worker \d+ was killed by SIGKILL .*out-of-memory.* while unit 0 "
+                                        r"\(.*00.txt\); the prepare stopped"):
+        _prep(tmp_path, [tmp_path], "killed", workers=2)
+    assert time.monotonic() - t0 < 30 and not (tmp_path / "out-killed").exists()

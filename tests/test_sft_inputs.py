@@ -1,4 +1,4 @@
-"""data.source=sft reads what `shardlab prepare` reads (issue 45): UltraChat-style Parquet with a
+"""data.source=sft reads what `shardlab prepare` reads: UltraChat-style Parquet with a
 `messages` column, compressed JSONL, JSON arrays, CSV, `datasets` folders, folders and globs;
 compared example by example with the records the test wrote; broken files named in one line."""
 

@@ -11,6 +11,9 @@ temporary directory (random words; nothing downloaded or shipped) and removed af
   one-file     one 512 MiB text file, bytes
   jsonl        256 MiB of JSONL (--jsonl-mib), bytes; then the same file compressed with zstd (one
                stream, decompressed by prepare's parent and split for the workers: data/units.py)
+  tables       (not run by default) the same rows (--tables-mib, default 64) as Parquet, a
+               `datasets` save_to_disk folder (written with pyarrow as datasets writes it: Arrow
+               stream batches of 1,000 rows) and CSV, then as .jsonl.bz2 and .jsonl.xz
 """
 
 from __future__ import annotations
@@ -89,11 +92,50 @@ def _case(name: str, inputs: list[str], out: str, mib: float, tokenizer: str | N
     return row
 
 
+def tables_cases(tmp: str, mib: float, out: str) -> dict:
+    """The `tables` case: the same rows in each shape (see the module docstring)."""
+    import bz2
+    import lzma
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = os.path.join(tmp, "rows.jsonl")
+    write_jsonl(src, int(mib * 2**20))
+    with open(src) as f:
+        table = pa.Table.from_pylist([json.loads(line) for line in f])
+    pq.write_table(table, os.path.join(tmp, "rows.parquet"), row_group_size=10_000)
+    ds = os.path.join(tmp, "rows-ds")
+    os.makedirs(ds)
+    with pa.ipc.new_stream(os.path.join(ds, "data-00000-of-00001.arrow"), table.schema) as w:
+        w.write_table(table, max_chunksize=1000)
+    for name, body in (("state.json", {"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}),
+                       ("dataset_info.json", {})):
+        with open(os.path.join(ds, name), "w") as f:
+            json.dump(body, f)
+    import pyarrow.csv as pcsv
+
+    pcsv.write_csv(table, os.path.join(tmp, "rows.csv"))
+    with open(src, "rb") as f:
+        data = f.read()
+    for kind, pack in (("bz2", bz2.compress), ("xz", lzma.compress)):
+        with open(f"{src}.{kind}", "wb") as f:
+            f.write(pack(data))
+    shard_mb = min(64.0, mib / 16)
+    rows = {name: _case(name, [os.path.join(tmp, name)], out, mib, shard_mb=shard_mb)
+            for name in ("rows.parquet", "rows-ds", "rows.csv", "rows.jsonl.bz2", "rows.jsonl.xz")}
+    for w in ("1", "2"):
+        ratio = rows["rows-ds"][f"secs_{w}"] / rows["rows.parquet"][f"secs_{w}"]
+        print(f"datasets folder / Parquet time at {w} worker(s): {ratio:.2f}x")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="many-small,tree-1g,tree-bpe,one-file,jsonl")
     p.add_argument("--bpe-mib", type=float, default=48, help="the tree-bpe case's size (default 48)")
     p.add_argument("--jsonl-mib", type=float, default=256, help="the jsonl case's size (default 256)")
+    p.add_argument("--tables-mib", type=float, default=64, help="the tables case's size (default 64)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     only, rows = args.only.split(","), {}
@@ -129,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             for w in ("1", "2"):
                 rows[f"zst/plain speed, {w} worker(s)"] = rows["jsonl"][f"secs_{w}"] / rows["jsonl.zst"][f"secs_{w}"]
                 print(f"jsonl.zst / jsonl speed at {w} worker(s): {rows[f'zst/plain speed, {w} worker(s)']:.2f}x")
+        if "tables" in only:
+            rows.update(tables_cases(tmp, args.tables_mib, out))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

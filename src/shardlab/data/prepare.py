@@ -32,7 +32,6 @@ import argparse
 import contextlib
 import functools
 import hashlib
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -71,6 +70,7 @@ from shardlab.data.shards import (
 )
 from shardlab.data.text import Tokenizer, copy_tokenizer_files
 from shardlab.data.units import plan_units, unit_target, unit_tasks
+from shardlab.data.workers import Workers, doing, init_worker
 
 DEFAULT_VAL_FRACTION = 0.05  # data.val_fraction's default (config.DataConfig): the two agree
 KEY_BYTES = 4096          # the document prefix whose hash decides train or val
@@ -259,30 +259,10 @@ def input_sha256(inp: Input) -> str:
 def _task(job: Job, task: tuple[str, Any]) -> tuple[str, Any]:
     """("hash", (index, Input)): an input cut across units; ("unit", (unit, pieces, its inputs))."""
     kind, arg = task
-    if kind == "hash":
-        return kind, (arg[0], input_sha256(arg[1]))
-    return kind, run_unit(job, *arg)
-
-
-def _init_worker() -> None:
-    os.environ.setdefault("RAYON_NUM_THREADS", "1")  # one core per worker (see the module docstring)
-
-
-def _init_pool_worker() -> None:
-    _init_worker()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops the pool
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the pool's terminate() (not the parent's handler: run)
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the parent, even when it is SIGKILLed
-        # a split input's unit arrives as one message of up to 16 MiB (data/units.py): glibc would
-        # map and fault in fresh pages for each one (its threshold is 128 KiB in a fresh process);
-        # kept in the heap they are reused (measured: ~70,000 fewer page faults per 256 MiB)
-        if hasattr(libc, "mallopt"):  # glibc
-            libc.mallopt(-3, 32 << 20)   # M_MMAP_THRESHOLD: glibc's largest
-            libc.mallopt(-1, 128 << 20)  # M_TRIM_THRESHOLD: the heap is not handed back between units
+    with doing(_code(task)[0]):
+        if kind == "hash":
+            return kind, (arg[0], input_sha256(arg[1]))
+        return kind, run_unit(job, *arg)
 
 
 # -- the whole corpus -----------------------------------------------------------------------------
@@ -297,35 +277,27 @@ def _output_per_input_byte(tok: Tokenizer, inputs: list[Input], dtype: np.dtype)
     return dtype.itemsize * max(1, len(tok._tok.encode(text, add_special_tokens=False).ids)) / max(1, len(text))
 
 
-def _pool(workers: int):
-    # fork: nothing here has used the tokenizer's Rust threads, so the children start clean and fast
-    ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    pool = ctx.Pool(workers, initializer=_init_pool_worker)
-    try:  # a split input's units go through the pool's task pipe (data/units.py), up to 16 MiB each:
-        # 1 MiB at a time (Linux's default is 64 KiB) takes 16x fewer writes and reads, each of which
-        # the sending thread must take the GIL for (measured, 256 MiB .jsonl.zst at 2 workers, 8
-        # alternating runs: median 1.58 s without, 1.48 s with). The pool's own pipe: where it is
-        # not there (another Python), only that saving is lost.
-        import fcntl
-
-        fcntl.fcntl(pool._inqueue._writer.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)
-    except (ImportError, AttributeError, OSError):
-        pass
-    return pool
+def _code(task: tuple[str, Any]) -> tuple[int, str]:
+    """A task's code on the workers' board (data/workers.py) and the inputs it reads."""
+    kind, arg = task
+    if kind == "hash":
+        return -(arg[0] + 1), arg[1].path
+    paths = sorted({inp.path for inp in arg[2].values()})
+    return arg[0] + 1, ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
 
 
-def _results(job: Job, tasks: Iterator[tuple[str, Any]], pool) -> Iterator[tuple[str, Any]]:
+def _results(job: Job, tasks: Iterator[tuple[str, Any]], pool: Workers | None) -> Iterator[tuple[str, Any]]:
     if pool is None:  # here, in this process (the command sets RAYON_NUM_THREADS as a worker would)
         yield from (_task(job, t) for t in tasks)
         return
     # in completion order: a failing unit stops the prepare at once
-    yield from pool.imap_unordered(functools.partial(_task, job), tasks, chunksize=1)
+    yield from pool.imap_unordered(functools.partial(_task, job), tasks, _code)
 
 
 def _pool_or_none(workers: int):
     """The worker pool (None for one worker: the work runs here), opened before anything here
     has used the tokenizer's threads, and used for the inputs' sniffing too."""
-    return _pool(workers) if workers > 1 else contextlib.nullcontext(None)
+    return Workers(workers) if workers > 1 else contextlib.nullcontext(None)
 
 
 def prepare(specs: list[str], out: str, *, tokenizer: str | None = None, field: str = "text", workers: int = 1,
@@ -548,7 +520,7 @@ def _raise_interrupt(signum, frame) -> None:
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    _init_worker()  # --workers 1 encodes in this process: one core too
+    init_worker()  # --workers 1 encodes in this process: one core too
     signal.signal(signal.SIGTERM, _raise_interrupt)  # as Ctrl-C: the partial output is removed
     if hasattr(signal, "SIGUSR1"):  # kill -USR1 PID: every thread's stack, here and in the workers (forked after)
         import faulthandler
