@@ -30,6 +30,7 @@ import torch.nn.functional as F
 pytest.importorskip("transformers")
 
 import shardlab  # noqa: E402
+from shardlab.models.hf_load import POSITION_IDS, packed_mask  # noqa: E402
 from shardlab.testing import run_workers  # noqa: E402
 from shardlab.verify.float64 import Float64Everywhere  # noqa: E402
 from tests.hf_families import FAMILIES, MOE_FAMILIES, SKIPPED  # noqa: E402
@@ -197,6 +198,9 @@ def test_loss_is_transformers_loss(dirs, name, packed):
     assert (y[:, -1] == -100).all()  # nothing after the last token: transformers' shift loses no target
     labels = torch.cat([torch.full((y.shape[0], 1), -100), y[:, :-1]], dim=1)
     kwargs = {"input_ids": x[:, 0], "position_ids": x[:, 1]} if packed else {"input_ids": x}
+    route = shardlab.engine_of(model).unwrapped().packed_route()
+    if packed and route != POSITION_IDS:  # OPT: transformers given shardlab's block-diagonal mask too
+        kwargs["attention_mask"] = packed_mask(x[:, 1], route, torch.float64)
     out = ref(**kwargs, labels=labels, use_cache=False)
     ce64 = F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), y.reshape(-1), ignore_index=-100).item()
     if getattr(out, "aux_loss", None) is not None:  # (7) the router's loss, as transformers adds it to .loss

@@ -82,16 +82,21 @@ def test_lora_on_fused_experts_is_refused_in_one_line(tmp_path):
     assert lora_parameter_problem(sec) is None
 
 
-def test_bloom_packing_is_refused_before_workers(tmp_path):
+def test_bloom_packing_is_refused_before_workers_and_its_unpacked_loss_is_transformers(tmp_path):
     """Bloom builds its ALiBi bias from a 2-D mask and takes no 4-D one (the workers crashed with a
-    ValueError in modeling_bloom.py): data.packing=true is one line before any worker starts."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    ValueError in modeling_bloom.py): data.packing=true is one line before any worker starts; padded
+    rows train with transformers' loss (float64 cross-entropy of its logits, 1e-12)."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
 
     from shardlab.models.hf import _packing_problem
-    from tests.hf_families import COMMON
-    from tests.test_hf_families import section
+    from tests.test_hf_families import padded_rows, section
 
-    config = AutoConfig.for_model("bloom", **{**COMMON, "n_layer": 2, "n_head": 4})
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "bloom")
-    problem = _packing_problem(section(str(tmp_path / "bloom")))
+    path = write_family("bloom", str(tmp_path / "bloom"))
+    problem = _packing_problem(section(path))
     assert problem and "\n" not in problem and "set data.packing=false" in problem, problem
+    x, y = padded_rows(examples("bloom"))
+    loss = shardlab_model(path)(x, y).item()
+    logits = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)(input_ids=x, use_cache=False).logits
+    want = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100).item()
+    assert loss == pytest.approx(want, rel=1e-12, abs=0), (loss, want)

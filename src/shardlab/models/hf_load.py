@@ -302,10 +302,10 @@ def takes_4d_masks(hf_model: nn.Module) -> bool:
     and fails on one; such a family gets no fallback route, so packing is refused before workers."""
     with torch.device("meta"):
         ids = torch.zeros(1, 4, dtype=torch.long)
-        mask = packed_mask(torch.tensor([[0, 1, 0, 1]]), FALLBACK_MASKS.get(hf_model.config._attn_implementation,
-                                                                            ADDITIVE), hf_model.dtype)
-    try:
-        hf_model(input_ids=ids, attention_mask=mask, use_cache=False)
+        pos = torch.tensor([[0, 1, 0, 1]])
+        mask = packed_mask(pos, FALLBACK_MASKS.get(hf_model.config._attn_implementation, ADDITIVE), hf_model.dtype)
+    try:  # the call HFCausalLM.forward makes on a packed row (OPT's learned positions need the position ids)
+        hf_model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False)
     except Exception:  # noqa: BLE001 - any failure: this family does not take shardlab's 4-D mask
         return False
     return True
