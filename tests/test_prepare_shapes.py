@@ -156,3 +156,24 @@ def test_a_worker_killed_mid_unit_stops_the_prepare_naming_it(tmp_path, monkeypa
                                         r"\(.*00.txt\); the prepare stopped"):
         _prep(tmp_path, [tmp_path], "killed", workers=2)
     assert time.monotonic() - t0 < 30 and not (tmp_path / "out-killed").exists()
+
+
+def test_a_stuck_worker_stops_the_prepare_naming_it(tmp_path, monkeypatch, capfd):
+    """A worker that uses no CPU on its unit (blocked for good) is named with its stack."""
+    import threading
+
+    from shardlab.data import prepare as P
+    from shardlab.data import workers as W
+
+    (tmp_path / "a.txt").write_text("x")
+    real = P.run_unit
+
+    def blocks(job, unit, pieces, inputs):
+        threading.Event().wait()  # forever, without CPU
+        return real(job, unit, pieces, inputs)
+
+    monkeypatch.setattr(P, "run_unit", blocks)
+    monkeypatch.setattr(W, "STUCK_S", 3.0)
+    with pytest.raises(DataError, match=r"worker \d+ has used no CPU for \d+ s on unit 0 \(.*a.txt\): stuck"):
+        _prep(tmp_path, [tmp_path / "a.txt"], "stuck", workers=2)
+    assert "in blocks" in capfd.readouterr().err  # the worker's stack, from faulthandler

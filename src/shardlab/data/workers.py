@@ -8,8 +8,10 @@ the queue's lock when a worker died holding it. Here every wait is a loop of POL
 each worker writes to a shared board what it is doing (its pid, and: sniffing inputs, unit N,
 the SHA-256 of input N, or idle). Between two waits the parent checks the board:
 - a worker that has exited stops the prepare at once, naming its pid, how it ended and its task;
-- no result for LOST_S while every worker is idle stops it too (a lost task), naming the tasks
-  still out;
+- no result for LOST_S while every worker is idle stops it too (a lost task);
+- a worker on a task that has used no CPU time for STUCK_S (Linux: /proc) is stuck, not slow
+  (a lock inherited at fork, a dead pipe): its stack is printed (SIGUSR1: faulthandler, which
+  each worker registers) and the prepare stops, naming the worker and the task;
 - a task running for SLOW_S (and each SLOW_S after) prints a line naming it, the worker and the
   unit's inputs: slow is not wrong (a 10 GiB .json.gz is one unit), so it does not stop.
 Closing the pool is given CLOSE_S, after which its workers are killed and the prepare says so.
@@ -18,6 +20,7 @@ The stress script for a stall a user met (1 prepare in 34 never ended): data/str
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -31,6 +34,7 @@ from shardlab.data.shards import DataError
 
 POLL_S = 2.0
 LOST_S = 120.0
+STUCK_S = 300.0
 SLOW_S = 600.0
 CLOSE_S = 10.0
 SNIFF = 1 << 40  # the board's code for sniffing; a unit N is N + 1, the hash of input N is -(N + 1)
@@ -46,6 +50,10 @@ def init_worker() -> None:
 def _init_pool_worker(board) -> None:
     global _BOARD, _SLOT
     init_worker()
+    if hasattr(signal, "SIGUSR1"):  # the parent asks for a stuck worker's stack (see the Note)
+        import faulthandler
+
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops the pool
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the pool's terminate() (not the parent's handler: run)
     if sys.platform.startswith("linux"):
@@ -184,6 +192,7 @@ class _Watch:
         self.last = time.monotonic()  # the last result, or the start
         self.seen: dict[tuple[int, int], float] = {}  # (pid, code) -> when first seen
         self.told: dict[tuple[int, int], int] = {}
+        self.cpu: dict[tuple[int, int], tuple[float, float]] = {}  # (pid, code) -> (CPU s, since when)
 
     def result(self) -> None:
         self.last = time.monotonic()
@@ -201,6 +210,8 @@ class _Watch:
         for key in list(self.seen):
             if busy.get(key[0]) != key[1]:
                 del self.seen[key]
+                self.cpu.pop(key, None)
+        self._stuck(busy, now)
         for pid, code in busy.items():
             since = self.seen.setdefault((pid, code), now)
             n = self.told.get((pid, code), 0)
@@ -208,3 +219,29 @@ class _Watch:
                 self.told[pid, code] = n + 1
                 print(f"prepare: worker {pid} has been on {self.w.describe(code)} for {now - since:.0f} s",
                       file=sys.stderr, flush=True)
+
+    def _stuck(self, busy: dict[int, int], now: float) -> None:
+        for pid, code in busy.items():
+            cpu = _cpu_seconds(pid)
+            if cpu is None:
+                continue
+            last, since = self.cpu.get((pid, code), (-1.0, now))
+            if cpu != last:
+                self.cpu[pid, code] = (cpu, now)
+            elif now - since > STUCK_S:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGUSR1)  # its stack, to stderr
+                    time.sleep(1)
+                raise DataError(f"worker {pid} has used no CPU for {now - since:.0f} s on {self.w.describe(code)}: "
+                                "stuck, not slow (its stack is printed above; please report it); the prepare "
+                                "stopped, run it again")
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """A process's user + system CPU time (Linux), None where /proc does not say."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
