@@ -177,3 +177,20 @@ def test_a_stuck_worker_stops_the_prepare_naming_it(tmp_path, monkeypatch, capfd
     with pytest.raises(DataError, match=r"worker \d+ has used no CPU for \d+ s on unit 0 \(.*a.txt\): stuck"):
         _prep(tmp_path, [tmp_path / "a.txt"], "stuck", workers=2)
     assert "in blocks" in capfd.readouterr().err  # the worker's stack, from faulthandler
+
+
+def test_files_prepare_does_not_read_are_refused_named_or_counted_in_a_tree(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.feather as feather
+
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    feather.write_feather(pa.table({"text": ["a", "b"]}), tree / "t.feather")
+    (tree / "u16.txt").write_bytes("plain words here".encode("utf-16-le"))  # no BOM
+    (tree / "ok.txt").write_text("kept")
+    got, counts = _prep(tmp_path, [tree], "tree")
+    assert got == ["kept"] and counts["skipped_files"] == 2
+    assert [s.split(": ", 1)[1][:26] for s in counts["skipped_files_first"]] == \
+        ["a Feather file, a format p", "UTF-16LE text, not UTF-8; "]
+    with pytest.raises(DataError, match=r"t.feather: not a document \(a Feather file, .* convert it to Parquet"):
+        _prep(tmp_path, [tree / "t.feather"], "feather")

@@ -43,6 +43,11 @@ SUFFIXES = {"gz": (".gz", ".gzip"), "bz2": (".bz2",), "xz": (".xz", ".lzma"), "z
 SUPPORTED = ("text, JSONL, JSON arrays, CSV/TSV with a header row, Parquet and `datasets` save_to_disk folders, "
              "optionally compressed with gzip, bzip2, xz or zstd")
 UTF8_BOM = b"\xef\xbb\xbf"
+# tables people keep corpora in that prepare does not read, named in the refusal (a binary file else)
+KNOWN_BINARY = ((".arrow", "an Arrow file outside a `datasets` save_to_disk folder"), (".feather", "a Feather file"),
+                (".orc", "an ORC file"), (".avro", "an Avro file"), (".xlsx", "an Excel workbook"),
+                (".xls", "an Excel workbook"), (".pkl", "a pickle"), (".pickle", "a pickle"),
+                (".npy", "a NumPy array"), (".h5", "an HDF5 file"), (".hdf5", "an HDF5 file"), (".pdf", "a PDF"))
 WIDE_BOMS = ((b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe\x00\x00", "UTF-32"), (b"\xfe\xff", "UTF-16"),
              (b"\xff\xfe", "UTF-16"))  # UTF-32-LE's BOM begins with UTF-16-LE's: longest first
 
@@ -229,7 +234,10 @@ def sniff(path: str, force_format: str | None = None) -> Sniffed:
         return Sniffed(fmt, compression, f"{wide} text, not UTF-8; convert it first: iconv -f {wide} -t UTF-8 "
                                          "FILE > FILE.utf8", size)
     if b"\0" in sample:
-        return Sniffed(fmt, compression, "holds NUL bytes (a binary file)", size)
+        known = next((what for ext, what in KNOWN_BINARY if name.endswith(ext)), None)
+        why = f"{known}, a format prepare does not read: convert it to Parquet or JSONL" if known else \
+            "holds NUL bytes (a binary file)"
+        return Sniffed(fmt, compression, why, size)
     share = _invalid_utf8_share(sample)
     if share > MAX_INVALID_SHARE:
         return Sniffed(fmt, compression, f"{share:.0%} of its first {len(sample)} bytes are not UTF-8", size)
