@@ -27,11 +27,11 @@ def truth(n: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(1, 25))) for _ in range(n)]
 
 
-def documents(out: str) -> list[str]:
-    """The train split's documents, decoded (bytes tokenizer, --val-fraction 0)."""
+def documents(out: str, split: str = "train") -> list[str]:
+    """A split's documents, decoded (bytes tokenizer)."""
     m = read_manifest(out)
     docs: list[str] = []
-    for shard in m.split("train")["shards"]:
+    for shard in m.split(split)["shards"]:
         ids = np.fromfile(os.path.join(out, shard["bin"]["name"]), dtype=np.uint8)
         ends = np.fromfile(os.path.join(out, shard["idx"]["name"]), dtype="<i8")
         docs += [bytes(ids[a:b - 1]).decode() for a, b in zip([0, *ends[:-1]], ends)]
@@ -194,3 +194,17 @@ def test_files_prepare_does_not_read_are_refused_named_or_counted_in_a_tree(tmp_
         ["a Feather file, a format p", "UTF-16LE text, not UTF-8; "]
     with pytest.raises(DataError, match=r"t.feather: not a document \(a Feather file, .* convert it to Parquet"):
         _prep(tmp_path, [tree / "t.feather"], "feather")
+
+
+def test_data_source_text_reads_a_tree_with_a_datasets_folder(tmp_path, monkeypatch):
+    pytest.importorskip("pyarrow")
+    from shardlab.config import load_config
+    from shardlab.data import build_datasets
+
+    monkeypatch.setenv("SHARDLAB_CACHE", str(tmp_path / "cache"))
+    docs = truth(60, 6)
+    save_to_disk(tmp_path / "tree" / "ds", {"text": docs[:50]})
+    (tmp_path / "tree" / "a.txt").write_text(docs[50])
+    build_datasets(load_config(None, ["data.source=text", f"data.path={tmp_path / 'tree'}", "data.seq_len=16"]))
+    out = os.path.dirname(next((tmp_path / "cache" / "tokens").glob("*/manifest.json")))
+    assert sorted(documents(out) + documents(out, "val")) == sorted(docs[:51])

@@ -32,7 +32,7 @@ from shardlab.data.mixture import (
     normalised_weights,
     source_names,
 )
-from shardlab.data.prepare import FORMAT_VERSION, prepare
+from shardlab.data.prepare import FORMAT_VERSION, input_sha256, prepare
 from shardlab.data.shards import (
     MANIFEST,
     DataError,
@@ -104,7 +104,8 @@ def cached_data_dir(cfg, prepare_if_missing: bool = True) -> str:
     specs, fmt, _ = _inputs_of(cfg)
     inputs = expand_inputs(specs, fmt)
     key = json.dumps([FORMAT_VERSION, Tokenizer(d.tokenizer).identity()["sha256"], d.val_fraction,
-                      [(i.format, file_sha256(i.path)) for i in inputs]])
+                      [(i.format, input_sha256(i) if i.format == "datasets" else file_sha256(i.path))  # a folder: its files
+                       for i in inputs]])
     out = str(cache_dir() / "tokens" / hashlib.sha256(key.encode()).hexdigest()[:24])
     if prepare_if_missing and not os.path.isfile(os.path.join(out, MANIFEST)):
         try:
