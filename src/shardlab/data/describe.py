@@ -45,7 +45,8 @@ def describe(path: str, split: str = "train", docs: int = 3, chars: int = 400) -
                  f"{raw.get('val_fraction')}, --field {raw.get('field')!r}")
     for key, what in (("bad_records", "bad records skipped"), ("skipped_files", "files skipped as not text"),
                       ("duplicates", "duplicate documents dropped"),
-                      ("replaced_invalid_utf8_bytes", "invalid UTF-8 bytes replaced")):
+                      ("replaced_invalid_utf8_bytes", "invalid UTF-8 bytes replaced"),
+                      ("byte_order_marks", "UTF-8 byte-order marks dropped")):
         if key in c:
             lines.append(f"  {what}: {c[key]:,}")
             lines += [f"    {where}" for where in c.get(f"{key}_first", [])]

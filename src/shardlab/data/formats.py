@@ -79,11 +79,10 @@ def walk(spec: str) -> tuple[list[str], bool, list[str]]:
             return [], True, [spec]
         out, found = [], []
         for root, dirs, files in os.walk(spec):
-            dirs.sort()
+            dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in SKIPPED_DIRS)
             for d in [d for d in dirs if is_datasets_dir(os.path.join(root, d))]:
                 found.append(os.path.join(root, d))
                 dirs.remove(d)
-            dirs[:] = [d for d in dirs if not d.startswith(".") and d not in SKIPPED_DIRS]
             out += [os.path.join(root, f) for f in files if not f.startswith(".")]
         return sorted(out), False, sorted(found)
     found = []
