@@ -16,9 +16,10 @@ compute the same cut, so they cover the file exactly once.
 A text file is one document (a tokenizer sees it in pieces cut after newlines, so no token
 spans a cut); a JSONL line, a JSON array element, a CSV row, a Parquet row or a `datasets` row
 is one document (its --field). A UTF-8 byte-order mark at the start of a file is dropped, never
-part of a document or a record, and counted (ReplacementCounter.boms). A record that cannot be read (not JSON, no --field, a field that is not
-text) is a bad record: BadRecords skips and counts it, or stops the prepare (--on-bad-record),
-and names it by file and line (JSON arrays: element; Parquet: row group and row).
+part of a document or a record, and counted (ReplacementCounter.boms). A record that cannot be
+read (not JSON, no --field, a field that is not text, a CSV row short of the column) is a bad
+record: BadRecords skips and counts it, or stops the prepare (--on-bad-record), and names it by
+file and line (JSON arrays: element; Parquet: row group and row).
 """
 
 from __future__ import annotations
