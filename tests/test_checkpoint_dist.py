@@ -38,6 +38,12 @@ from tests.checkpoint_helpers import (
 )
 from tests.test_observe import nested
 
+# hang guards only, not speed budgets: a 100-step 2-rank run takes about 30 s idle, and the
+# killed run's two restarts each start two workers again; at load 10 on 2 cores that is minutes.
+# A spawn's guard is also its ranks' collective timeout: several minutes, not more.
+HANG_GUARD_S = 600
+SPAWN_HANG_GUARD_S = 300
+
 pytestmark = pytest.mark.slow
 
 ENGINES = ("ddp", "zero3", "fsdp", "torch-ddp", "torch-fsdp")
@@ -198,11 +204,12 @@ def _killed_mid_save(rank: int, world: int, out: str) -> None:
 def test_rank_killed_mid_save_leaves_previous_checkpoint(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(WorkerError) as info:
-        run_workers(2, _killed_mid_save, str(tmp_path), timeout_s=90)
+        run_workers(2, _killed_mid_save, str(tmp_path), timeout_s=SPAWN_HANG_GUARD_S)
     message = str(info.value)
     assert "rank 1: no result (exit code -9)" in message
-    assert "rank 0: CheckpointError: rank 0: saving checkpoint step 4 failed" in message  # not a silent hang
-    assert time.monotonic() - t0 < 60
+    # not a silent hang: rank 0 failed on its own (parallel.timeout_s=20), not killed by the hang guard
+    assert "rank 0: CheckpointError: rank 0: saving checkpoint step 4 failed" in message and "still running" not in message
+    print(f"\nrank 0 failed the save {time.monotonic() - t0:.1f} s after the spawn")
     root = tmp_path / "torn" / "checkpoints"
     assert (root / "step_00000004.tmp").is_dir()  # the torn save is there, and ignored:
     assert [s for s, _ in list_checkpoints(str(root))] == [2]
@@ -242,6 +249,7 @@ def _worker_pids(agent_pid: int) -> list[int]:
     return sorted(pids)
 
 
+@pytest.mark.timeout(3 * HANG_GUARD_S)   # the suite's pytest-timeout, 300 s, would be a speed budget here
 def test_sigkill_worker_restarts_and_matches_uninterrupted(tmp_path):
     """Two kills: one after a checkpoint at a random step, one right after the final save
     (the restarted workers resume at the last step and must finish cleanly with nothing to
@@ -249,7 +257,8 @@ def test_sigkill_worker_restarts_and_matches_uninterrupted(tmp_path):
     out = str(tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(tmp_path / "straight.log", "w") as log:
-        straight = subprocess.run(_cli(out, "straight"), stdout=log, stderr=subprocess.STDOUT, env=env, timeout=150)
+        straight = subprocess.run(_cli(out, "straight"), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                  timeout=HANG_GUARD_S)
     assert straight.returncode == 0, (tmp_path / "straight.log").read_text()[-3000:]
 
     first = random.Random().choice([20, 40, 60, 80])  # a fresh seed each run; printed on failure
@@ -260,9 +269,10 @@ def test_sigkill_worker_restarts_and_matches_uninterrupted(tmp_path):
     try:
         root = tmp_path / "killed" / "checkpoints"
         for target in (first, 100):
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + HANG_GUARD_S
             while (not list_checkpoints(str(root)) or list_checkpoints(str(root))[-1][0] < target) \
-                    and agent.poll() is None and time.monotonic() < deadline:
+                    and agent.poll() is None:
+                assert time.monotonic() < deadline, f"hang guard: no checkpoint {target} after {HANG_GUARD_S} s"
                 time.sleep(0.01)
             workers = _worker_pids(agent.pid)
             if target == 100 and (agent.poll() is not None or len(workers) < 2):
@@ -270,7 +280,7 @@ def test_sigkill_worker_restarts_and_matches_uninterrupted(tmp_path):
             assert len(workers) == 2 and agent.poll() is None, f"no running workers to kill at step {target}"
             os.kill(workers[-1], signal.SIGKILL)
             kills.append(list_checkpoints(str(root))[-1][0])
-        assert agent.wait(timeout=150) == 0, f"kills after {kills}: " + (tmp_path / "killed.log").read_text()[-3000:]
+        assert agent.wait(timeout=HANG_GUARD_S) == 0, f"kills after {kills}: " + (tmp_path / "killed.log").read_text()[-3000:]
     finally:
         if agent.poll() is None:  # the agent starts workers in their own sessions: kill them first
             for pid in _worker_pids(agent.pid):
@@ -298,17 +308,24 @@ def test_sigkill_worker_restarts_and_matches_uninterrupted(tmp_path):
     reference = json.loads((tmp_path / "straight" / "metrics.json").read_text())
     assert metrics["losses"] == reference["losses"]
     assert_same_tensors(step_path(f"{out}/straight", 100), step_path(f"{out}/killed", 100))
-    _observed_attempts(tmp_path / "killed", len(kills) + 1)
+    # a kill at the final checkpoint can land after both ranks closed their records as finished: that
+    # attempt reads finished, and rightly (one failure beside two CPU hogs, 3 attempts read back and one
+    # of the first two neither failed nor lost, fits this; the states are in the message now)
+    _observed_attempts(tmp_path / "killed", len(kills) + 1, finished_ok={1} if kills[-1] == 100 else set())
 
 
-def _observed_attempts(run_dir, count: int) -> None:
+def _observed_attempts(run_dir, count: int, finished_ok: set[int]) -> None:
     """`shardlab trace` and `report` of the killed run (tests/test_observe.py's runs are not restarted):
     every attempt read back from debug/; a killed one failed or lost (whether the survivor wrote its exit
-    record before the agent stopped it is a race), the last finished; one track per rank and attempt."""
+    record before the agent stopped it is a race), or finished where its kill came after its last step
+    (`finished_ok`), the last finished; one track per rank and attempt."""
     attempts = read_run(str(run_dir)).attempts
     now = time.time()
     assert [a.attempt for a in attempts] == list(range(count))
-    assert all(a.state(now) in ("failed", "lost") for a in attempts[:-1]) and attempts[-1].state(now) == "finished"
+    states = [(a.state(now), {r: (f.state, f.step) for r, f in a.flights.items()}) for a in attempts]
+    assert all(s in ("failed", "lost") or (s == "finished" and i in finished_ok)
+               for i, (s, _) in enumerate(states[:-1])), states
+    assert states[-1][0] == "finished", states
     trace = build_trace(str(run_dir))
     assert [a["attempt"] for a in trace["otherData"]["attempts"]] == list(range(count))
     tracks = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
