@@ -101,7 +101,7 @@ def _overflow_on_one_rank(rank: int, world: int, strategy: str, one_trainable: b
 
 @pytest.mark.slow
 def test_overflow_on_one_rank_skips_the_step_everywhere():
-    results = run_workers(2, _run_all, timeout_s=120)
+    results = run_workers(2, _run_all, timeout_s=600)   # a hang guard only, not a speed budget
     frozen_only = [r["zero3, one rank owning only frozen weights"] for r in results]
     assert [r["holds_gradients"] for r in frozen_only] == [True, False], frozen_only
     assert any("rank(s) [1] own only frozen parameters" in w for w in frozen_only[1]["warned"]), frozen_only

@@ -66,7 +66,7 @@ def _tensorboard(run: str) -> dict[str, list[float]]:
 def test_mixture_resumes_exactly_and_at_another_world_size(corpora, tmp_path):  # noqa: F811
     a, b = corpora
     out = str(tmp_path)
-    two = run_workers(2, _two, out, a, b, timeout_s=180)
+    two = run_workers(2, _two, out, a, b, timeout_s=600)   # the spawns' timeouts: hang guards only
     straight, resumed = two[0]["straight"], two[0]["resumed"]
     assert resumed["losses"] == straight["losses"]  # bitwise: step s reads the same windows after a resume
     assert_same_tensors(step_path(out, "straight", TOTAL), step_path(out, "resumed", TOTAL))
@@ -87,7 +87,7 @@ def test_mixture_resumes_exactly_and_at_another_world_size(corpora, tmp_path):  
     assert [s["samples_this_run"] for s in resumed["data_sources"]] == [
         c - k for c, k in zip(counted, sampler.samples_before(K))]
 
-    three = run_workers(3, _three, out, a, b, step_path(out, "resumed", K), timeout_s=120)
+    three = run_workers(3, _three, out, a, b, step_path(out, "resumed", K), timeout_s=600)
     from_two = three[0]["from_two"]
     # bitwise: steps K.. of the 3-rank resume train on the 2-rank run's global samples
     assert global_ids([r["ids"] for r in three], range(K, TOTAL)) == {s: ids[s] for s in range(K, TOTAL)}
