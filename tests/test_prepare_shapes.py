@@ -108,6 +108,13 @@ def test_a_byte_order_mark_is_dropped_and_every_record_kept(tmp_path):
     big = docs[1] * 40_000  # > 1 MiB: the key of a text file read in several pieces is BOM-free too
     (tmp_path / "big.txt").write_bytes(BOM + big.encode())
     assert _prep(tmp_path, [tmp_path / "big.txt"], "big", workers=2)[0] == [big]
+    many = docs * 600  # a 3 MiB .jsonl.gz, split by prepare's process (data/units.py); a bad line named
+    lines = [json.dumps({"text": d}) for d in many] + ['{"body": 1}']
+    (tmp_path / "split.jsonl.gz").write_bytes(gzip.compress(BOM + "\n".join(lines).encode()))
+    got, counts = _prep(tmp_path, [tmp_path / "split.jsonl.gz"], "split", workers=2, shard_mb=0.01)
+    assert got == many and counts["byte_order_marks"] == 1
+    assert len(read_manifest(str(tmp_path / "out-split")).split("train")["shards"]) >= 3  # it was split
+    assert counts["bad_records_first"][0].startswith(f"{tmp_path / 'split.jsonl.gz'}:{len(lines)}: ")
     (tmp_path / "u16.txt").write_text(docs[0], encoding="utf-16")
     with pytest.raises(DataError, match=r"u16.txt: not a document \(UTF-16 text, not UTF-8; convert it first: iconv"):
         _prep(tmp_path, [tmp_path / "u16.txt"], "u16")
@@ -174,6 +181,7 @@ def test_a_stuck_worker_stops_the_prepare_naming_it(tmp_path, monkeypatch, capfd
 
     monkeypatch.setattr(P, "run_unit", blocks)
     monkeypatch.setattr(W, "STUCK_S", 3.0)
+    monkeypatch.setattr(W, "POLL_S", 0.5)
     with pytest.raises(DataError, match=r"worker \d+ has used no CPU for \d+ s on unit 0 \(.*a.txt\): stuck"):
         _prep(tmp_path, [tmp_path / "a.txt"], "stuck", workers=2)
     assert "in blocks" in capfd.readouterr().err  # the worker's stack, from faulthandler
