@@ -25,7 +25,7 @@ The fix lives where the cause does, and touches only verify: `Float64Everywhere`
 `TorchFunctionMode` that verify enters around each of its runs (never `shardlab train`). While it
 is on, a float64 tensor asked to become a lower-precision float (`.to(torch.float32)`,
 `.float()`, `.half()`, `.bfloat16()`, `.type(torch.float32)`, `.type_as(float32 tensor)`, an op's `dtype=torch.float32`
-with a float64 input, a `torch.zeros`/`ones`/`empty`/`full` asked for float32) stays float64, so the model computes in float64 end to end and the proof is
+with a float64 input) stays float64, so the model computes in float64 end to end and the proof is
 a proof again. The rewrites are counted by the module that made them (`kept`) for verify's notes.
 
 What the mode cannot rewrite (a kernel that returns float32 from float64 input by itself, an
@@ -46,7 +46,6 @@ from torch.overrides import TorchFunctionMode
 
 LOWER_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _SKIPPED_FILES = {__file__, torch.overrides.__file__}
-_FACTORIES = (torch.zeros, torch.ones, torch.empty, torch.full)
 _TO_LOWER = {torch.Tensor.float: torch.float32, torch.Tensor.half: torch.float16,
              torch.Tensor.bfloat16: torch.bfloat16}
 
@@ -107,12 +106,7 @@ class Float64Everywhere(TorchFunctionMode):
         if func is torch.Tensor.type and _is_float64(args[0]) and _type_target(args, kwargs) in LOWER_FLOATS:
             self._keep(f"type({_type_target(args, kwargs)})")  # DeepSeek-V3's router: .type(torch.float32)
             return args[0]
-        if func in _FACTORIES and kwargs.get("dtype") in LOWER_FLOATS:
-            # a float32 accumulator made from nothing (transformers' MoE balancing loss sums its
-            # expert shares into torch.zeros(..., dtype=torch.float32)): float64 as the run
-            self._keep(f"{func.__name__}(dtype={kwargs['dtype']})")
-            kwargs["dtype"] = torch.float64
-        elif func is torch.Tensor.to and _is_float64(args[0]):
+        if func is torch.Tensor.to and _is_float64(args[0]):
             args, kwargs = self._keep_to(args, kwargs)
         elif kwargs.get("dtype") in LOWER_FLOATS and _any_float64(args, kwargs):
             self._keep(f"{getattr(func, '__name__', func)}(dtype={kwargs['dtype']})")
