@@ -127,6 +127,18 @@ def tables_cases(tmp: str, mib: float, out: str) -> dict:
     for w in ("1", "2"):
         ratio = rows["rows-ds"][f"secs_{w}"] / rows["rows.parquet"][f"secs_{w}"]
         print(f"datasets folder / Parquet time at {w} worker(s): {ratio:.2f}x")
+    # the CPU time of whole 1-worker prepares (in this process), alternating, median of 7: wall
+    # times of sub-second prepares move with the machine's load and its fsyncs
+    cpu: dict[str, list[float]] = {"rows.parquet": [], "rows-ds": []}
+    for _ in range(7):
+        for name, times in cpu.items():
+            c0 = time.process_time()
+            timed_prepare([os.path.join(tmp, name)], out, 1, shard_mb=shard_mb)
+            times.append(time.process_time() - c0)
+    med = {name: sorted(times)[3] for name, times in cpu.items()}
+    rows["cpu_secs_1"] = med
+    print(f"CPU time at 1 worker, median of 7: Parquet {med['rows.parquet']:.3f} s, datasets folder "
+          f"{med['rows-ds']:.3f} s ({med['rows-ds'] / med['rows.parquet']:.2f}x)")
     return rows
 
 
