@@ -100,3 +100,37 @@ def test_bloom_packing_is_refused_before_workers_and_its_unpacked_loss_is_transf
     logits = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)(input_ids=x, use_cache=False).logits
     want = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100).item()
     assert loss == pytest.approx(want, rel=1e-12, abs=0), (loss, want)
+
+
+SHARDED = (("mixtral", "fsdp"), ("qwen3_moe", "torch-fsdp"))  # one engine per converter: 20 s in all
+
+
+def _sharded_loads(rank: int, world: int, dirs: dict[str, str]) -> dict:
+    """MoE directories built on the meta device by a range-reading engine at `world` ranks: the
+    full state, and the bytes this rank read from the files."""
+    out = {}
+    for name, strategy in SHARDED:
+        model = shardlab_model(dirs[name], strategy)
+        out[name, strategy] = (shardlab.full_state_dict(model), shardlab.engine_of(model).unwrapped()._reader.bytes_read)
+    return out
+
+
+@pytest.mark.slow
+def test_fsdp_and_torch_fsdp_at_3_ranks_load_per_expert_checkpoints(dirs):
+    """At 3 ranks (shards cut the fused expert tensors mid-expert), fsdp's and torch-fsdp's loads
+    equal transformers' from_pretrained bit for bit, and no rank reads the whole checkpoint."""
+    from shardlab.testing import run_workers
+    from tests.test_hf_families import _tensors, reference
+
+    runs = run_workers(3, _sharded_loads, dirs, timeout_s=300)
+    for name, strategy in SHARDED:
+        ref = reference(dirs[name])
+        want = _tensors(ref)
+        whole = sum(t.numel() * t.element_size() for t in ref.state_dict().values())
+        for rank, run in enumerate(runs):
+            state, read = run[name, strategy]
+            got = {k.removeprefix("model."): v for k, v in state.items()}
+            assert {k for k, _ in ref.named_parameters()} <= set(got) <= set(want), (name, strategy, rank)
+            for k, v in got.items():
+                assert torch.equal(v, want[k]), (name, strategy, rank, k)
+            assert read < whole, (name, strategy, rank, read, whole)
