@@ -98,6 +98,32 @@ def test_no_import_circles():
     assert not circles, circles
 
 
+def _full_engine_modules() -> set[str]:
+    """The full engines and the helpers only they need: ddp, zero3*, fsdp, fsdp_layout and _hooks."""
+    engines = SRC / "shardlab" / "engines"
+    names = {p.stem for p in engines.glob("zero3*.py")} | {"ddp", "fsdp", "fsdp_layout", "_hooks"}
+    return {f"shardlab.engines.{n}" for n in names if not n.endswith("_minimal")}
+
+
+def test_minimal_engines_stand_alone():
+    """A minimal engine is read alone, before the full one (issue 48): nothing it imports, directly
+    or through another shardlab module, function-local imports included, is a full engine or one of
+    their helpers. The contract (api, planning, measuring), the counted collectives and pieces below
+    every engine (state_keys) are what it may use."""
+    graph, full = import_graph(), _full_engine_modules()
+    leaning = []
+    for m in sorted(m for m in graph if m.startswith("shardlab.engines.") and m.endswith("_minimal")):
+        via: dict[str, str] = {m: m}  # module reached -> the chain that reached it
+        todo = [m]
+        while todo:
+            v = todo.pop()
+            for w in sorted(graph[v] - via.keys()):
+                via[w] = f"{via[v]} -> {w}"
+                todo.append(w)
+        leaning += [via[w] for w in sorted(full & via.keys())]
+    assert not leaning, leaning
+
+
 # The engine names allowed outside engines/, by file: the config's default strategy and the public
 # API docstring's example.
 ENGINE_NAMES_OUTSIDE = {("shardlab/config.py", "fsdp"), ("shardlab/__init__.py", "fsdp")}

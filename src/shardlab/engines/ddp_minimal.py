@@ -33,15 +33,15 @@ runs while autograd computes the early ones).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from shardlab.engines import _hooks
 from shardlab.engines import collectives as C
-from shardlab.engines.api import Engine
+from shardlab.engines.api import Engine, materialize_whole_
 from shardlab.engines.measuring import Measurable
 from shardlab.engines.planning import Collective, ModelTraffic, Plannable
 
@@ -52,20 +52,29 @@ class MinimalDDPEngine(Engine, Plannable, Measurable):
     def __init__(self, module: nn.Module, **kw: Any):
         super().__init__(module, **kw)
         self.counter = C.CommCounter()  # every collective below counts its bytes (shardlab bench)
-        _hooks.replicate_from_rank0(module, self.device, self.group, self.counter)
+        materialize_whole_(module, self.device)  # a meta model gets its values as a direct build would
+        for t in {id(t): t for t in [*module.parameters(), *module.buffers()]}.values():  # tied: once
+            C.broadcast(t.data, 0, self.group, counter=self.counter)  # every replica starts as rank 0's
         self.trainable = [p for p in self.local_parameters() if p.requires_grad]
-        self._backward_end = _hooks.BackwardEnd(self._average_gradients)
-        for p in self.trainable:
-            # fires once per backward, when every use of p has been summed into p.grad;
-            # weak: a hook on a long-lived tensor must not keep the engine alive (_hooks.weak_hook)
-            p.register_post_accumulate_grad_hook(_hooks.weak_hook(self._on_gradient))
+        self._end_queued = False
+        engine = weakref.ref(self)  # a hook on a parameter, held from C++, must not keep the engine alive
+
+        def hook(p: torch.Tensor) -> None:
+            if engine() is not None:
+                engine()._on_gradient(p)
+
+        for p in self.trainable:  # fires once per backward, when every use of p is summed into p.grad
+            p.register_post_accumulate_grad_hook(hook)
 
     def _on_gradient(self, _param: torch.Tensor) -> None:
-        if self.sync_grads:
-            self._backward_end.arm()  # the first gradient of this backward queues the end callback
+        if self.sync_grads and not self._end_queued:
+            # the first gradient of this backward asks autograd to call us after its last node
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._average_gradients)
 
     @torch.no_grad()
     def _average_gradients(self) -> None:
+        self._end_queued = False
         handles = []
         for p in self.trainable:
             if p.grad is None:  # unused in this backward here, maybe not on other ranks

@@ -41,6 +41,7 @@ mixed precision, CPU offload and keeping units gathered from forward to backward
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -48,15 +49,40 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
-from shardlab.engines import _hooks
 from shardlab.engines import collectives as C
-from shardlab.engines.api import Engine, ShardPiece
-from shardlab.engines.fsdp import FSDPEngine
-from shardlab.engines.fsdp_layout import FlatEntry, slice_pieces
-from shardlab.engines.measuring import Measurable
-from shardlab.engines.planning import Collective, ModelTraffic, Plannable, gathered_unit_traffic
+from shardlab.engines.api import Engine, ShardPiece, materialize_whole_
+from shardlab.engines.measuring import Measurable, MemoryTracking
+from shardlab.engines.planning import Collective, LocalTensor, ModelTraffic, Plannable, gathered_unit_traffic
+from shardlab.engines.state_keys import StateDictMirror
 from shardlab.models.init import canonical_names, parameter_bindings
+
+
+def weak_hook(method: Any, *args: Any) -> Any:
+    """A hook calling `method(*args, *hook_args)` that keeps neither the method's object nor `args`
+    alive: a hook on a tensor is held from C++, where the garbage collector cannot see the cycle it
+    closes (full buffer -> hook -> group -> full buffer, and the engine with it). Once any of them is
+    gone the hook does nothing."""
+    refs = [weakref.WeakMethod(method), *(weakref.ref(a) for a in args)]
+
+    def hook(*hook_args: Any) -> None:
+        alive = [r() for r in refs]
+        if all(x is not None for x in alive):
+            alive[0](*alive[1:], *hook_args)
+
+    return hook
+
+
+@dataclass(eq=False)
+class FlatEntry:
+    """One original parameter inside a group's flat buffer."""
+
+    name: str                                    # canonical name
+    shape: torch.Size
+    offset: int                                  # first element in the flat buffer
+    numel: int
+    bindings: list[tuple[nn.Module, str]]        # every (module, attribute) that refers to it
 
 
 @dataclass(eq=False)
@@ -85,13 +111,15 @@ class MinimalFSDPEngine(Engine, Plannable, Measurable):
     def __init__(self, module: nn.Module, **kw: Any):
         super().__init__(module, **kw)
         self.counter = C.CommCounter()  # every collective below counts its bytes (shardlab bench)
-        _hooks.replicate_from_rank0(module, self.device, self.group, self.counter)
+        materialize_whole_(module, self.device)  # a meta model gets its values as a direct build would
+        for t in {id(t): t for t in [*module.parameters(), *module.buffers()]}.values():  # tied: once
+            C.broadcast(t.data, 0, self.group, counter=self.counter)  # every rank starts from rank 0's values
         names = canonical_names(module)
         # the state_dict's keys (tied names, buffers), recorded before any parameter leaves
-        self.state_keys = _hooks.StateDictMirror(module, lambda p: names[id(p)])
+        self.state_keys = StateDictMirror(module, lambda p: names[id(p)])
         self.unit_list = self._make_units(module, names)
         self.groups = [g for u in self.unit_list for g in u.groups]
-        self._backward_end = _hooks.BackwardEnd(self._finish_backward)
+        self._end_queued = False  # _finish_backward is queued to run at the end of this backward
         for unit in self.unit_list:
             unit.module.register_forward_pre_hook(partial(self._pre_forward, unit))
             unit.module.register_forward_hook(partial(self._post_forward, unit))
@@ -137,7 +165,7 @@ class MinimalFSDPEngine(Engine, Plannable, Measurable):
         full.untyped_storage().resize_(0)
         group = Group(unit, entries, stand_ins, shard, full)
         if shard.requires_grad:
-            full.register_post_accumulate_grad_hook(_hooks.weak_hook(self._post_backward, group))
+            full.register_post_accumulate_grad_hook(weak_hook(self._post_backward, group))
         return group
 
     def _flat(self, entries: list[FlatEntry], values: Mapping[str, torch.Tensor], padded: int) -> torch.Tensor:
@@ -186,10 +214,14 @@ class MinimalFSDPEngine(Engine, Plannable, Measurable):
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: tuple, output: Any) -> None:
         self._reshard(unit)
-        _hooks.hook_output_grads(output, partial(self._pre_backward, unit))
+        for x in tree_flatten(output)[0]:  # x's hook fires when its gradient is complete, before any
+            if isinstance(x, torch.Tensor) and x.requires_grad:  # backward node of the unit runs
+                x.register_hook(partial(self._pre_backward, unit))
 
     def _pre_backward(self, unit: Unit, _grad: torch.Tensor) -> None:
-        self._backward_end.arm()
+        if not self._end_queued:  # the first of this backward: autograd calls _finish_backward after its last node
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         self._gather(unit)  # a no-op when another output of the unit got here first
         self._bind(unit)    # an activation-checkpoint recompute reads the modules' attributes
 
@@ -212,6 +244,7 @@ class MinimalFSDPEngine(Engine, Plannable, Measurable):
             self._reshard(g.unit)
 
     def _finish_backward(self) -> None:
+        self._end_queued = False
         for unit in self.unit_list:
             self._reshard(unit)
             unit.arrived = 0
@@ -234,13 +267,33 @@ class MinimalFSDPEngine(Engine, Plannable, Measurable):
         self.state_keys.load_buffers(state)
 
     def shard_layout(self) -> list[tuple[nn.Parameter, list[ShardPiece]]]:
-        """Each shard holds the parts of its group's entries that fall in its slice [r*S, (r+1)*S)."""
-        return [(g.shard, slice_pieces(g.entries, self.rank * g.shard.numel(), g.shard.numel())) for g in self.groups]
+        """Each shard holds the parts of its group's entries that fall in its slice [r*S, (r+1)*S):
+        one piece per entry overlapping it (none for an entry wholly in another rank's slice)."""
+        layout = []
+        for g in self.groups:
+            start, end, pieces = self.rank * g.shard.numel(), (self.rank + 1) * g.shard.numel(), []
+            for e in g.entries:
+                lo, hi = max(start, e.offset), min(end, e.offset + e.numel)
+                if lo < hi:  # (name, shape, first element in the parameter, in the shard, how many)
+                    pieces.append(ShardPiece(e.name, e.shape, lo - e.offset, lo - start, hi - lo))
+            layout.append((g.shard, pieces))
+        return layout
 
     # -- what plan and the measurements ask (engines/api.py) --------------------------------------
-    planned_state = FSDPEngine.planned_state  # flat groups per unit, padded: built, not re-derived
-    planned_ranks = FSDPEngine.planned_ranks  # padding only shrinks the last rank's slice
-    hook_memory_tracker = FSDPEngine.hook_memory_tracker  # one leaf per group: `self.groups[i].full`
+    @classmethod
+    def planned_state(cls, params: list[nn.Parameter], world: int, options: Mapping[str, Any]
+                      ) -> list[list[LocalTensor]] | None:
+        """Flat groups per unit, padded: plan builds the engine and asks `rank_states`."""
+        return None
+
+    @classmethod
+    def planned_ranks(cls, world: int) -> list[int]:
+        """Padding only shrinks the last rank's slice: the first and the last tell."""
+        return sorted({0, world - 1})
+
+    def hook_memory_tracker(self, tracker: MemoryTracking) -> None:
+        for g in self.groups:  # each group's flat buffer is one leaf for the whole step
+            tracker.hook_incoming(g.full, "unsharded_grads")
 
     @classmethod
     def step_traffic(cls, model: ModelTraffic, options: Mapping[str, Any]) -> list[Collective]:

@@ -11,7 +11,7 @@ What each engine needs of it:
 - the from-scratch sharded engines (zero3, fsdp and their minimal twins) replace the module's
   parameters (owned whole tensors, flat slices), so its own state_dict names what they hold:
   `ShardedModuleState` puts the user's keys back, from the keys each engine records before it
-  replaces anything (`StateDictMirror`, engines/_hooks.py).
+  replaces anything (`StateDictMirror`, engines/state_keys.py).
 
 [Note: what model.state_dict() holds]
 FSDP2's `state_dict()` gives each parameter as a DTensor, Shard(0) over the ranks in torch.chunk

@@ -4,7 +4,7 @@ The algorithm
 -------------
 Ownership. Every parameter tensor belongs whole to one rank: largest first, each onto the rank
 owning the fewest bytes so far, trainable tensors before frozen ones (`assign_owners`, the full
-engine's rule). A rank keeps only what it owns: the other parameters leave its modules (a
+engine's rule, written out below). A rank keeps only what it owns: the other parameters leave its modules (a
 shape-only meta tensor stands in), so `parameters()` and any optimizer built on it hold about
 1/N of the model.
 
@@ -45,15 +45,44 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
-from shardlab.engines import _hooks
 from shardlab.engines import collectives as C
-from shardlab.engines.api import Engine, ShardPiece
-from shardlab.engines.measuring import Measurable
+from shardlab.engines.api import Engine, ShardPiece, materialize_whole_
+from shardlab.engines.measuring import Measurable, MemoryTracking
 from shardlab.engines.planning import Collective, LocalTensor, ModelTraffic, Plannable
-from shardlab.engines.zero3 import Zero3Engine
-from shardlab.engines.zero3_layout import assign_owners
+from shardlab.engines.state_keys import StateDictMirror
 from shardlab.models.init import canonical_names
+
+
+def assign_owners(params: list[nn.Parameter], world: int) -> list[int]:
+    """Each tensor's owner: the trainable ones first, largest first, each onto the rank owning the
+    fewest trainable bytes so far (they bring gradients and optimizer state: those are balanced);
+    then the frozen ones, onto the rank owning the fewest bytes in all. Ties: the lowest rank."""
+    size = [p.numel() * p.element_size() for p in params]
+    owners, trainable_bytes, all_bytes = [0] * len(params), [0] * world, [0] * world
+    for trainable, load in ((True, trainable_bytes), (False, all_bytes)):
+        for i in sorted((i for i, p in enumerate(params) if p.requires_grad == trainable), key=lambda i: -size[i]):
+            owners[i] = rank = min(range(world), key=lambda r: load[r])
+            all_bytes[rank] += size[i]
+            if trainable:
+                trainable_bytes[rank] += size[i]
+    return owners
+
+
+def weak_hook(method: Any, *args: Any) -> Any:
+    """A hook calling `method(*args, *hook_args)` that keeps neither the method's object nor `args`
+    alive: a hook on a tensor is held from C++, where the garbage collector cannot see the cycle it
+    closes (full tensor -> hook -> gather -> full tensor, and the engine with it). Once any of them is
+    gone the hook does nothing."""
+    refs = [weakref.WeakMethod(method), *(weakref.ref(a) for a in args)]
+
+    def hook(*hook_args: Any) -> None:
+        alive = [r() for r in refs]
+        if all(x is not None for x in alive):
+            alive[0](*alive[1:], *hook_args)
+
+    return hook
 
 
 @dataclass(eq=False)
@@ -92,7 +121,9 @@ class MinimalZero3Engine(Engine, Plannable, Measurable):
     def __init__(self, module: nn.Module, **kw: Any):
         super().__init__(module, **kw)
         self.counter = C.CommCounter()  # every collective below counts its bytes (shardlab bench)
-        _hooks.replicate_from_rank0(module, self.device, self.group, self.counter)
+        materialize_whole_(module, self.device)  # a meta model gets its values as a direct build would
+        for x in {id(x): x for x in [*module.parameters(), *module.buffers()]}.values():  # tied: once
+            C.broadcast(x.data, 0, self.group, counter=self.counter)  # every rank starts from rank 0's values
         params = list({id(p): p for p in module.parameters()}.values())
         names = canonical_names(module)
         owners = assign_owners(params, self.world_size)
@@ -100,7 +131,7 @@ class MinimalZero3Engine(Engine, Plannable, Measurable):
                             p if o == self.rank else None) for p, o in zip(params, owners)]
         by_id = {id(p): t for p, t in zip(params, self.owned)}
         # the state_dict's keys (tied names, buffers), recorded before any parameter leaves
-        self.state_keys = _hooks.StateDictMirror(module, lambda p: by_id[id(p)])
+        self.state_keys = StateDictMirror(module, lambda p: by_id[id(p)])
         self.unit_list = self._make_units(module, by_id)
         for unit in self.unit_list:
             for m, attr, i in unit.places:
@@ -110,7 +141,7 @@ class MinimalZero3Engine(Engine, Plannable, Measurable):
             unit.module.register_forward_pre_hook(partial(self._pre_forward, unit))
             unit.module.register_forward_hook(partial(self._post_forward, unit))
         self._live: list[Gather] = []  # gathers not yet released, oldest first
-        self._backward_end = _hooks.BackwardEnd(self._finish_backward)
+        self._end_queued = False  # _finish_backward is queued to run at the end of this backward
         self._memory_trackers: weakref.WeakSet = weakref.WeakSet()  # hook_memory_tracker's
 
     def _make_units(self, root: nn.Module, by_id: dict[int, Owned]) -> list[Unit]:
@@ -177,21 +208,25 @@ class MinimalZero3Engine(Engine, Plannable, Measurable):
             for t, full in zip(unit.tensors, fulls):
                 if t.trainable:
                     full.requires_grad_(True)  # a leaf of its own: its gradient is this gather's
-                    full.register_post_accumulate_grad_hook(_hooks.weak_hook(self._on_gradient, gather, t))
+                    full.register_post_accumulate_grad_hook(weak_hook(self._on_gradient, gather, t))
                     gather.waiting += 1
         self._live.append(gather)
         self._bind(gather)
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: tuple, output: Any) -> None:
         gather = unit.bound
-        backward_comes = _hooks.hook_output_grads(output, partial(self._pre_backward, gather))
-        self._free(gather, done=not backward_comes)  # not: evaluation, no_grad
+        outputs = [x for x in tree_flatten(output)[0] if isinstance(x, torch.Tensor) and x.requires_grad]
+        for x in outputs:  # fires when x's gradient is complete, before any backward node of the unit
+            x.register_hook(partial(self._pre_backward, gather))
+        self._free(gather, done=not outputs)  # no backward will come: evaluation, no_grad
 
     # -- backward -------------------------------------------------------------------------------
     def _pre_backward(self, gather: Gather, _grad: torch.Tensor) -> None:
         if gather.unit.bound is gather:
             return  # another output of the same forward got here first
-        self._backward_end.arm()
+        if not self._end_queued:  # the first of this backward: autograd calls _finish_backward after its last node
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         self._fill(gather)
         self._bind(gather)  # an activation-checkpoint recompute reads the modules' attributes
 
@@ -214,6 +249,7 @@ class MinimalZero3Engine(Engine, Plannable, Measurable):
             self._free(gather, done=True)
 
     def _finish_backward(self) -> None:
+        self._end_queued = False
         for gather in list(self._live):
             self._free(gather, done=True)
 
@@ -240,7 +276,11 @@ class MinimalZero3Engine(Engine, Plannable, Measurable):
                 for t in self.owned if t.param is not None]
 
     # -- what plan and the measurements ask (engines/api.py) --------------------------------------
-    planned_state = Zero3Engine.planned_state  # the same owners as zero3: built, not re-derived
+    @classmethod
+    def planned_state(cls, params: list[nn.Parameter], world: int, options: Mapping[str, Any]
+                      ) -> list[list[LocalTensor]] | None:
+        """One rank owns everything; over several, plan builds the engine and asks `rank_states`."""
+        return super().planned_state(params, world, options) if world == 1 else None
 
     def rank_states(self) -> list[list[LocalTensor]]:
         """Every rank's owned tensors: ownership is known on every rank."""
@@ -263,8 +303,22 @@ class MinimalZero3Engine(Engine, Plannable, Measurable):
             if t.unsynced is not None:
                 yield "unsharded_grads", t.unsynced
 
-    # zero3's: at each gather, the tracker claims the gradients of `unit_list[i].bound.fulls`
-    hook_memory_tracker = Zero3Engine.hook_memory_tracker
+    def hook_memory_tracker(self, tracker: MemoryTracking) -> None:
+        """Each gather makes new leaves: a forward pre-hook on each unit, registered after the
+        engine's (which gathered), lets the tracker claim their gradients. Once per tracker."""
+        if tracker in self._memory_trackers:
+            return
+        self._memory_trackers.add(tracker)
+        tracker_ref = weakref.ref(tracker)
+
+        def after_gather(unit: Unit) -> None:
+            t = tracker_ref()
+            if t is not None and t.tracking and unit.bound is not None:
+                for full in unit.bound.fulls:
+                    t.hook_incoming(full, "unsharded_grads")
+
+        for unit in self.unit_list:
+            tracker.keep_handle(unit.module.register_forward_pre_hook(lambda _m, _a, unit=unit: after_gather(unit)))
 
     def comm_counters(self) -> list[C.CommCounter]:
         return [self.counter]
