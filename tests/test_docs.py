@@ -39,7 +39,10 @@ from __future__ import annotations
 import ast
 import functools
 import importlib
+import importlib.util
+import io
 import re
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,11 +66,17 @@ THIRD_PARTY_HOMES = (
     "safetensors", "accelerate",
     "accelerate.utils.FullyShardedDataParallelPlugin", "torch.utils.checkpoint",
     "torch.utils.checkpoint.CheckpointPolicy", "torch.distributed.checkpoint.planner_helpers",
+    # what src/'s comments cite from the standard library, torch and transformers
+    "struct", "time", "torch.nn.modules.batchnorm", "torch.distributed.tensor.DTensor",
+    "torch.distributed.checkpoint.state_dict", "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
+    "torch.distributed.rendezvous", "torch._C._distributed_c10d.Reducer", "torch._subclasses.fake_tensor",
+    "torch.utils.data.DistributedSampler", "transformers.utils.import_utils", "transformers.initialization",
+    "transformers.core_model_loading", "transformers.models.bloom.modeling_bloom",
 )
 # Roots of dotted names that are import aliases in the docs' prose, and the variables the docs
 # write (`model.parameters()`, `engine.local_parameters()`) with the class each stands for.
 ALIASES = {"dist": "torch.distributed", "nn": "torch.nn", "F": "torch.nn.functional"}
-VARIABLES = {"model": "torch.nn.Module", "module": "torch.nn.Module", "opt": "torch.optim.Optimizer",
+VARIABLES = {"loss": "torch.Tensor", "model": "torch.nn.Module", "module": "torch.nn.Module", "opt": "torch.optim.Optimizer",
              "engine": "shardlab.engines.api.Engine"}
 ALLOWED = {
     "DisruptionTarget": "a Kubernetes pod condition",
@@ -81,6 +90,14 @@ ALLOWED = {
     "shardlab.forward": "a profiler range name", "shardlab.backward": "a profiler range name",
     "shardlab.optimizer": "a profiler range name",
     "flat_shard_frozen": "the parameter name fsdp_layout.py composes for a frozen group",
+    "__metadata__": "the safetensors header's metadata key",
+    "_data_files": "a field of the state.json that datasets' save_to_disk writes",
+    "sync_bucket_indices": "a C++ function of PyTorch DDP's reducer",
+    "run_subtests": "a method of torch's internal distributed test cases (torch.testing._internal)",
+    "num_items_in_batch": "a keyword argument of transformers' Trainer.compute_loss",
+    "smart_apply": "a function transformers defines inside PreTrainedModel's initialization",
+    "embed_scale": "an attribute transformers' scaled word embeddings (Gemma's) set when built",
+    "PYTORCH_CUDA_ALLOC_CONF": "PyTorch's CUDA allocator settings, an environment variable",
 }
 # Paths that a command writes (absent from a fresh checkout).
 GENERATED = {"docs/gpu-check/": "make gpu-check writes its reports there (tests/gpu/report.py)"}
@@ -97,7 +114,11 @@ def _prose(doc: Path) -> str:
 
 
 def code_spans(doc: Path) -> list[tuple[int, str]]:
-    text = _prose(doc)
+    return spans_in(_prose(doc))
+
+
+def spans_in(text: str) -> list[tuple[int, str]]:
+    """(line, span) of every inline code span of `text`, its whitespace collapsed."""
     return [(text.count("\n", 0, m.start()) + 1, " ".join(m.group(2).split()))
             for m in re.finditer(r"(`+)(.+?)\1", text, flags=re.S)]
 
@@ -137,16 +158,29 @@ def definitions() -> frozenset[str]:
     return frozenset(names)
 
 
+def _docstrings(tree: ast.Module) -> list[ast.Constant]:
+    """The docstrings of a module and of its classes and functions."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                out.append(first.value)
+    return out
+
+
 @functools.cache
-def written_words() -> frozenset[str]:
+def written_words(docstrings: bool = True) -> frozenset[str]:
     """Names the project writes without defining them: identifiers inside string literals and
     keyword arguments of src/ and tests/ (JSON fields, metric and phase names, environment
     variables, torch's keyword arguments), and every word of infra/ and the Makefile (Terraform
-    variables, manifest fields)."""
+    variables, manifest fields). docstrings=False: not the words of docstrings (which name things
+    rather than write them: the check of src/'s own comments, where a stale name would find itself)."""
     out: set[str] = set()
     for _, tree in trees():
+        prose = set() if docstrings else {id(d) for d in _docstrings(tree)}
         for node in ast.walk(tree):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
                 out.update(re.findall(r"\b\w+\b", node.value))
             elif isinstance(node, ast.keyword) and node.arg:
                 out.add(node.arg)
@@ -277,7 +311,7 @@ def _defined_under(place: str, attrs: list[str]) -> bool:
     return _has(importlib.import_module(module), path)
 
 
-def symbol_problem(name: str, called: bool) -> str | None:
+def symbol_problem(name: str, called: bool, docstrings: bool = True) -> str | None:
     parts = name.split(".")
     root, rest = parts[0], parts[1:]
     if name in ALLOWED:
@@ -286,7 +320,7 @@ def symbol_problem(name: str, called: bool) -> str | None:
         if root in definitions() or any(_import(f"{home}.{root}") for home in THIRD_PARTY_HOMES):
             return None
         if not called and re.fullmatch(r"[a-z][a-z0-9_]*|[A-Z][A-Z0-9_]+", root) and (
-                root in written_words() or root in {k.rpartition(".")[2] for k in config_keys()}):
+                root in written_words(docstrings) or root in {k.rpartition(".")[2] for k in config_keys()}):
             return None
         return "defined nowhere in src/ or tests/, nor in THIRD_PARTY_HOMES"
     if root in VARIABLES and called:
@@ -301,17 +335,18 @@ def symbol_problem(name: str, called: bool) -> str | None:
     return None  # a variable's attribute (`model.parameters()`): nothing to resolve
 
 
-def span_problem(span: str) -> str | None:
-    """Why a span that reads as a config key or a code name names nothing, or None."""
+def span_problem(span: str, docstrings: bool = True) -> str | None:
+    """Why a span that reads as a config key or a code name names nothing, or None. docstrings:
+    whether a word written in a docstring counts as written (`written_words`)."""
     key = span.split("=")[0].removesuffix(".*")
     sections = {k.split(".")[0] for k in config_keys()}
     if re.fullmatch(_DOTTED.pattern, key) and "." in key and key.split(".")[0] in sections \
             and not key.endswith(FILE_SUFFIXES):
         if key in config_keys():
             return None
-        return None if key == span and not symbol_problem(key, False) else "neither a config key nor a symbol"
+        return None if key == span and not symbol_problem(key, False, docstrings) else "neither a config key nor a symbol"
     sym = _as_symbol(span)
-    return symbol_problem(*sym) if sym else None
+    return symbol_problem(*sym, docstrings) if sym else None
 
 
 # -- the tests ----------------------------------------------------------------------------------
@@ -450,3 +485,118 @@ def test_plan_md_gpu_and_link_tables_match_the_catalogue():
             continue
         assert links[name][1] == f"{link.alpha_s * 1e6:g} us", (name, links[name])
         assert links[name][2] == f"{link.bandwidth / 1e9:g} GB/s", (name, links[name])
+
+
+# -- comments and docstrings of src/ name what exists, where they say -----------------------------
+@functools.cache
+def src_texts() -> tuple[tuple[Path, int, str], ...]:
+    """(file, first line, text) of every docstring of src/shardlab (module, class, function) and
+    of every run of consecutive comment lines there, the `#` dropped (a name or a Note may wrap)."""
+    out = []
+    for path, tree in trees():
+        if not path.is_relative_to(PKG):
+            continue
+        out += [(path, d.lineno, d.value) for d in _docstrings(tree)]
+        run: list[tuple[int, str]] = []
+        tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+        for tok in [*(t for t in tokens if t.type == tokenize.COMMENT), None]:
+            if run and (tok is None or tok.start[0] != run[-1][0] + 1):
+                out.append((path, run[0][0], "\n".join(text for _, text in run)))
+                run = []
+            if tok is not None:
+                run.append((tok.start[0], re.sub(r"^#+:?", "", tok.string)))  # `#:` documents a name
+    return tuple(out)
+
+
+def _src_rel(path: Path, first: int, text: str, at: int) -> str:
+    return f"{path.relative_to(ROOT)}:{first + text.count(chr(10), 0, at)}"
+
+
+#: a file path written in a comment or docstring, backticked or not: a word ending in .py (a test
+#: named after ::), or under a folder of the repository (`tests/gpu/`, `configs/x.yaml`)
+_SRC_PATH = re.compile(r"(?<![\w./`-])((?:[\w.-]+/)*[\w-]+\.py(?:::\w+)?|(?:" + "|".join(TOP_DIRS)
+                       + r")/[\w./*<>{}-]*)(?![\w/])")
+#: where a path into torch's own source (`torch/distributed/rendezvous.py`) is read
+SITE_PACKAGES = Path(importlib.util.find_spec("torch").origin).parents[1]
+
+
+def test_src_comments_name_only_files_that_exist():
+    """A file path in src/'s comments and docstrings exists (the rules of the docs' paths, the
+    writing file's folder a base too)."""
+    missing = []
+    for path, first, text in src_texts():
+        for m in _SRC_PATH.finditer(text):
+            span = m.group(1).rstrip(".")
+            if span.startswith("torch/"):
+                why = None if (SITE_PACKAGES / span).exists() else "not in torch's source"
+            else:
+                why = path_problem(path, span) if _is_path(span) else None
+            if why:
+                missing.append(f"{_src_rel(path, first, text, m.start())}: {span} ({why})")
+    assert not missing, "files named in src/'s comments that do not exist:\n" + "\n".join(missing)
+
+
+def test_src_comments_name_only_symbols_that_exist():
+    """A backticked code name in src/'s comments and docstrings is defined (the docs' rules)."""
+    missing = []
+    for path, first, text in src_texts():
+        for line, span in spans_in(text):
+            if not _is_path(span) and (why := span_problem(span, docstrings=False)):
+                missing.append(f"{path.relative_to(ROOT)}:{first + line - 1}: `{span}` ({why})")
+    assert not missing, "code names in src/'s comments that do not exist:\n" + "\n".join(missing)
+
+
+#: `[Note: X] in FILE`, `[Note: X], FILE`, `[Note: X] (FILE)`: the Note is said to be written in FILE
+_NOTE_IN = re.compile(r"\[Note: ([^\]]+)\](?:,\s*|\s+in\s+|\s+\((?:in\s+)?)(?:`)?((?:[\w.-]+/)*[\w-]+\.py)")
+
+
+def _notes_written_in(path: Path) -> set[str]:
+    """The Notes `path` writes: a `[Note: X]` alone on its line (a comment's or a docstring's)."""
+    return {" ".join(m.group(1).split())
+            for m in re.finditer(r"^\s*(?:#\s*)?\[Note: ([^\]]+)\]\s*$", path.read_text(), re.M)}
+
+
+def test_notes_named_with_a_file_are_in_that_file():
+    """`[Note: X] in FILE` (or `, FILE`, ` (FILE)`) in src/'s comments and docstrings: FILE exists
+    and writes that Note."""
+    wrong = []
+    for path, first, text in src_texts():
+        for m in _NOTE_IN.finditer(text):
+            note, name = " ".join(m.group(1).split()), m.group(2)
+            bases = (*PATH_BASES, path.parent)
+            found = [b / name for b in bases if (b / name).is_file()] or [*PKG.rglob(name)]
+            where = _src_rel(path, first, text, m.start())
+            if not found:
+                wrong.append(f"{where}: [Note: {note}] in {name}: no such file")
+            elif not any(note in _notes_written_in(f) for f in found):
+                homes = [str(p.relative_to(ROOT)) for p in PKG.rglob("*.py") if note in _notes_written_in(p)]
+                wrong.append(f"{where}: [Note: {note}] is not in {name} (written in: {homes or 'nowhere'})")
+    assert not wrong, "Notes src/ places in a file that does not write them:\n" + "\n".join(wrong)
+
+
+def _methods_defined_in(path: Path) -> set[str]:
+    return {f.name for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
+            for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def test_section_dividers_name_the_files_their_methods_answer():
+    """A divider in a class, `# -- Measurable (engines/measuring.py) ----`, sends the reader to the
+    file whose classes declare the methods below it: that file (one of those it names) defines at
+    least one of them."""
+    wrong = []
+    for path, tree in trees():
+        if not path.is_relative_to(PKG):
+            continue
+        lines = path.read_text().splitlines()
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            methods = {f.lineno: f.name for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            dividers = [(i, line) for i in range(cls.lineno, cls.end_lineno + 1)
+                        if re.match(r"\s*# -- .*\.py.*-{3,}\s*$", line := lines[i - 1])]
+            for k, (at, line) in enumerate(dividers):
+                end = dividers[k + 1][0] if k + 1 < len(dividers) else cls.end_lineno + 1
+                below = {name for lineno, name in methods.items() if at < lineno < end}
+                files = [f for group in re.findall(r"\(([^)]*)\)", line) for f in re.findall(r"[\w/]+\.py", group)]
+                found = [p for name in files for p in [*(b / name for b in PATH_BASES), path.parent / name] if p.is_file()]
+                if not any(below & _methods_defined_in(p) for p in found):
+                    wrong.append(f"{path.relative_to(ROOT)}:{at}: {', '.join(files)} defines none of {sorted(below)}")
+    assert not wrong, "section dividers that send the reader to the wrong file:\n" + "\n".join(wrong)

@@ -10,7 +10,8 @@ one a single process trains on the global batch; the running statistics drift pe
 Synchronised BatchNorm sums, per channel, the count, the sum and the sum of squares over the
 ranks in forward (one all-reduce), and in backward the two per-channel sums the input
 gradient needs (sum of dy and of dy * (x - mean); one all-reduce), the maths of torch's
-`_SyncBatchNorm`. The weight and bias gradients stay local, like every other parameter's:
+`torch.nn.modules._functions.SyncBatchNorm`. The weight and bias gradients stay local, like
+every other parameter's:
 the engine averages them. On CUDA we use `torch.nn.SyncBatchNorm` itself; on CPU it refuses
 to run (its kernels are GPU-only, torch 2.13), and PyTorch's DDP refuses any module that is a
 `torch.nn.SyncBatchNorm` on CPU, so the CPU class below derives from `_BatchNorm` instead.

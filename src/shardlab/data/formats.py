@@ -96,7 +96,7 @@ def walk(spec: str) -> tuple[list[str], bool, list[str]]:
 
 def open_stream(path: str, compression: str | None, raw=None):
     """A binary file object over the decompressed content of `path`. raw: the file, already open
-    (data/streams.py passes a reader that hashes the compressed bytes); the caller closes it."""
+    (data/units.py passes a reader that counts the compressed bytes); the caller closes it."""
     if compression is None:
         return raw or open(path, "rb")
     if compression == "gz":

@@ -235,7 +235,7 @@ def read_piece(inp: Input, piece: Piece, field: str, counter: ReplacementCounter
     ASCII bytes, which need no decoding to be valid UTF-8 (a byte-level prepare then never
     builds the string). Bad records go to `bad` (default: fail)."""
     bad = bad or BadRecords("fail")
-    if piece.data is not None:  # cut by the parent from a compressed JSONL file (data/streams.py)
+    if piece.data is not None:  # cut by the parent from a compressed JSONL file (data/units.py)
         raw = piece.data
         yield from _jsonl_documents(inp.path, piece.start, raw,
                                     lambda at: piece.line + raw.count(b"\n", 0, at - piece.start), field, counter, bad)

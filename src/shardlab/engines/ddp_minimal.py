@@ -20,7 +20,7 @@ bytes sent per rank on a ring.
 [Note: one all-reduce per parameter, after backward]
 Each trainable parameter's gradient is all-reduced on its own, in place in `p.grad`, all of
 them launched at the end of backward (the callback that `loss.backward()` runs after its
-last node: [Note: why we wait where we wait], engines/api.py) in registration order, then
+last node: [Note: why we wait where we wait] in engines/_hooks.py) in registration order, then
 waited for. Two things make this the simplest correct choice:
 - the order is the same on every rank whatever order autograd finished the gradients in,
   so the collectives pair up (a parameter unused on this rank is all-reduced as zeros);
@@ -84,8 +84,8 @@ class MinimalDDPEngine(Engine, Plannable, Measurable):
             if handle is not None:  # None: one rank, nothing was sent
                 handle.wait()
 
-    # -- what plan and the measurements ask (engines/api.py) --------------------------------------
-    # Every rank holds every tensor whole: the Engine defaults (planned_state, rank_states) hold.
+    # -- what plan and the measurements ask (engines/planning.py, engines/measuring.py) ----------
+    # Every rank holds every tensor whole: Plannable's defaults (planned_state, rank_states) hold.
     @classmethod
     def step_traffic(cls, model: ModelTraffic, options: Mapping[str, Any]) -> list[Collective]:
         """One all-reduce per trainable tensor per step."""

@@ -235,7 +235,7 @@ def _materialize_unit(root: nn.Module, tree: _Tree, pids: list[int], region: lis
                       device: torch.device) -> None:
     """Give this unit only real storage: its parameters and its modules' buffers, initialized as a
     whole build would. Parameters the model reads by range (pretrained weights) stay meta: the
-    group reads the range this rank keeps (see [Note: reading a flat range by rows] in models/hf.py)."""
+    group reads the range this rank keeps (see [Note: reading a flat range by rows] in models/hf_load.py)."""
     for pid in pids:
         if pid in readers:
             continue

@@ -279,7 +279,7 @@ class MinimalFSDPEngine(Engine, Plannable, Measurable):
             layout.append((g.shard, pieces))
         return layout
 
-    # -- what plan and the measurements ask (engines/api.py) --------------------------------------
+    # -- what plan and the measurements ask (engines/planning.py, engines/measuring.py) ----------
     @classmethod
     def planned_state(cls, params: list[nn.Parameter], world: int, options: Mapping[str, Any]
                       ) -> list[list[LocalTensor]] | None:

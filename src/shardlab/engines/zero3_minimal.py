@@ -275,7 +275,7 @@ class MinimalZero3Engine(Engine, Plannable, Measurable):
         return [(t.param, [ShardPiece(t.name, t.stand_in.shape, 0, 0, t.param.numel())])
                 for t in self.owned if t.param is not None]
 
-    # -- what plan and the measurements ask (engines/api.py) --------------------------------------
+    # -- what plan and the measurements ask (engines/planning.py, engines/measuring.py) ----------
     @classmethod
     def planned_state(cls, params: list[nn.Parameter], world: int, options: Mapping[str, Any]
                       ) -> list[list[LocalTensor]] | None:

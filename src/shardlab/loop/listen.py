@@ -11,7 +11,7 @@ control is who reaches its stores at all. torch 2.13 opens up to two TCP servers
 both bind every interface whatever host name they are given (read in torch's source and seen
 with `ss -ltnp`: `*:PORT`):
   1. the c10d rendezvous backend's store, hosted by the agent whose address matches the
-     endpoint (c10d_rendezvous_backend.py, `_create_tcp_store`);
+     endpoint (torch/distributed/elastic/rendezvous/c10d_rendezvous_backend.py, `_create_tcp_store`);
   2. the store the workers share: by default the rank-0 agent serves it
      (`DynamicRendezvousHandler._create_tcp_store_server`, port 0); with
      TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (shardlab's elastic agents: [Note: a joining node and the

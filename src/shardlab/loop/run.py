@@ -2,7 +2,7 @@
 (train.py): the model behind its engine, the optimizer, the LR schedule, the loss scaler, the data
 and its step-indexed sampler, the checkpoint manager and the state a resume restores (`Run`,
 `TrainState`); where the run lives (`run_dir`, `default_run_name`), what it writes and says before
-its first step (`write_run_args`, `announce`), and the runtime a worker starts it in.
+its first step (`write_start`, `announce`), and the runtime a worker starts it in.
 """
 
 from __future__ import annotations

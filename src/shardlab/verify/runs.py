@@ -261,8 +261,8 @@ def target_counts(run, steps: int, world: int) -> list[list[list[int]]]:
 
 
 def record_run(rt: Runtime, cfg, kind: str, plan: Plan, data) -> None:
-    """Train `plan.steps` steps of `cfg` through build_run/train_step and record them (see the
-    module docstring). Every rank of `rt` calls it. In float64 the whole run, build and steps, is
+    """Train the plan's steps (`Plan.steps`) of `cfg` through build_run/train_step and record them
+    (see the module docstring). Every rank of `rt` calls it. In float64 the whole run, build and steps, is
     under `Float64Everywhere` ([Note: float32 islands in a float64 run])."""
     mode = Float64Everywhere() if plan.dtype == "float64" else contextlib.nullcontext()
     with mode:
