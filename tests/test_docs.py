@@ -32,6 +32,12 @@ Besides: link targets and their #anchors exist; `docs/x.md, "Section"` (in docs,
 names a section of that doc; a `[Note: ...]` a doc names is in the code; docs/plan.md's GPU and
 link tables are plan's catalogue; no page cites an issue or tells history. Failures list file:line
 and the name, so a rename elsewhere shows every place to update.
+
+src/'s comments and docstrings are read by the same rules (`src_texts`): a file path they write,
+backticked or not, exists (`torch/...`: in torch's own source); a backticked name is defined (a
+word that only docstrings write does not count, or a stale name would find itself); `[Note: X] in
+FILE` (or `, FILE`, ` (FILE)`) is written in FILE; a class's section divider `# -- ... (FILE) --`
+names a file that defines one of the methods below it.
 """
 
 from __future__ import annotations
