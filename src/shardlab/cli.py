@@ -66,8 +66,8 @@ def _train(args: argparse.Namespace) -> int:
                 from shardlab.loop.elastic import check_node_range, parse_nnodes, require_rdzv_id
 
                 args.node_range = parse_nnodes(args.nnodes)
-                require_rdzv_id(args.rdzv_id, args.node_range)
                 check_node_range(lambda world: validate_for_world(cfg, world), args.nproc, *args.node_range)
+                require_rdzv_id(args.rdzv_id, args.node_range)
         elif args.nnodes is not None:
             raise ConfigError("--nnodes MIN:MAX starts one elastic agent of --nproc N workers; add --nproc N")
         else:
