@@ -47,13 +47,48 @@ def init_worker() -> None:
     os.environ.setdefault("RAYON_NUM_THREADS", "1")  # one core per worker (data/prepare.py's docstring)
 
 
+_STACK: Any = None
+#: how long the parent waits for a stuck worker's stack: a hang guard (the dump is a signal handler's write)
+STACK_WAIT_S = 60.0
+
+
+def stack_path(pid: int) -> str:
+    """Where worker `pid` writes its stack when the parent asks (SIGUSR1)."""
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"shardlab-prepare-stack-{pid}.txt")
+
+
+def _print_stack(pid: int) -> None:
+    """Ask worker `pid` for its stack and print it to stderr once written (STACK_WAIT_S at most)."""
+    path = stack_path(pid)
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGUSR2)
+        deadline = time.monotonic() + STACK_WAIT_S
+        text = ""
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            with open(path) as f:
+                now = f.read()
+            if now and now == text:   # written, and no longer growing (the handler writes thread by thread)
+                sys.stderr.write(now)
+                sys.stderr.flush()
+                return
+            text = now
+
+
 def _init_pool_worker(board) -> None:
     global _BOARD, _SLOT
     init_worker()
     if hasattr(signal, "SIGUSR1"):  # the parent asks for a stuck worker's stack (see the Note)
         import faulthandler
 
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)   # kill -USR1: to stderr, as the parent's
+        global _STACK
+        # SIGUSR2, the parent's stuck check: to a file it prints once written, not to stderr after a
+        # fixed wait (on a busy machine the dump can come after any wait the parent would choose)
+        _STACK = open(stack_path(os.getpid()), "w")  # noqa: SIM115 - open for the worker's life
+        faulthandler.register(signal.SIGUSR2, file=_STACK, all_threads=True)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops the pool
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the pool's terminate() (not the parent's handler: run)
     if sys.platform.startswith("linux"):
@@ -129,6 +164,9 @@ class Workers:
         return self
 
     def __exit__(self, *exc) -> None:
+        for p in {*self.procs, *self.pool._pool}:   # the first workers and any that replaced one
+            with contextlib.suppress(OSError, TypeError):
+                os.remove(stack_path(p.pid))
         stop = threading.Thread(target=self.pool.terminate, daemon=True, name="shardlab-pool-close")
         stop.start()
         stop.join(CLOSE_S)
@@ -229,9 +267,7 @@ class _Watch:
             if cpu != last:
                 self.cpu[pid, code] = (cpu, now)
             elif now - since > STUCK_S:
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGUSR1)  # its stack, to stderr
-                    time.sleep(1)
+                _print_stack(pid)
                 raise DataError(f"worker {pid} has used no CPU for {now - since:.0f} s on {self.w.describe(code)}: "
                                 "stuck, not slow (its stack is printed above; please report it); the prepare "
                                 "stopped, run it again")
