@@ -1,6 +1,9 @@
 # shardlab: the two commands a new user needs are `make demo` and `make test`.
 # Both start with `make setup` (torch + shardlab), which is idempotent: a stamp file tracks
-# pyproject.toml. `make test` then adds the test and infra-check tools (extras dev, plot, infra, and the wandb and mlflow trackers, so their read-back tests run).
+# pyproject.toml. It installs what every documented command needs (extras hf, data, plot: the report's
+# matplotlib, view: the trace's offline viewer); the wandb and mlflow trackers are one install line each
+# (docs/observability.md, "Trackers"; a run that names one not installed prints it). `make test` then adds
+# the test and infra-check tools (extras dev, infra, and the wandb and mlflow trackers, so their read-back tests run).
 #
 # TORCH_SPEC picks the torch build. The default is the CPU wheel that lies on this
 # machine's disk; a GPU user sets e.g. TORCH_SPEC="torch==2.13.0 --index-url <their CUDA index>".
@@ -28,13 +31,13 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) $(TORCH_SPEC)
-	$(PIP) -e ".[hf,data]"
+	$(PIP) -e ".[hf,data,plot,view]"
 	@touch $(STAMP)
 
 setup-dev: $(DEV_STAMP)
 
 $(DEV_STAMP): $(STAMP)
-	$(PIP) -e ".[dev,plot,infra,hf,data,wandb,mlflow,view]"
+	$(PIP) -e ".[dev,infra,hf,data,plot,view,wandb,mlflow]"
 	@touch $(DEV_STAMP)
 
 demo: setup
