@@ -234,7 +234,8 @@ def _loop_runs(rank: int, world: int, out: str) -> dict:
         cfg = make_cfg("fsdp", out, name, *no_dropout, *extra, "model.n_layer=4", "checkpoint.every_steps=0",
                        steps=3)
         m = T.train(cfg, runtime(rank, world, "fsdp"))
-        result[name] = {k: m[k] for k in ("losses", "compile_s", "compiled_graphs", "peak_live_bytes")}
+        result[name] = {k: m[k] for k in ("losses", "compile_s", "compiled_graphs", "peak_live_bytes", "step_times_s",
+                                          "samples_per_s", "throughput_steps", "mfu_note")}
     # dropout on (its masks and the RNG state must resume too), the checkpoint saved and loaded
     # through the compiled model, the export at the end
     result["resume"] = straight_and_resumed(rank, world, "fsdp", out, "train.compile=true",
@@ -256,6 +257,11 @@ def test_compile_time_is_reported_once_and_the_math_is_eager_s(loop):
     assert compiled["compile_s"] > 0 and compiled["compiled_graphs"] >= 1  # the first run of its process
     assert compiled["peak_live_bytes"] is None  # the tracker is off with compile (docs/memory.md)
     assert eager["compile_s"] is None and eager["compiled_graphs"] is None
+    # throughput leaves out the step that compiled (make_cfg's global batch: 12); eager's counts every step
+    assert compiled["throughput_steps"] == 2 and eager["throughput_steps"] == 3
+    assert compiled["samples_per_s"] == pytest.approx(2 * 12 / sum(compiled["step_times_s"][1:]))
+    assert eager["samples_per_s"] == pytest.approx(3 * 12 / sum(eager["step_times_s"]))
+    assert "train.compile" in compiled["mfu_note"]  # the summary's MFU row says why there is no figure
     _assert_close_losses(compiled["losses"], eager["losses"], COMPILED_VS_EAGER_LOSS_RTOL, "train.compile=true")
 
 
@@ -291,6 +297,33 @@ def test_checkpointing_modes_order_peak_memory(loop):
     assert peak["full"] < peak["full-every2"] < peak["none"], peak
     for k in ("selective", "full", "full-every2"):
         assert runs[f"ac-{k}"]["losses"] == runs["ac-none"]["losses"], k
+
+
+def test_compiled_summary_leaves_compilation_out_of_throughput(capsys):
+    """The summary of a compiled run (the issue's: 88 s compiling, then 0.7 s steps): samples/s and
+    tokens/s from the steps after the first, the compile seconds on their own row, the MFU row
+    with its reason. No process: `throughput` and the table on a made-up run."""
+    from types import SimpleNamespace
+
+    from shardlab.loop.run_summary import print_summary, throughput
+
+    train = SimpleNamespace(compile=True, global_batch_size=16)
+    run = SimpleNamespace(state=SimpleNamespace(step=4), cfg=SimpleNamespace(train=train),
+                          data=SimpleNamespace(real_tokens=None, tokens_per_sample=128))
+    rates = throughput(run, [88.0, 0.7, 0.7, 0.7])
+    assert rates["samples_per_s"] == pytest.approx(3 * 16 / 2.1) and rates["throughput_steps"] == 3
+    assert rates["tokens_per_s"] == pytest.approx(3 * 16 * 128 / 2.1) and rates["samples_processed"] == 64
+    train.compile = False
+    assert throughput(run, [88.0, 0.7, 0.7, 0.7])["samples_per_s"] == pytest.approx(64 / 90.1)
+    result = {**rates, "strategy": "fsdp", "world_size": 2, "device": "cpu", "steps": 4, "final_loss": 5.0,
+              "steps_this_run": 4, "step_time_median_s": 0.7, "mfu": None, "compile_s": 88.0, "compiled_graphs": 3,
+              "mfu_note": "not counted under train.compile: compiled kernels bypass the dispatcher that counts FLOPs",
+              "num_parameters": 1e6, "num_trainable_parameters": 1e6, "model_state_bytes": [2**20],
+              "peak_memory_bytes": [2**30], "wall_clock_s": 95.0}
+    print_summary(result, "runs/x")
+    text = capsys.readouterr().out
+    assert "22.9 (steps 2-4)" in text and "2926 (steps 2-4)" in text and "88.0 s, 3 graph(s), in step 1" in text
+    assert "not counted under train.compile" in text and "MFU" in text
 
 
 # -- configuration ------------------------------------------------------------------------------

@@ -43,8 +43,9 @@ def summarize(run: Any, timer: M.StepTimer, mine: dict, val_losses: dict, wall: 
     """metrics.json, written by rank 0 and returned on every rank: `mine` (this rank's peak
     memory, model state, traffic, live-memory breakdown, compile time) gathered from every rank.
     Throughput counts only the steps this process trained (a resumed run's earlier steps are in
-    `losses` but not in its timings). val_losses: step -> evaluate.Evaluation. `extra`: rank 0's
-    further keys (MFU: measurements.py)."""
+    `losses` but not in its timings), and under train.compile only those after the first
+    (`throughput`). val_losses: step -> evaluate.Evaluation. `extra`: rank 0's further keys
+    (MFU: measurements.py)."""
     cfg, rt, state = run.cfg, run.rt, run.state
     steps_run = len(timer.times)
     train_seconds = sum(timer.times)
@@ -53,15 +54,13 @@ def summarize(run: Any, timer: M.StepTimer, mine: dict, val_losses: dict, wall: 
             "wall_s": wall, "train_s": train_seconds}
     # rank 0 reads the earlier attempts ([Note: records stay true]); the gather brings them to every rank
     per_rank = all_gather_object({**mine, "attempts": attempts_of(run.out_dir, this) if rt.is_main else None}, rt)
-    samples = steps_run * cfg.train.global_batch_size
     waits = [run.batches.wait_s.get(s, 0.0) for s in range(state.step - steps_run, state.step)] if run.batches else []
     result: dict[str, Any] = {
         "wall_clock_s": wall,
         "train_time_s": train_seconds,
         "steps": state.step,
         "steps_this_run": steps_run,
-        "samples_processed": samples,
-        "samples_per_s": samples / train_seconds if train_seconds else None,
+        **throughput(run, timer.times),
         "step_time_median_s": timer.median() if steps_run else None,
         "step_times_s": timer.times,
         "world_size": rt.world_size,
@@ -70,17 +69,7 @@ def summarize(run: Any, timer: M.StepTimer, mine: dict, val_losses: dict, wall: 
         "device": M.device_name(rt.device),
         "num_parameters": run.num_parameters,
         "num_trainable_parameters": run.num_trainable,
-        "peak_memory_bytes": [r["peak_memory_bytes"] for r in per_rank],
-        # live tensor bytes at each rank's peak and what they were then (shardlab.memory); null: not tracked
-        "peak_live_bytes": None if per_rank[0]["live"] is None else [r["live"]["peak_live_bytes"] for r in per_rank],
-        "peak_breakdown": None if per_rank[0]["live"] is None else
-        [{k: v for k, v in r["live"].items() if k != "peak_live_bytes"} for r in per_rank],
-        "model_state_bytes": [sum(r["model_state_bytes"].values()) for r in per_rank],
-        "model_state_breakdown": [r["model_state_bytes"] for r in per_rank],
-        "comm_bytes": [r["comm"] for r in per_rank],  # per collective kind, training steps only; null: not counted
-        # per rank: collective kind -> seconds in each step of this run (as step_times_s), as the
-        # caller saw them (engines/collectives.py; docs/benchmarks.md); null: not timed
-        "comm_seconds_per_step": [r["comm_seconds"] for r in per_rank],
+        **_gathered(per_rank),
         # seconds each step of this run waited for its micro batches (data/loader.py), and their share
         "data_wait_s_per_step": waits,
         "data_wait_fraction": sum(waits) / train_seconds if train_seconds else None,
@@ -93,25 +82,66 @@ def summarize(run: Any, timer: M.StepTimer, mine: dict, val_losses: dict, wall: 
         "val_losses_by_source": {step: v.by_source for step, v in val_losses.items() if v.by_source} or None,
         "restart_count": rt.restart_count,
         "attempts": per_rank[0]["attempts"],  # every attempt of the run, oldest first ([Note: records stay true])
-        # train.compile: seconds compiling (slowest rank; in the first step and samples/s, not the median step)
+        # train.compile: seconds compiling (slowest rank), in the first step's time (not in throughput nor the median)
         "compile_s": max(r["compile"][0] for r in per_rank) if cfg.train.compile else None,
         "compiled_graphs": per_rank[0]["compile"][1] if cfg.train.compile else None,
     }
-    if run.cost is not None:  # every checkpoint's cost, rank 0's record (loop/checkpoint_cost.py)
-        result.update(run.cost.summary(wall))
-    if run.scaler is not None:
-        result["loss_scale"] = run.scaler.get_scale()
-        result["skipped_steps"] = state.skipped_steps
-    if run.data.real_tokens is not None or run.data.tokens_per_sample:  # padding excluded where the data says
-        result["tokens_processed"] = sum(step_tokens(run, s) for s in range(state.step - steps_run, state.step))
-        result["tokens_per_s"] = result["tokens_processed"] / train_seconds if train_seconds else None
-    if isinstance(run.sampler, MixtureSampler):  # data.mix: samples and tokens per corpus, exact
-        result["data_sources"] = source_counts(run.sampler, state.step - steps_run, state.step,
-                                               run.data.tokens_per_sample)
+    result.update(_optional(run, steps_run, wall))
     result.update(extra or {})
     if rt.is_main:
         write_json_atomic(os.path.join(run.out_dir, "metrics.json"), result, default=str)
     return result
+
+
+def throughput(run: Any, times: list[float]) -> dict[str, Any]:
+    """Samples and tokens processed in this run, and per second over the steps that measure speed:
+    every step, or under train.compile the steps after the first, which compiles the blocks'
+    forward and backward (docs/compile.md): averaging compilation in would show a fraction of
+    the speed the median step shows. `throughput_steps`: how many steps the rates are over."""
+    first = run.state.step - len(times)
+    skip = 1 if run.cfg.train.compile else 0
+    timed = times[skip:]
+    seconds = sum(timed)
+    out: dict[str, Any] = {"samples_processed": len(times) * run.cfg.train.global_batch_size,
+                           "samples_per_s": len(timed) * run.cfg.train.global_batch_size / seconds if seconds else None,
+                           "throughput_steps": len(timed)}
+    if run.data.real_tokens is not None or run.data.tokens_per_sample:  # padding excluded where the data says
+        tokens = [step_tokens(run, s) for s in range(first, run.state.step)]
+        out["tokens_processed"] = sum(tokens)
+        out["tokens_per_s"] = sum(tokens[skip:]) / seconds if seconds else None
+    return out
+
+
+def _gathered(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """metrics.json's figures with one value per rank: memory, model state, traffic."""
+    live = per_rank[0]["live"] is not None
+    return {
+        "peak_memory_bytes": [r["peak_memory_bytes"] for r in per_rank],
+        # live tensor bytes at each rank's peak and what they were then (shardlab.memory); null: not tracked
+        "peak_live_bytes": [r["live"]["peak_live_bytes"] for r in per_rank] if live else None,
+        "peak_breakdown": [{k: v for k, v in r["live"].items() if k != "peak_live_bytes"} for r in per_rank]
+        if live else None,
+        "model_state_bytes": [sum(r["model_state_bytes"].values()) for r in per_rank],
+        "model_state_breakdown": [r["model_state_bytes"] for r in per_rank],
+        "comm_bytes": [r["comm"] for r in per_rank],  # per collective kind, training steps only; null: not counted
+        # per rank: collective kind -> seconds in each step of this run (as step_times_s), as the
+        # caller saw them (engines/collectives.py; docs/benchmarks.md); null: not timed
+        "comm_seconds_per_step": [r["comm_seconds"] for r in per_rank],
+    }
+
+
+def _optional(run: Any, steps_run: int, wall: float) -> dict[str, Any]:
+    """The keys only some runs have: checkpoint costs, the fp16 loss scale, a mixture's corpora."""
+    out: dict[str, Any] = {}
+    if run.cost is not None:  # every checkpoint's cost, rank 0's record (loop/checkpoint_cost.py)
+        out.update(run.cost.summary(wall))
+    if run.scaler is not None:
+        out["loss_scale"] = run.scaler.get_scale()
+        out["skipped_steps"] = run.state.skipped_steps
+    if isinstance(run.sampler, MixtureSampler):  # data.mix: samples and tokens per corpus, exact
+        out["data_sources"] = source_counts(run.sampler, run.state.step - steps_run, run.state.step,
+                                            run.data.tokens_per_sample)
+    return out
 
 
 def attempts_of(out_dir: str, this: dict[str, Any]) -> list[dict[str, Any]]:
@@ -166,12 +196,7 @@ def print_summary(result: dict[str, Any], out_dir: str) -> None:
     for key in (k for k in result if k.startswith("val_loss/")):
         row(f"validation loss, {key[len('val_loss/'):]}", f"{result[key]:.4f}")
     if result["steps_this_run"]:
-        row("samples/s", f"{result['samples_per_s']:.1f}")
-        if result.get("tokens_per_s"):
-            row("tokens/s", f"{result['tokens_per_s']:.0f}")
-        row("median step time", f"{result['step_time_median_s'] * 1000:.1f} ms")
-        if result.get("mfu") is not None:
-            row("MFU (median step)", f"{result['mfu']:.2%} of {result['peak_flops_per_s'] / 1e9:.1f} GFLOP/s per rank")
+        _speed_rows(row, result)
     else:
         row("trained in this run", f"nothing: resumed at step {result['steps']}, the last")
     for source in result.get("data_sources") or []:
@@ -179,8 +204,6 @@ def print_summary(result: dict[str, Any], out_dir: str) -> None:
             f"{source['weight']:.1%})")
     if "loss_scale" in result:
         row("fp16 loss scale (final), skipped steps", f"{result['loss_scale']:g}, {result['skipped_steps']}")
-    if result.get("compile_s") is not None:  # live memory is not tracked then (see _train)
-        row("torch.compile (graphs)", f"{result['compile_s']:.1f} s ({result['compiled_graphs']}); live memory not tracked")
     row("parameters (trainable)", f"{result['num_parameters'] / 1e6:.2f} M "
         f"({result['num_trainable_parameters'] / 1e6:.2f} M)")
     row("model state / rank (params+grads+optim)", ", ".join(f"{b / 2**20:.1f} MiB" for b in result["model_state_bytes"]))
@@ -188,6 +211,8 @@ def print_summary(result: dict[str, Any], out_dir: str) -> None:
     if result.get("peak_live_bytes"):
         row("peak live tensors / rank (phase)", ", ".join(
             f"{b / 2**20:.1f} MiB ({d['phase']})" for b, d in zip(result["peak_live_bytes"], result["peak_breakdown"])))
+    elif result.get("compile_s") is not None:  # the tracker would stop dynamo compiling (measurements.py)
+        row("peak live tensors / rank", "not tracked under train.compile")
     if result.get("checkpoint_saves"):
         row("checkpoints: held up / written", f"{len(result['checkpoint_saves'])} saves: "
             f"{result['checkpoint_blocking_total_s']:.2f} s ({result['checkpoint_blocking_fraction']:.1%} of the "
@@ -195,3 +220,28 @@ def print_summary(result: dict[str, Any], out_dir: str) -> None:
     row("wall clock", f"{result['wall_clock_s']:.1f} s")
     Console().print(table)
     print(f"run directory: {out_dir}")
+
+
+def _speed_rows(row: Any, result: dict[str, Any]) -> None:
+    """Throughput, the median step, MFU (or why it is not measured) and compile time: under
+    train.compile the rates leave out the run's first step, which compiled, and say so. Values
+    short enough for the 80 columns a table gets in a log."""
+    compiled = result.get("compile_s") is not None
+    first = result["steps"] - result["steps_this_run"] + 1  # the run's first step, counted from 1
+    after = f" (steps {first + 1}-{result['steps']})" if compiled and result["throughput_steps"] else ""
+    if result["samples_per_s"] is None:
+        row("samples/s", "not measured: the only step compiled" if compiled else "not measured")
+    else:
+        row("samples/s", f"{result['samples_per_s']:.1f}{after}")
+        if result.get("tokens_per_s"):
+            row("tokens/s", f"{result['tokens_per_s']:.0f}{after}")
+    if result["step_time_median_s"] is not None:
+        row("median step time", f"{result['step_time_median_s'] * 1000:.1f} ms")
+    if result.get("mfu") is not None:
+        row("MFU (median step)", f"{result['mfu']:.2%} of {result['peak_flops_per_s'] / 1e9:.1f} GFLOP/s per rank")
+    elif compiled:  # metrics.json's mfu_note says why
+        row("MFU", "not counted under train.compile")
+    elif result.get("mfu_note"):
+        row("MFU", result["mfu_note"])
+    if compiled:
+        row("torch.compile", f"{result['compile_s']:.1f} s, {result['compiled_graphs']} graph(s), in step {first}")
