@@ -268,8 +268,9 @@ class Engine:
         return [(p, [ShardPiece(names[id(p)], p.shape, 0, 0, p.numel())]) for p in self.local_parameters()]
 
     def unwrapped(self) -> nn.Module:
-        """The user's module (for engines that wrap it in another module, the inner one)."""
-        return getattr(self, "inner", self.module)
+        """The user's module: every built-in engine returns it as `module` itself; an engine that
+        wraps it in another module overrides this to return the inner one."""
+        return self.module
 
 
 def global_grad_norm(grads: Iterable[torch.Tensor], norm_type: float, group: dist.ProcessGroup | None,

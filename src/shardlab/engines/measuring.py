@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from shardlab.engines.collectives import CommCounter, merged_seconds, merged_totals
+from shardlab.engines.planning import HoldsParameters
 
 
 class MemoryTracking(Protocol):
@@ -33,7 +34,7 @@ class MemoryTracking(Protocol):
 class Measurable:
     """The measurements' questions, with the answers of an engine that holds nothing in flight
     and counts nothing as defaults; an engine overrides where it differs. Composed with
-    `Engine`, whose `local_parameters` the state bytes read."""
+    `Engine`, whose `local_parameters` the state bytes read (`HoldsParameters`)."""
 
     def memory_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(part, tensor) for the transient buffers this engine holds right now, by the part
@@ -48,10 +49,10 @@ class Measurable:
         birth], shardlab/memory.py). Called when the tracker starts and at every step's end
         (leaves made since); a leaf already hooked is skipped by the tracker."""
 
-    def model_state_bytes(self) -> dict[str, int]:
+    def model_state_bytes(self: HoldsParameters) -> dict[str, int]:
         """Bytes of parameters and gradients this rank holds now (tensors the engine keeps
         between steps; transient gathered buffers excluded)."""
-        params = self.local_parameters()  # type: ignore[attr-defined]  (Engine's)
+        params = self.local_parameters()
         return {"params": sum(nbytes(p) for p in params),
                 "grads": sum(nbytes(p.grad) for p in params if p.grad is not None)}
 

@@ -84,9 +84,10 @@ class TorchDDPEngine(Engine, Plannable, Measurable):
     def __init__(self, module: nn.Module, *, bucket_size_bytes: int = 25 * 2**20,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = True, **kw: Any):
         super().__init__(module, **kw)
-        self.inner = materialize_whole_(module, self.device)
+        # the user's module stays the returned one: [Note: torch-ddp without DDP's wrapper]
+        self.module = materialize_whole_(module, self.device)
         self.ddp = nn.parallel.DistributedDataParallel(
-            self.inner,
+            self.module,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
             process_group=self.group,
             bucket_cap_mb=bucket_size_bytes / 2**20,
@@ -95,8 +96,7 @@ class TorchDDPEngine(Engine, Plannable, Measurable):
         )
         self.counter = collectives.CommCounter()
         self.ddp.register_comm_hook(None, _counting_allreduce_hook(self.counter, self.group, self.world_size))
-        _drive_from_hooks(self.ddp, self.inner)
-        self.module = self.inner
+        _drive_from_hooks(self.ddp, self.module)
 
     def comm_counters(self) -> list[collectives.CommCounter]:
         return [self.counter]

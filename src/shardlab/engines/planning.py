@@ -8,9 +8,19 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 from torch import nn
+
+
+class HoldsParameters(Protocol):
+    """What `Plannable` and `Measurable` need of the engine they are composed with: the
+    tensors this rank holds (`Engine.local_parameters`). It is the type of `self` in the
+    defaults that read them, so the dependency is declared rather than guessed."""
+
+    def local_parameters(self) -> list[nn.Parameter]:
+        """What this rank holds and its optimizer updates (deduplicated)."""
+        ...
 
 
 class LocalTensor(NamedTuple):
@@ -76,7 +86,7 @@ def gathered_unit_traffic(model: ModelTraffic, gather: str, reduce: str, group: 
 class Plannable:
     """Plan's questions, with the answers of a replicated engine (every rank holds every
     tensor whole, nothing is sent) as defaults; an engine overrides where it differs. Composed
-    with `Engine`, whose `local_parameters` the built engine's answer reads."""
+    with `Engine`, whose `local_parameters` the built engine's answer reads (`HoldsParameters`)."""
 
     #: False when plan cannot probe the engine on real tensors on a fake process group, whose
     #: collectives return at once without peers (the future of PyTorch DDP's all-reduce hook needs a
@@ -109,10 +119,9 @@ class Plannable:
         is taken over what they report)."""
         return [0]
 
-    def rank_states(self) -> list[list[LocalTensor]]:
+    def rank_states(self: HoldsParameters) -> list[list[LocalTensor]]:
         """What a built engine knows of the ranks' local tensors: by default this rank's own."""
-        return [[LocalTensor(p.numel(), p.element_size(), p.requires_grad)
-                 for p in self.local_parameters()]]  # type: ignore[attr-defined]  (Engine's)
+        return [[LocalTensor(p.numel(), p.element_size(), p.requires_grad) for p in self.local_parameters()]]
 
     @classmethod
     def step_traffic(cls, model: ModelTraffic, options: Mapping[str, Any]) -> list[Collective]:
