@@ -83,9 +83,29 @@ def _split_windows(cfg, m: Manifest) -> tuple[ShardWindows, ShardWindows | None,
     if d.val_from_train and held > 0:
         return (ShardWindows(train.stream, T, 0, len(train) - held), ShardWindows(train.stream, T, len(train) - held),
                 f"the last {held} train windows (data.val_from_train, data.val_fraction={d.val_fraction})")
-    return train, None, (f"none: {m.path} has no validation split (prepared with --val-fraction "
-                         f"{m.raw.get('val_fraction')}), so no validation loss; prepare it with --val-fraction F, or "
-                         "set data.val_from_train=true to hold out the last data.val_fraction of its train windows")
+    return train, None, _no_validation(cfg, m)
+
+
+def _no_validation(cfg, m: Manifest) -> str:
+    """Why a corpus has no validation windows, in terms of what the user did: `shardlab prepare
+    --val-fraction` for data.source=tokens; data.val_fraction for builtin/text, which shardlab
+    prepared itself (the user ran no prepare, so the line never names one)."""
+    d, raw = cfg.data, m.raw
+    fraction, held = raw.get("val_fraction"), raw["splits"]["val"]["tokens"]
+    hold = "set data.val_from_train=true to hold out the last data.val_fraction of its train windows"
+    if d.source == TOKENS.name:
+        what, fix = f"{m.path} (prepared with --val-fraction {fraction})", f"prepare it with --val-fraction F, or {hold}"
+    else:
+        what = f"data.source={d.source}'s corpus (tokenized by shardlab with data.val_fraction={d.val_fraction})"
+        fix = "set data.val_fraction above 0" if not fraction else f"{hold}, or give data.path more files"
+    if not fraction:
+        why = "holds no text out"
+    elif held:
+        why = f"held out {held} tokens, less than one window of data.seq_len + 1 = {d.seq_len + 1}"
+    else:  # prepare holds out whole documents by a hash of their start; a text file is one document
+        why = (f"held out none of its {raw['counts']['documents']} document(s) (a document is held out whole, "
+               "by a hash of its start, and the first one never)")
+    return f"none: {what} has no validation split: it {why}, so no validation loss; {fix}"
 
 
 def _inputs_of(cfg) -> tuple[list[str], str | None, dict[str, Any]]:
