@@ -19,7 +19,10 @@ Each command's --help lists its options.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NoReturn
 
 ELASTIC_RESTARTS = 3  # --nnodes without --max-restarts: a node lost is a restart of the others
@@ -46,37 +49,25 @@ A hung or failed run: `shardlab doctor <run dir>` (with --live while it runs) na
 
 
 def _train(args: argparse.Namespace) -> int:
-    from shardlab.config import ConfigError, dump_config, load_config, validate_for_world
-    from shardlab.loop.runtime import env_world, in_launched_worker
+    from shardlab.config_checks import precheck
+    from shardlab.errors import ConfigError
 
     try:
+        # first what needs no torch: a typo answers at once ([Note: a package that imports torch only when asked])
+        precheck(args.config, args.overrides)
+        from shardlab.config import dump_config, load_config
+
         cfg = load_config(args.config, args.overrides)
         if args.print_config:
             print(dump_config(cfg), end="")
             return 0
-        if args.nproc is not None:
-            if args.nproc < 1:
-                raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
-            if in_launched_worker():
-                raise ConfigError("--nproc starts local workers, but this process already is a worker "
-                                  "(RANK/WORLD_SIZE are set); drop --nproc under torchrun/srun")
-            if args.nnodes is None:
-                validate_for_world(cfg, args.nproc)
-            else:  # elastic: every world size MIN..MAX may happen (loop/elastic.py)
-                from shardlab.loop.elastic import check_node_range, parse_nnodes, require_rdzv_id
-
-                args.node_range = parse_nnodes(args.nnodes)
-                check_node_range(lambda world: validate_for_world(cfg, world), args.nproc, *args.node_range)
-                require_rdzv_id(args.rdzv_id, args.node_range)
-        elif args.nnodes is not None:
-            raise ConfigError("--nnodes MIN:MAX starts one elastic agent of --nproc N workers; add --nproc N")
-        else:
-            validate_for_world(cfg, env_world()[2])
+        _check_workers(cfg, args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
     from shardlab.loop.run import default_run_name
+    from shardlab.loop.runtime import in_launched_worker
     from shardlab.loop.train import worker_main
 
     if args.nproc is None and in_launched_worker():
@@ -103,6 +94,32 @@ def _train(args: argparse.Namespace) -> int:
     return worker_main(cfg)
 
 
+def _check_workers(cfg, args: argparse.Namespace) -> None:
+    """The config at the world size --nproc (and --nnodes) asks for, or at that of the job this
+    process is a worker of; raises ConfigError."""
+    from shardlab.config import ConfigError, validate_for_world
+    from shardlab.loop.runtime import env_world, in_launched_worker
+
+    if args.nproc is not None:
+        if args.nproc < 1:
+            raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+        if in_launched_worker():
+            raise ConfigError("--nproc starts local workers, but this process already is a worker "
+                              "(RANK/WORLD_SIZE are set); drop --nproc under torchrun/srun")
+        if args.nnodes is None:
+            validate_for_world(cfg, args.nproc)
+        else:  # elastic: every world size MIN..MAX may happen (loop/elastic.py)
+            from shardlab.loop.elastic import check_node_range, parse_nnodes, require_rdzv_id
+
+            args.node_range = parse_nnodes(args.nnodes)
+            check_node_range(lambda world: validate_for_world(cfg, world), args.nproc, *args.node_range)
+            require_rdzv_id(args.rdzv_id, args.node_range)
+    elif args.nnodes is not None:
+        raise ConfigError("--nnodes MIN:MAX starts one elastic agent of --nproc N workers; add --nproc N")
+    else:
+        validate_for_world(cfg, env_world()[2])
+
+
 def _configs(args: argparse.Namespace) -> int:
     """`shardlab configs`: the shipped example configs; with a NAME, that config's YAML."""
     from shardlab.shipped import config_path, describe, shipped_configs
@@ -123,10 +140,12 @@ def _configs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_train_parser(sub, strategies) -> None:
-    tr = sub.add_parser("train", help="train a model on N local workers, or as one worker of a launched job",
+def _add_train_parser(sub: argparse._SubParsersAction) -> None:
+    from shardlab.config_checks import strategy_names
+
+    tr = sub.add_parser("train", help=COMMANDS["train"].help,
                         description="Train a model. Config: YAML file plus dotted key=value overrides.",
-                        epilog=TRAIN_EPILOG.format(strategies=", ".join(strategies)),
+                        epilog=TRAIN_EPILOG.format(strategies=", ".join(strategy_names())),
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     tr.add_argument("config", nargs="?", help="YAML config file, or a shipped config's name (`shardlab configs`); "
                                               "default: built-in defaults")
@@ -151,12 +170,77 @@ def _add_train_parser(sub, strategies) -> None:
     tr.set_defaults(func=_train)
 
 
-def _add_module_command(sub, name: str, help_text: str, module) -> None:
+@dataclass(frozen=True)
+class Command:
+    """One `shardlab` command: its line in `shardlab --help`, and how its parser is added. The parser
+    is built only for the command being run: building it imports the command's module, and most
+    import torch, which `shardlab --help` and `shardlab configs` must not wait for."""
+
+    help: str
+    add: Callable[[argparse._SubParsersAction], None]
+
+
+def _module_command(name: str, help_text: str, module_name: str) -> Command:
     """A command whose module documents it (its docstring), adds its arguments and runs it."""
-    p = sub.add_parser(name, help=help_text, description=module.__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    module.add_arguments(p)
-    p.set_defaults(func=module.run)
+    def add(sub: argparse._SubParsersAction) -> None:
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text, description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
+    return Command(help_text, add)
+
+
+def _adds_itself(help_text: str, module_name: str, function: str) -> Command:
+    """A command whose module adds its own parser (deploy's render/submit, export's three, doctor);
+    the help text here is what that parser says (tests/test_cli_fast.py checks it)."""
+    return Command(help_text, lambda sub: getattr(importlib.import_module(module_name), function)(sub))
+
+
+def _add_configs_parser(sub: argparse._SubParsersAction) -> None:
+    co = sub.add_parser("configs", help=COMMANDS["configs"].help,
+                        description="The example configs shipped inside the package; `shardlab train NAME` runs one.")
+    co.add_argument("name", nargs="?", metavar="NAME", help="print this config's YAML")
+    co.set_defaults(func=_configs)
+
+
+def _add_verify_parser(sub: argparse._SubParsersAction) -> None:
+    from shardlab import verify
+
+    ve = sub.add_parser("verify", help=COMMANDS["verify"].help,
+                        description="Prove the config trains on N ranks exactly as one process would: step "
+                                    "by step, every gradient and parameter by name, in float64.",
+                        epilog=verify.command.EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    verify.add_arguments(ve)
+    ve.set_defaults(func=verify.run)
+
+
+# name -> Command, in the order `shardlab --help` lists them.
+COMMANDS: dict[str, Command] = {
+    "train": Command("train a model on N local workers, or as one worker of a launched job", _add_train_parser),
+    "configs": Command("list the example configs shipped with shardlab, or print one", _add_configs_parser),
+    "prepare": _module_command("prepare", "tokenize documents into memory-mapped token shards (data.source=tokens)",
+                               "shardlab.data.prepare"),
+    "data": _module_command("data", "look into a prepared corpus: `shardlab data inspect DATA_DIR`",
+                            "shardlab.data.describe"),
+    "bench": _module_command("bench", "measure every engine at every world size, beside the theory", "shardlab.bench"),
+    "plan": _module_command("plan", "predict peak memory per rank of every engine on a GPU, and step time",
+                            "shardlab.plan"),
+    "verify": Command("prove the config trains on N ranks exactly as one process would", _add_verify_parser),
+    "render": _adds_itself("write slurm / k8s / accelerate files for a config", "shardlab.deploy", "add_render_parser"),
+    "submit": _adds_itself("render, then submit (slurm, k8s)", "shardlab.deploy", "add_submit_parser"),
+    "export": _adds_itself("consolidate a sharded checkpoint into one safetensors file", "shardlab.export",
+                           "add_export_parsers"),
+    "generate": _adds_itself("sample text from a trained or exported model", "shardlab.export", "add_export_parsers"),
+    "eval": _adds_itself("validation loss of a run's checkpoint or an exported model", "shardlab.export",
+                         "add_export_parsers"),
+    "doctor": _adds_itself("diagnose a hung or failed run: the stuck rank and where every rank waits",
+                           "shardlab.doctor.cli", "add_doctor_parser"),
+    "report": _module_command("report", "one HTML file on where a run's time and memory went (needs shardlab[plot])",
+                              "shardlab.observe.report"),
+    "trace": _module_command("trace", "every rank's phases and collectives as one Chrome trace (Perfetto)",
+                             "shardlab.observe.trace"),
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -167,10 +251,10 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}\n{self.format_usage()}")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `shardlab` parser, with the whole parser of `command` (None: no command's options, as
+    `shardlab --help` needs) and one line for each of the others."""
     import shardlab
-    from shardlab import bench, plan, verify
-    from shardlab.data import describe, prepare
 
     parser = _Parser(
         prog="shardlab",
@@ -180,47 +264,22 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `shardlab COMMAND --help` for a command's options.")
     parser.add_argument("--version", action="version", version=f"shardlab {shardlab.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _add_train_parser(sub, shardlab.STRATEGIES)
-
-    co = sub.add_parser("configs", help="list the example configs shipped with shardlab, or print one",
-                        description="The example configs shipped inside the package; `shardlab train NAME` "
-                                    "runs one.")
-    co.add_argument("name", nargs="?", metavar="NAME", help="print this config's YAML")
-    co.set_defaults(func=_configs)
-    _add_module_command(sub, "prepare", "tokenize documents into memory-mapped token shards (data.source=tokens)",
-                        prepare)
-    _add_module_command(sub, "data", "look into a prepared corpus: `shardlab data inspect DATA_DIR`", describe)
-    _add_module_command(sub, "bench", "measure every engine at every world size, beside the theory", bench)
-    _add_module_command(sub, "plan", "predict peak memory per rank of every engine on a GPU, and step time", plan)
-
-    ve = sub.add_parser("verify", help="prove the config trains on N ranks exactly as one process would",
-                        description="Prove the config trains on N ranks exactly as one process would: step "
-                                    "by step, every gradient and parameter by name, in float64.",
-                        epilog=verify.command.EPILOG,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    verify.add_arguments(ve)
-    ve.set_defaults(func=verify.run)
-
-    # Commands that live beside their feature: render/submit (shardlab.deploy),
-    # export/generate/eval (shardlab.export). Each module adds its own subparsers.
-    from shardlab.deploy import add_render_parser, add_submit_parser
-    from shardlab.doctor.cli import add_doctor_parser
-    from shardlab.export import add_export_parsers
-
-    add_render_parser(sub)
-    add_submit_parser(sub)
-    add_export_parsers(sub)
-    add_doctor_parser(sub)
-    from shardlab.observe import report, trace
-
-    _add_module_command(sub, "report", "one HTML file on where a run's time and memory went (needs shardlab[plot])",
-                        report)
-    _add_module_command(sub, "trace", "every rank's phases and collectives as one Chrome trace (Perfetto)", trace)
+    if command in COMMANDS:
+        COMMANDS[command].add(sub)
+    for name, cmd in COMMANDS.items():
+        if name not in sub.choices:  # listed only: its options come when it is the command run
+            sub.add_parser(name, help=cmd.help)
     return parser
 
 
+def _command_of(argv: list[str]) -> str | None:
+    """The command an argument list runs: its first word that is no option (the top level's
+    options, -h and --version, take no value)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(_command_of(sys.argv[1:] if argv is None else argv))
     args, extra = parser.parse_known_args(argv)
     if args.command is None:
         parser.print_help()
@@ -238,17 +297,24 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += extra  # render/submit: key=value after the options, as for train
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    from shardlab.checkpoint import CheckpointError
-    from shardlab.data.shards import DataError
-
     try:
         return int(args.func(args) or 0)
-    except (CheckpointError, DataError) as e:  # a checkpoint or data that cannot be used: the message says what to do
+    except _usable_errors() as e:  # a checkpoint or data that cannot be used: the message says what to do
         # One write of the whole line: workers that refuse a checkpoint together share the launcher's
         # stderr, and print's two writes (text, then newline) interleave: "error: Aerror: B" on one line.
         sys.stderr.write(f"error: {e}\n")
         sys.stderr.flush()
         return 1
+
+
+def _usable_errors() -> tuple[type[Exception], ...]:
+    """The errors whose message is the whole answer: a checkpoint or data that cannot be used.
+    Read after the command ran: a DataError can only come from a command that imported its
+    module, and importing it first would import torch for every command."""
+    from shardlab.errors import CheckpointError
+
+    shards = sys.modules.get("shardlab.data.shards")
+    return (CheckpointError,) + ((shards.DataError,) if shards is not None else ())
 
 
 if __name__ == "__main__":
