@@ -28,6 +28,7 @@ from torch import nn
 
 from shardlab.engines import _hooks, collectives
 from shardlab.engines.api import CPUOffload, Engine, MixedPrecision, ShardPiece, accumulation_mode, is_meta
+from shardlab.engines.fsdp_hybrid import ReplicaReduce
 from shardlab.engines.fsdp_layout import (
     FlatGroup,
     FlatUnit,
@@ -49,7 +50,8 @@ class FSDPEngine(Engine, Plannable, Measurable):
     mixed_precision: gather and compute in `param_dtype`, reduce-scatter in `reduce_dtype`;
     shards, their gradients and the optimizer state stay in the parameters' own dtype.
     prefetch: start the all-gather of the unit that runs next while this one computes.
-    shard_size: S < N shards over S ranks and replicates over N/S ([Note: hybrid sharding]).
+    shard_size: S < N shards over S ranks and replicates over N/S
+    ([Note: hybrid sharding] in engines/fsdp_hybrid.py).
     offload: CPUOffload keeps the shards, their gradients and so the optimizer state in host
     memory ([Note: CPU offload]).
     accumulate: "sharded" reduce-scatters every micro batch into the shard ([Note: sharded
@@ -80,7 +82,7 @@ class FSDPEngine(Engine, Plannable, Measurable):
         self._backward_end = _hooks.BackwardEnd(self._finish_backward)
         # reduce-scatters in flight, oldest first: (group, output shard, input full gradient, handle)
         self._pending_reduces: list[tuple[FlatGroup, torch.Tensor, torch.Tensor, Any]] = []
-        # where a reduced slice goes: [Note: hybrid sharding], then [Note: CPU offload]
+        # where a reduced slice goes: [Note: hybrid sharding] in engines/fsdp_hybrid.py, then [Note: CPU offload]
         self._replica_reduce = ReplicaReduce(self.replica_group, self.replica_counter,
                                              _hooks.ReducedGrads(self.offload, self.device))
         self._forward_order: list[FlatUnit] = []
@@ -444,7 +446,7 @@ class FSDPEngine(Engine, Plannable, Measurable):
     def step_traffic(cls, model: ModelTraffic, options: Mapping[str, Any]) -> list[Collective]:
         """Every unit all-gathered in forward and again in backward (not the root, kept gathered),
         gradients reduce-scattered once per step (sharded accumulation: per micro batch) within the
-        shard group ([Note: hybrid sharding])."""
+        shard group ([Note: hybrid sharding] in engines/fsdp_hybrid.py)."""
         group = options.get("shard_size") or model.world
         return gathered_unit_traffic(model, "all_gather", "reduce_scatter", group, root_kept=True,
                                      accumulate=options.get("accumulate", "local"))
@@ -469,43 +471,3 @@ class FSDPEngine(Engine, Plannable, Measurable):
     def hook_memory_tracker(self, tracker: MemoryTracking) -> None:
         for g in self.groups:  # each group's flat buffer is one leaf for the whole step
             tracker.hook_incoming(g.full, "unsharded_grads")
-
-# [Note: hybrid sharding]
-# With shard_size=S < N (HSDP) the N ranks form R = N/S shard groups of S consecutive ranks
-# ({0..S-1}, {S..2S-1}, ...; on a cluster, one node each when S is the ranks per node) and S
-# replica groups of the ranks holding the same slice ({0, S, 2S, ...}, ...), made once by
-# `collectives.hybrid_groups`. Everything else happens within the shard group: buffers are
-# padded to a multiple of S, rank r keeps slice (r mod S), gathers and reduce-scatters run
-# over S ranks. The reduce-scatter averages over the S ranks; once it completes, the slice is
-# all-reduced (averaged) over the R replicas, asynchronously, so the result is the mean over
-# all N ([Note: why average]); those all-reduces are waited for at the end of backward, in
-# launch order. Model state per rank is 16Psi/S, the price of keeping the heavy gather and
-# reduce-scatter traffic inside a node: only 2(R-1)/R x 4Psi/S bytes per rank cross nodes.
-# Replicas hold equal shards, so the gradient norm is summed over the shard group only
-# (`grad_norm_group`), and a checkpoint's pieces are described once per replica: DCP keeps
-# one writer per identical chunk. S = N is plain FSDP (no replica group, no all-reduce).
-
-class ReplicaReduce:
-    """Where a reduce-scattered slice goes: with a replica group, an async all-reduce over it
-    first (waited for in `finish`, in launch order, the same on every rank); then into
-    `shard.grad` (through the host with offload: `_hooks.ReducedGrads`)."""
-
-    def __init__(self, group: Any, counter: collectives.CommCounter, grads: _hooks.ReducedGrads):
-        self.group, self.counter, self.grads = group, counter, grads
-        self._pending: list[tuple[nn.Parameter, torch.Tensor, Any]] = []  # (shard, slice, handle)
-
-    def add(self, shard: nn.Parameter, out: torch.Tensor) -> None:
-        if self.group is None:
-            self.grads.add(shard, out)
-            return
-        # averaged over the S ranks of the shard group, now over the R replicas: the mean over N
-        handle = collectives.all_reduce(out, self.group, average=True, async_op=True, counter=self.counter)
-        self._pending.append((shard, out, handle))
-
-    def finish(self) -> None:
-        for shard, out, handle in self._pending:
-            if handle is not None:
-                handle.wait()
-            self.grads.add(shard, out)
-        self._pending.clear()
-        self.grads.flush()

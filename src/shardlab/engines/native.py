@@ -6,32 +6,15 @@
   the root, so parameters outside every unit (embeddings, tied head, final norm) are
   sharded with the root group. Tied parameters live in the root group, as FSDP2 requires.
 
-Both count what they send in the same `CommCounter` form as the from-scratch engines, through
-the extension points PyTorch offers, so `metrics.json` and `shardlab bench` compare like with
-like: DDP through a communication hook that counts each bucket and then runs DDP's default
-all-reduce hook (divide by N, sum: what DDP does without a hook), FSDP2 through custom
-all-gather / reduce-scatter objects (`set_custom_all_gather`, `set_custom_reduce_scatter`)
-that count and then call the same `dist` functions as FSDP2's defaults, and with HSDP an
-all-reduce hook (`set_all_reduce_hook`), which FSDP2 calls with the slice it has just
-all-reduced over the replica group. Not counted: DDP's initial broadcast of the module state
-(before training, as the from-scratch engines' is excluded from step traffic too). The same
-hooks enter each collective in the hang doctor's flight record (`collectives.issue`;
-docs/debugging.md), completed when its future completes (DDP) or its wait returns (FSDP2).
-
-Times (`comm_seconds()`), as `collectives` takes them: FSDP2's blocking calls inside the call,
-its async all-gathers from issue until FSDP2's `wait()` returns (a `collectives.TimedWork`);
-DDP's bucket all-reduces from issue until the future completes (a callback chained on DDP's
-default hook's future: DDP waits on it at the end of backward, so this is when the wait could
-first return); FSDP2's HSDP all-reduce from the end of the reduce-scatter before it until the
-hook runs right after it (with S = 1 FSDP2 issues no reduce-scatter, so that all-reduce is
-counted but not timed).
+Both count what they send in the same `CommCounter` form as the from-scratch engines, and enter
+each collective in the hang doctor's flight record, through the extension points PyTorch offers:
+engines/native_counting.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -39,10 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from shardlab.engines import collectives, raw_collectives
+from shardlab.engines import collectives
 from shardlab.engines.api import (
     CPUOffload,
     Engine,
@@ -53,6 +35,7 @@ from shardlab.engines.api import (
     materialize_whole_,
 )
 from shardlab.engines.measuring import Measurable, MemoryTracking
+from shardlab.engines.native_counting import counting_allreduce_hook, counting_fsdp2_comms
 from shardlab.engines.planning import (
     Collective,
     LocalTensor,
@@ -95,7 +78,7 @@ class TorchDDPEngine(Engine, Plannable, Measurable):
             gradient_as_bucket_view=gradient_as_bucket_view,
         )
         self.counter = collectives.CommCounter()
-        self.ddp.register_comm_hook(None, _counting_allreduce_hook(self.counter, self.group, self.world_size))
+        self.ddp.register_comm_hook(None, counting_allreduce_hook(self.counter, self.group, self.world_size))
         _drive_from_hooks(self.ddp, self.module)
 
     def comm_counters(self) -> list[collectives.CommCounter]:
@@ -178,7 +161,7 @@ class TorchFSDPEngine(Engine, Plannable, Measurable):
         fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload_policy)
         self.module = module
         self.counter = collectives.CommCounter()
-        all_gather, reduce_scatter, all_reduce_hook = _counting_fsdp2_comms(self.counter, self.hybrid.replicas,
+        all_gather, reduce_scatter, all_reduce_hook = counting_fsdp2_comms(self.counter, self.hybrid.replicas,
                                                                             self.hybrid.replicate)
         for m in [*self.units, module]:
             m.set_custom_all_gather(all_gather)
@@ -391,29 +374,38 @@ def _materialize_sharded_(root: nn.Module, units: list[nn.Module], device: torch
         if not pending and not has_buffers:
             continue
         init_modules = list({id(m): m for m in [*region, *(m for pid in pending for m, _ in bindings[pid])]}.values())
-        stand_ins: dict[int, nn.Parameter] = {}
-        swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
-        side_names: dict[int, str] = {}
-        for m in init_modules:
-            for attr, p in list(m._parameters.items()):
-                if p is None:
-                    continue
-                if id(p) not in stand_ins:
-                    where = init_device if id(p) in pending else "meta"
-                    stand_ins[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=where),
-                                                    requires_grad=p.requires_grad)
-                    side_names[id(stand_ins[id(p)])] = names[id(p)]
-                swapped.append((m, attr, p))
-                m._parameters[attr] = stand_ins[id(p)]
-        try:
-            init_parameters_(root, seed, modules=init_modules, names=side_names)
-        finally:
-            for m, attr, p in swapped:
-                m._parameters[attr] = p
-        for pid in pending:
-            copy_full_value_(params[pid], stand_ins[pid])
+        _fill_on_the_side_(root, init_modules, [params[pid] for pid in pending], names, init_device, seed)
         filled.update(pending)
-        del stand_ins, swapped
+
+
+def _fill_on_the_side_(root: nn.Module, init_modules: list[nn.Module], pending: list[nn.Parameter],
+                       names: dict[int, str], init_device: torch.device, seed: int) -> None:
+    """Run the model's own initializer over `init_modules` (one unit's region and every module
+    binding its `pending` parameters) on whole stand-ins, then copy each pending parameter's
+    local rows into its DTensor ([Note: torch-fsdp from the meta device]). A parameter not
+    pending stands in as a meta tensor, which the initializer leaves alone."""
+    wanted = {id(p) for p in pending}
+    stand_ins: dict[int, nn.Parameter] = {}
+    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+    side_names: dict[int, str] = {}
+    for m in init_modules:
+        for attr, p in list(m._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in stand_ins:
+                where = init_device if id(p) in wanted else "meta"
+                stand_ins[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=where),
+                                                requires_grad=p.requires_grad)
+                side_names[id(stand_ins[id(p)])] = names[id(p)]
+            swapped.append((m, attr, p))
+            m._parameters[attr] = stand_ins[id(p)]
+    try:
+        init_parameters_(root, seed, modules=init_modules, names=side_names)
+    finally:
+        for m, attr, p in swapped:
+            m._parameters[attr] = p
+    for p in pending:
+        copy_full_value_(p, stand_ins[id(p)])
 
 
 def _read_local_rows_(p: torch.Tensor, read: Any) -> None:
@@ -429,65 +421,3 @@ def _read_local_rows_(p: torch.Tensor, read: Any) -> None:
     row = math.prod(p.shape[1:])
     rows = shape[0] if p.dim() else 1
     local.copy_(read(first * row, (first + rows) * row).view(shape).to(local.dtype))
-
-
-def _counting_allreduce_hook(counter: collectives.CommCounter, group: dist.ProcessGroup | None, world: int):
-    """A DDP communication hook: count the bucket, then DDP's default all-reduce hook, timed
-    until its future completes. It closes over the counter, not the engine: DDP's reducer
-    holds it from C++."""
-    def hook(_state, bucket):  # unannotated: DDP rejects the string annotations of this module
-        issued, entry = collectives.issue(counter, "all_reduce", collectives.nbytes(bucket.buffer()), world, group)
-
-        def done(fut):
-            value = fut.value()  # raises if the all-reduce failed: then it neither counts nor completes
-            counter.add_seconds("all_reduce", time.perf_counter() - issued)
-            collectives.complete(entry)
-            return value
-
-        return default_hooks.allreduce_hook(group, bucket).then(done)
-
-    return hook
-
-
-def _counting_fsdp2_comms(counter: collectives.CommCounter, replicas: int,
-                          replica_group: dist.ProcessGroup | None) -> tuple[Any, Any, Any]:
-    """FSDP2's default all-gather and reduce-scatter, counting each call's payload first
-    (the gathered output; the reduce-scattered input) and entering it in the flight record,
-    as `collectives` does, and timing it; and an all-reduce hook for HSDP that counts and
-    records the slice FSDP2 has just all-reduced over the replica group and times it from the
-    end of the reduce-scatter that preceded it (recorded after the fact: a hang inside that
-    all-reduce shows as the reduce-scatter before it, completed, and nothing after)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
-
-    last_reduce_scatter_end: list[float | None] = [None]
-
-    class CountingAllGather(DefaultAllGather):
-        def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            issued, entry = collectives.issue(counter, "all_gather", collectives.nbytes(output_tensor), group.size(),
-                                              group)
-            return collectives.timed(counter, "all_gather", issued,
-                                     super().__call__(output_tensor, input_tensor, group, async_op), entry)
-
-    class CountingReduceScatter(DefaultReduceScatter):
-        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            issued, entry = collectives.issue(counter, "reduce_scatter", collectives.nbytes(input_tensor),
-                                              group.size(), group)
-            work = collectives.timed(counter, "reduce_scatter", issued,
-                                     super().__call__(output_tensor, input_tensor, group, op, async_op), entry)
-            last_reduce_scatter_end[0] = time.perf_counter()
-            return work
-
-    def all_reduce_hook(reduce_output: torch.Tensor) -> None:
-        # called by FSDP2 (HSDP) right after its blocking all-reduce of the reduce-scattered slice; with the
-        # doctor on, raw_collectives entered that all-reduce in the record as FSDP2 issued it: only counted here
-        if raw_collectives.installed():
-            counter.add("all_reduce", collectives.nbytes(reduce_output), replicas)
-        else:
-            _, entry = collectives.issue(counter, "all_reduce", collectives.nbytes(reduce_output), replicas,
-                                         replica_group)
-            collectives.complete(entry)
-        if last_reduce_scatter_end[0] is not None:
-            counter.add_seconds("all_reduce", time.perf_counter() - last_reduce_scatter_end[0])
-            last_reduce_scatter_end[0] = None
-
-    return CountingAllGather(), CountingReduceScatter(), all_reduce_hook

@@ -11,7 +11,7 @@ were in.
 
 [Note: what the wrapper does not record]
 - shardlab's own collectives: `engines/collectives.py` and the torch engines' counting hooks
-  (`engines/native.py`) enter their calls themselves, and reach torch.distributed through one
+  (`engines/native_counting.py`) enter their calls themselves, and reach torch.distributed through one
   to three frames of torch's own code (DDP's default hook, FSDP2's default all-gather). The
   wrapper looks at its callers, OWN_DEPTH frames up, and leaves a call alone when one of them
   is such a function. Recording it twice would put two entries where other ranks, on another
@@ -53,9 +53,9 @@ COLLECTIVES: dict[str, tuple[str, str | None]] = {
     "all_gather_object": ("all_gather_object", None), "broadcast_object_list": ("broadcast_object", None),
     "gather_object": ("gather_object", None), "scatter_object_list": ("scatter_object", None),
 }
-OWN_DEPTH = 4   # callers looked at: native.py's hooks reach torch.distributed through up to 3 frames of torch
+OWN_DEPTH = 4   # callers looked at: native_counting.py's hooks reach torch.distributed through up to 3 frames of torch
 _OWN_MODULE = "shardlab.engines.collectives"
-_OWN_HOOKS = ("shardlab.engines.native", ("hook", "__call__"))   # the counting hooks' functions there
+_OWN_HOOKS = ("shardlab.engines.native_counting", ("hook", "__call__"))   # the counting hooks' functions there
 _originals: dict[str, Callable[..., Any]] = {}
 
 

@@ -73,18 +73,8 @@ def make_plan(cfg, args, workdir: str) -> Plan:
     from shardlab.config import ConfigError, config_from_dict, validate_for_world
     from shardlab.verify.runs import Plan
 
-    n, p, t = args.nproc, cfg.parallel, cfg.train
-    if n < 1:
-        raise BadInput(f"--nproc must be >= 1, got {n}")
-    if args.steps < 1:
-        raise BadInput(f"--steps must be >= 1, got {args.steps}")
-    if not engine_class(p.strategy).distributed:
-        distributed = [s for s in STRATEGIES if engine_class(s).distributed]
-        raise BadInput("verify compares a distributed engine with one process; set parallel.strategy to one of "
-                       f"{', '.join(distributed)}")
-    if args.against == p.strategy:
-        raise BadInput(f"--against {args.against} compares another engine with {args.against}; with "
-                       f"parallel.strategy={p.strategy} use --against {ONE_PROCESS}")
+    n, t = args.nproc, cfg.train
+    _check_request(cfg, args)
     validate_for_world(cfg, n)
     raw = cfg.to_dict()
     notes = []
@@ -103,29 +93,8 @@ def make_plan(cfg, args, workdir: str) -> Plan:
     raw["export"]["format"] = "none"
     raw["output"].update(dir=workdir, run_name="verify", tensorboard=False, trackers=None, progress=False)
     if args.dtype == "float64":
-        mp = raw["parallel"]["mixed_precision"]
-        if mp in ("bf16", "fp16"):  # the engine keeps its mixed-precision path, computing in float64
-            notes.append(f"parallel.mixed_precision={mp} runs as fp64: the engine's casts and reductions run, in "
-                         f"float64 (--dtype config keeps {mp})")
-            raw["parallel"]["mixed_precision"] = "fp64"
-        rd = raw["parallel"].get("reduce_dtype")
-        if rd not in (None, "fp64"):  # a reduction in fp32 or less would round the float64 gradients
-            notes.append(f"parallel.reduce_dtype={rd} runs as fp64: the engine reduces in float64 (--dtype config "
-                         f"keeps {rd})")
-            raw["parallel"]["reduce_dtype"] = "fp64"
-        if raw["train"]["precision"] != "fp32":
-            notes.append(f"train.precision={raw['train']['precision']}: autocast leaves float64 alone (an fp16 loss "
-                         "scaler still scales, exactly: a power of two)")
-    ref = copy.deepcopy(raw)
-    ref["parallel"].update(strategy=args.against, offload="none", shard_size=None)
-    if "mixed_precision" not in engine_class(args.against).options:  # the reference computes in the model's dtype
-        ref["parallel"]["mixed_precision"] = "fp32"
-    if "accumulate" not in engine_class(args.against).options:  # it holds whole gradients: nothing to shard
-        ref["parallel"]["accumulate"] = "local"
-    if args.against == ONE_PROCESS:
-        ref["train"].update(micro_batch_size=n * t.micro_batch_size, activation_checkpointing="none")
-        ref["parallel"]["reduce_dtype"] = None  # one process reduces nothing
-    ref["train"].update(compile=False, compile_mode=None)  # the reference is the plain maths; the engine keeps its own
+        notes += _in_float64(raw)
+    ref = _reference(raw, args.against, n, t.micro_batch_size)
     try:
         engine_cfg, ref_cfg = config_from_dict(raw), config_from_dict(ref)
         validate_for_world(engine_cfg, n)
@@ -134,6 +103,59 @@ def make_plan(cfg, args, workdir: str) -> Plan:
         raise BadInput(str(e)) from None
     return Plan(engine_cfg.to_dict(), ref_cfg.to_dict(), n, args.steps, args.against, args.dtype,
                 args.keep_dropout, workdir, tuple(notes))
+
+
+def _check_request(cfg, args) -> None:
+    """What verify itself refuses, before the config's own checks: counts below one, a one-process
+    engine to verify, an engine compared with itself."""
+    n, p = args.nproc, cfg.parallel
+    if n < 1:
+        raise BadInput(f"--nproc must be >= 1, got {n}")
+    if args.steps < 1:
+        raise BadInput(f"--steps must be >= 1, got {args.steps}")
+    if not engine_class(p.strategy).distributed:
+        distributed = [s for s in STRATEGIES if engine_class(s).distributed]
+        raise BadInput("verify compares a distributed engine with one process; set parallel.strategy to one of "
+                       f"{', '.join(distributed)}")
+    if args.against == p.strategy:
+        raise BadInput(f"--against {args.against} compares another engine with {args.against}; with "
+                       f"parallel.strategy={p.strategy} use --against {ONE_PROCESS}")
+
+
+def _in_float64(raw: dict) -> list[str]:
+    """The engine's config (`raw`, changed in place) computing and reducing in float64 where it
+    would round; the notes saying what changed."""
+    notes = []
+    mp = raw["parallel"]["mixed_precision"]
+    if mp in ("bf16", "fp16"):  # the engine keeps its mixed-precision path, computing in float64
+        notes.append(f"parallel.mixed_precision={mp} runs as fp64: the engine's casts and reductions run, in "
+                     f"float64 (--dtype config keeps {mp})")
+        raw["parallel"]["mixed_precision"] = "fp64"
+    rd = raw["parallel"].get("reduce_dtype")
+    if rd not in (None, "fp64"):  # a reduction in fp32 or less would round the float64 gradients
+        notes.append(f"parallel.reduce_dtype={rd} runs as fp64: the engine reduces in float64 (--dtype config "
+                     f"keeps {rd})")
+        raw["parallel"]["reduce_dtype"] = "fp64"
+    if raw["train"]["precision"] != "fp32":
+        notes.append(f"train.precision={raw['train']['precision']}: autocast leaves float64 alone (an fp16 loss "
+                     "scaler still scales, exactly: a power of two)")
+    return notes
+
+
+def _reference(raw: dict, against: str, n: int, micro_batch_size: int) -> dict:
+    """The reference's config: the engine's, run by `against` (one process: the n ranks' micro
+    batches as one), as plain maths."""
+    ref = copy.deepcopy(raw)
+    ref["parallel"].update(strategy=against, offload="none", shard_size=None)
+    if "mixed_precision" not in engine_class(against).options:  # the reference computes in the model's dtype
+        ref["parallel"]["mixed_precision"] = "fp32"
+    if "accumulate" not in engine_class(against).options:  # it holds whole gradients: nothing to shard
+        ref["parallel"]["accumulate"] = "local"
+    if against == ONE_PROCESS:
+        ref["train"].update(micro_batch_size=n * micro_batch_size, activation_checkpointing="none")
+        ref["parallel"]["reduce_dtype"] = None  # one process reduces nothing
+    ref["train"].update(compile=False, compile_mode=None)  # the reference is the plain maths; the engine keeps its own
+    return ref
 
 
 # -- running ---------------------------------------------------------------------------------------
