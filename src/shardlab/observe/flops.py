@@ -4,8 +4,9 @@
 step with it (plan/probe.py), and the training loop counts the first step of each run with it
 (`StepFlops`, for loop/measurements.py), so a run's FLOPs per token and plan's are the same count of the same step.
 
-`device_peak`: the FLOP/s MFU divides by. A GPU in plan's catalogue: its dense bf16/fp16
-peak (plan/catalogue.py, with its source). Any other device, the CPU included: this machine's
+`device_peak`: the FLOP/s MFU divides by. A GPU in plan's catalogue: its dense peak in the dtype
+matmuls run in under `train.precision` (bf16/fp16 tensor cores, or fp32 CUDA cores: plan/catalogue.py,
+with its source). Any other device, the CPU included: this machine's
 matmul peak, measured once (the best of a few rounds of square matmuls at the training dtype
 and the process's thread count) and cached under the shardlab cache directory, so every run
 on the machine divides by the same number ([Note: a peak measured on busy cores]).
@@ -188,8 +189,9 @@ def device_peak(device: torch.device, precision: str) -> tuple[float, str]:
     """(peak FLOP/s of one rank's device, where the figure comes from)."""
     if device.type == "cuda":
         known = _catalogue_gpu(device)
-        if known is not None:
-            return known.peak_flops, f"plan's catalogue: {known.name}, dense bf16/fp16 ({known.source[:80]}...)"
+        dtype = {"bf16": "bf16", "fp16": "fp16"}.get(precision, "fp32")  # fp32 matmuls: CUDA cores (no tf32)
+        if known is not None and dtype in known.peaks:
+            return known.peak(dtype), f"plan's catalogue: {known.name}, dense {dtype} ({known.source[:80]}...)"
     return measured_peak(device, compute_dtype(precision))
 
 

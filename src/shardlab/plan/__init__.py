@@ -1,7 +1,7 @@
 """`shardlab plan`: predict the peak memory per rank of every engine before launch, say whether it
 fits a GPU, and predict step time and tokens/s at K nodes (docs/plan.md; the model: docs/memory.md, "How shardlab plan predicts the peak").
 
-  shardlab plan CONFIG.yaml [key=value ...] --gpu T4|L4|A100-40|A100-80|H100|H200 --nproc N [--nodes K]
+  shardlab plan CONFIG.yaml [key=value ...] --gpu T4|L4|A100-40|A100-80|H100|H200|cpu --nproc N [--nodes K]
                 [--interconnect NAME] [--engines a,b] [--json]
 
 How the peak is predicted (per engine, per rank):
@@ -37,27 +37,28 @@ How the peak is predicted (per engine, per rank):
    group (`fake_group_probe`: torch-ddp) is probed on a real one-rank gloo group. Hybrid sharding
    and offload: `engine_config`, docs/memory.md.
 
-Time (plan/traffic.py): compute from the probe's measured step time on this CPU (scaled by
-FLOPs) or, for a GPU, the FLOPs counted on the probe's own step (`step_flops`; without a probe at
-the real shape, 6 * params * tokens plus what checkpointing recomputes) at
-`GPUS[...].peak_flops * MFU`; communication
-from an alpha-beta model per collective (plan/catalogue.py's `INTERCONNECTS`) over the
-collectives each engine says a step issues (`Plannable.step_traffic`).
+Time (plan/clock.py, plan/traffic.py): the probed step's operations (plan/ops.py) each at what the
+device does for its kind: matmuls by the roofline at the dtype's ceiling, attention by its kernel's
+share of the peak, the rest at memory bandwidth, every operator's dispatch on the host (`--gpu cpu`:
+each measured on this machine, plan/cpu.py); communication from an alpha-beta model per collective
+(plan/catalogue.py's `INTERCONNECTS`) over the collectives each engine says a step issues
+(`Plannable.step_traffic`), overlapped as the device allows ([Note: plan's clock]).
 
 The package, one concern a module: catalogue (GPUs, links), model (the meta model and exact
-state), probe, scaling, predict (the prediction per engine), traffic (step time), fit (the
+state), probe, ops (the probed step's operations), scaling, predict (the prediction per engine), clock
+(each operation's time), cpu (this machine's figures, `--gpu cpu`), traffic (step time), fit (the
 loopback link's constants, `python -m shardlab.plan fit-loopback`), report (verdict and command),
 fake_ddp (PyTorch DDP under the fake-tensor probes).
 """
 
-from shardlab.plan.catalogue import GPU, GPUS, INTERCONNECTS, MFU, Link, usable_bytes
+from shardlab.plan.catalogue import GPU, GPUS, INTERCONNECTS, Link, usable_bytes
 from shardlab.plan.fit import fit_alpha_beta, fit_per_kind, measure_collectives
 from shardlab.plan.model import engine_config, model_state
 from shardlab.plan.predict import Prediction, predict, predict_all
 from shardlab.plan.report import add_arguments, print_report, run, verdict
 from shardlab.plan.traffic import collective_time, comm_plan, comm_seconds, hiding_limit, step_time
 
-__all__ = ["GPU", "GPUS", "INTERCONNECTS", "MFU", "Link", "usable_bytes", "fit_alpha_beta", "fit_per_kind",
+__all__ = ["GPU", "GPUS", "INTERCONNECTS", "Link", "usable_bytes", "fit_alpha_beta", "fit_per_kind",
            "measure_collectives", "engine_config", "model_state", "Prediction", "predict", "predict_all",
            "add_arguments", "print_report", "run", "verdict", "collective_time", "comm_plan", "comm_seconds",
            "hiding_limit", "step_time"]

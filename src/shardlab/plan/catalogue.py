@@ -1,5 +1,5 @@
-"""What plan knows of the hardware: GPUs (memory, bf16, peak FLOP/s) and the links between
-ranks (alpha-beta constants per collective kind), each with its source."""
+"""What plan knows of the hardware: GPUs (memory, bf16, peak FLOP/s by dtype, memory bandwidth) and the
+links between ranks (alpha-beta constants per collective kind), each with its source."""
 
 from __future__ import annotations
 
@@ -12,57 +12,94 @@ class GPU:
     name: str
     memory_bytes: int          # as sold (GB = 1e9 bytes where the vendor says GB)
     bf16: bool                 # native bfloat16 (Ampere and newer)
-    peak_flops: float          # dense tensor-core FLOP/s at the training dtype (bf16, or fp16 on T4), no sparsity
+    #: dense peak FLOP/s by the dtype matmuls run in (no sparsity): "fp32" (CUDA cores), "tf32", "fp16"
+    #: and "bf16" (tensor cores); a dtype the GPU lacks is absent
+    peaks: dict[str, float]
+    memory_bandwidth: float    # bytes/s, the data sheet's (HBM or GDDR)
     source: str
     #: the link between the GPUs of one node (a key of INTERCONNECTS), and between nodes by default
     intra_node: str = "pcie-gen4"
     inter_node: str = "infiniband-400"
+    #: (FLOP/s, source) the fastest bf16/fp16 matmul measured on this GPU reaches, where someone measured
+    #: it (MAMF: plan/clock.py); None: the data sheet's peak is the only ceiling known
+    achievable_half: tuple[float, str] | None = None
+
+    @property
+    def peak_flops(self) -> float:
+        """The dense tensor-core peak at the training dtype (bf16, or fp16 on T4)."""
+        return self.peaks.get("bf16" if self.bf16 else "fp16") or self.peaks["fp32"]
+
+    def peak(self, dtype: str) -> float:
+        """Dense peak FLOP/s of matmuls in `dtype` ("fp32", "tf32", "bf16", "fp16"); fp32 without tf32:
+        the CUDA cores' figure, as PyTorch leaves fp32 matmuls unless allow_tf32 is set (shardlab never sets it)."""
+        if dtype not in self.peaks:
+            raise KeyError(f"{self.name} has no {dtype} peak (it has {', '.join(self.peaks)})")
+        return self.peaks[dtype]
 
 
-# Where each GPU figure comes from (checked 2026-11-23). The provider's table: Google Cloud, "GPU
-# machine types" (cloud.google.com/compute/docs/gpus), read in its S3NS mirror
+# Where each GPU figure comes from (checked 2026-11-23, dtypes and bandwidth 2026-11-28). The provider's
+# table: Google Cloud, "GPU machine types" (cloud.google.com/compute/docs/gpus), read in its S3NS mirror
 # (documentation.s3ns.fr/compute/docs/gpus, "Last updated 2026-08-26"): the "General comparison
 # chart" gives memory and interconnect, "Tensor Core and standard CUDA core performance" gives
 # FLOP/s, which "assume dense matrix multiplication" (structured sparsity doubles them), and its
 # footnote names H200, H100, A100 and L4 as the ones that "also support the bfloat16 data type"
-# (T4 is not named: Turing has no bf16). NVIDIA's own data sheets were not in the stored corpora;
-# where a source says "NVIDIA", it is NVIDIA's figure as Google's page restates it. PCIe cards of
-# A100/H100 have other figures: --interconnect pcie-gen4 / pcie-gen5 describes their link.
+# (T4 is not named: Turing has no bf16). Peaks by dtype (fp32, tf32, fp16/bf16, dense) and memory
+# bandwidth: NVIDIA's data sheets by name (T4 "NVIDIA T4 Tensor Core GPU" data sheet: FP32 8.1
+# TFLOPS, mixed FP16/FP32 65, GDDR6 320 GB/s; L4 data sheet: FP32 30.3, TF32 120 and BF16/FP16 242
+# with sparsity (60 / 121 dense), 300 GB/s; A100 data sheet (nvidia.com/en-us/data-center/a100):
+# FP32 19.5, TF32 156, BF16/FP16 312, 40GB 1,555 GB/s, 80GB SXM 2,039 GB/s; H100 SXM (nvidia.com/en-us/
+# data-center/h100): FP32 67, TF32 989 and BF16 1,979 with sparsity (494.5 / 989 dense), 3.35 TB/s;
+# H200 SXM (nvidia.com/en-us/data-center/h200): compute as H100, 4.8 TB/s), as restated with the
+# dense figures in Stas Bekman's "Machine Learning Engineering", compute/accelerator/README.md
+# (github.com/stas00/ml-engineering, "TFLOPS comparison table" and the memory table) for A100, H100 and
+# H200, and by third-party spec pages for T4 (sysrqmts.com: FP32 8.141, FP16 65.13 TFLOPS, 320 GB/s).
+# The data sheets themselves were not in the stored corpora. PCIe cards of A100/H100 have other
+# figures: --interconnect pcie-gen4 / pcie-gen5 describes their link.
 _GCP_GPUS = "Google Cloud, 'GPU machine types' (cloud.google.com/compute/docs/gpus)"
+#: The Maximum Achievable Matmul FLOPS (bf16, the best of a sweep of shapes, torch 2.6-2.7), measured by
+#: Stas Bekman, "Machine Learning Engineering", compute/accelerator/README.md, "Maximum Achievable Matmul
+#: FLOPS comparison table" (github.com/stas00/ml-engineering): A100 SXM 271.2 of 312 (86.9 %), H100 SXM
+#: 794.5 of 989 (80.3 %). Nobody's figure for T4, L4 or H200 was found: their ceiling is the data sheet's.
+_MAMF = "Bekman, 'Machine Learning Engineering' (github.com/stas00/ml-engineering), MAMF table"
 GPUS: dict[str, GPU] = {
-    "T4": GPU("T4", 16 * 10**9, False, 65e12,
+    "T4": GPU("T4", 16 * 10**9, False, {"fp32": 8.1e12, "fp16": 65e12}, 320e9,
               f"{_GCP_GPUS}: N1 (T4) 16 GB GDDR6, interconnect N/A, Tensor Core mixed FP16/32 65 TFLOPS, "
-              "not among the bfloat16 GPUs; PCIe Gen3 x16 card (NVIDIA's T4 data sheet not in the corpora)",
+              "not among the bfloat16 GPUs; PCIe Gen3 x16 card; NVIDIA T4 data sheet: FP32 8.1 TFLOPS, 320 GB/s",
               intra_node="pcie-gen3", inter_node="gke-n1-t4"),
-    "L4": GPU("L4", 24 * 10**9, True, 121e12,
+    "L4": GPU("L4", 24 * 10**9, True, {"fp32": 30.3e12, "tf32": 60e12, "fp16": 121e12, "bf16": 121e12}, 300e9,
               f"{_GCP_GPUS}: G2 (L4) 24 GB GDDR6, interconnect N/A, mixed FP16/32 121 TFLOPS dense "
-              "(242 with sparsity), bfloat16 supported; PCIe Gen4 x16 card",
+              "(242 with sparsity), bfloat16 supported; PCIe Gen4 x16 card; NVIDIA L4 data sheet: FP32 30.3, "
+              "TF32 120 with sparsity, 300 GB/s",
               intra_node="pcie-gen4", inter_node="gke-g2-l4"),
-    "A100-40": GPU("A100-40", 40 * 10**9, True, 312e12,
+    "A100-40": GPU("A100-40", 40 * 10**9, True, {"fp32": 19.5e12, "tf32": 156e12, "fp16": 312e12, "bf16": 312e12},
+                   1555e9,
                    f"{_GCP_GPUS}: A2 Standard (A100 40GB) 40 GB HBM2, NVLink Full Mesh @ 600 GBps, "
-                   "mixed FP16/32 312 TFLOPS dense, bfloat16 supported",
-                   intra_node="nvlink3"),
-    "A100-80": GPU("A100-80", 80 * 10**9, True, 312e12,
+                   "mixed FP16/32 312 TFLOPS dense, bfloat16 supported; NVIDIA A100 data sheet: FP32 19.5, TF32 "
+                   "156, 1,555 GB/s (40GB)",
+                   intra_node="nvlink3", achievable_half=(271.2e12, f"{_MAMF}: A100 SXM")),
+    "A100-80": GPU("A100-80", 80 * 10**9, True, {"fp32": 19.5e12, "tf32": 156e12, "fp16": 312e12, "bf16": 312e12},
+                   2039e9,
                    f"{_GCP_GPUS}: A2 Ultra (A100 80GB) 80 GB HBM2e, NVLink Full Mesh @ 600 GBps, "
-                   "mixed FP16/32 312 TFLOPS dense, bfloat16 supported",
-                   intra_node="nvlink3"),
-    "H100": GPU("H100", 80 * 10**9, True, 989e12,
+                   "mixed FP16/32 312 TFLOPS dense, bfloat16 supported; NVIDIA A100 data sheet: FP32 19.5, TF32 "
+                   "156, 2,039 GB/s (80GB SXM)",
+                   intra_node="nvlink3", achievable_half=(271.2e12, f"{_MAMF}: A100 SXM")),
+    "H100": GPU("H100", 80 * 10**9, True, {"fp32": 67e12, "tf32": 494.5e12, "fp16": 989e12, "bf16": 989e12},
+                3.35e12,
                 f"{_GCP_GPUS}: A3 (H100 SXM) 80 GB HBM3, NVLink Full Mesh @ 900 GBps, mixed FP16/32 "
-                "989.5 TFLOPS dense (989 kept: 0.05 % apart), bfloat16 supported",
-                intra_node="nvlink4"),
-    "H200": GPU("H200", 141 * 10**9, True, 989e12,
+                "989.5 TFLOPS dense (989 kept: 0.05 % apart), bfloat16 supported; NVIDIA H100 SXM data sheet: "
+                "FP32 67, TF32 494.5 dense, 3.35 TB/s",
+                intra_node="nvlink4", achievable_half=(794.5e12, f"{_MAMF}: H100 SXM")),
+    "H200": GPU("H200", 141 * 10**9, True, {"fp32": 67e12, "tf32": 494.5e12, "fp16": 989e12, "bf16": 989e12},
+                4.8e12,
                 f"{_GCP_GPUS}: A3 Ultra (H200 SXM) 141 GB HBM3e, NVLink Full Mesh @ 900 GBps, mixed "
-                "FP16/32 989.5 TFLOPS dense (as H100; 989 kept), bfloat16 supported",
+                "FP16/32 989.5 TFLOPS dense (as H100; 989 kept), bfloat16 supported; NVIDIA H200 data sheet: "
+                "compute as H100 SXM, 4.8 TB/s",
                 intra_node="nvlink4"),
 }
 #: Memory no tensor can use: the CUDA context and libraries (cuBLAS/NCCL workspaces), ~0.5-1 GiB.
 CUDA_CONTEXT_BYTES = 1 * 2**30
 #: Of the rest, the fraction the caching allocator can hand out before fragmentation bites.
 ALLOCATOR_USABLE_FRACTION = 0.90
-#: Model FLOPs utilisation assumed for GPU step-time predictions (typical for FSDP training of
-#: decoders at this scale: 30-50 % on A100/H100; stated, not measured here; docs/memory.md
-#: compares it with torchtitan's published Llama 3.1 8B runs, 33-39 % on H100).
-MFU = 0.40
 
 
 def usable_bytes(gpu: GPU) -> int:

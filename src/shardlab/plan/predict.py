@@ -25,7 +25,8 @@ from shardlab.plan.model import (
     probe_param_bytes,
     state_by_rule,
 )
-from shardlab.plan.scaling import deepest_probe, scale_flops, scale_probe
+from shardlab.plan.ops import scale_micro_batches
+from shardlab.plan.scaling import deepest_probe, scale_census, scale_flops, scale_probe
 
 
 @dataclass
@@ -46,9 +47,13 @@ class Prediction:
     #: one change of the config ("train.loss=chunked", "parallel.accumulate=sharded": `alternative_configs`)
     #: -> the peak it was probed at, the same way
     alternatives: dict[str, int] = field(default_factory=dict)
+    #: the operations one rank dispatches per step (plan/ops.py), scaled like `step_flops`: plan's clock
+    census: dict | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out.pop("census")  # tuple keys: the report gives its totals by kind instead (`time.operations`)
+        return out
 
 
 def default_engines(nproc: int) -> list[str]:
@@ -155,6 +160,7 @@ def _predict_all(cfg, nproc: int, engines: list[str] | None, per_node: int | Non
     for e, p in out.items():
         if e in probes and shapes[e][2] == 1:  # counted at the real micro batch and sequence
             p.step_flops = scale_flops(probes[e], L) * k / probe_accumulation
+            p.census = scale_micro_batches(scale_census(probes[e], L), k / probe_accumulation)
     return out
 
 

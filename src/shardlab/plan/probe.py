@@ -54,9 +54,9 @@ from shardlab.data import build_datasets, collate
 from shardlab.engines import engine_class
 from shardlab.loop.runtime import Runtime
 from shardlab.models import MODELS
-from shardlab.observe.flops import CountFlops
 from shardlab.plan.fake_ddp import ddp_on_fake_tensors
 from shardlab.plan.model import cut_depth, init_fake_group, vocab_size
+from shardlab.plan.ops import OpCensus
 
 #: Blocks of the model the probes run with (GPT's n_layer, an HF decoder's num_hidden_layers;
 #: other models run whole).
@@ -227,7 +227,7 @@ def _probe_once(cfg: Config, rt, fake: bool) -> dict:
         run.state.step += 1
         tracker = memory.LiveMemoryTracker(rt.device, engine=run.engine, optimizer=run.opt, fake=fake)
         t0 = time.perf_counter()
-        with tracker.step(1), CountFlops() as counted:
+        with tracker.step(1), OpCensus() as counted:
             train_step(run, tracker)
         seconds = time.perf_counter() - t0
         full = tracker.summary()
@@ -240,7 +240,7 @@ def _probe_once(cfg: Config, rt, fake: bool) -> dict:
             "fwd_peak": fwd["peak_live_bytes"], "fwd_parts": fwd["parts"],
             "end_parts": (full["step_end"] or {}).get("parts", {}),
             "fwd_end_parts": (fwd["step_end"] or {}).get("parts", {}), "step_seconds": seconds, "fake": fake,
-            "step_flops": counted.flops}
+            "step_flops": counted.flops, "census": counted.census}
 
 
 def _forward_peak(run, rt, fake: bool) -> dict:

@@ -13,7 +13,7 @@ from shardlab.config import Config, ConfigError, load_config
 from shardlab.data.layout import layout_for
 from shardlab.engines import STRATEGIES, engine_class
 from shardlab.plan.allocator import reserved
-from shardlab.plan.catalogue import GPU, GPUS, INTERCONNECTS, MFU, default_link, usable_bytes
+from shardlab.plan.catalogue import GPU, GPUS, INTERCONNECTS, default_link, usable_bytes
 from shardlab.plan.model import engine_config, param_count
 from shardlab.plan.predict import (
     CHUNKED_LOSS,
@@ -172,7 +172,8 @@ def _no_accumulation(p: Prediction, whole: tuple[int, float]) -> str:
 def add_arguments(p) -> None:
     p.add_argument("config", nargs="?", help="YAML config file")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.micro_batch_size=2")
-    p.add_argument("--gpu", required=True, choices=list(GPUS), help="the GPU each rank runs on")
+    p.add_argument("--gpu", required=True, choices=[*GPUS, "cpu"],
+                   help="the GPU each rank runs on; cpu: this machine, its figures measured here (plan/cpu.py)")
     p.add_argument("--nproc", type=int, required=True, metavar="N", help="ranks (GPUs) per node")
     p.add_argument("--nodes", type=int, default=1, metavar="K", help="nodes (world size = N x K)")
     p.add_argument("--interconnect", default=None, choices=list(INTERCONNECTS),
@@ -206,16 +207,15 @@ def run(args) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    gpu = GPUS[args.gpu]
+    gpu, machine = _device(args.gpu, world)
     link = INTERCONNECTS[args.interconnect or default_link(gpu, args.nodes)]
     report: dict[str, Any] = {"gpu": dataclasses.asdict(gpu), "usable_bytes": usable_bytes(gpu), "world": world,
                               "layout_note": lowered,
-                              "nodes": args.nodes, "interconnect": dataclasses.asdict(link), "mfu": MFU,
-                              "engines": {}}
+                              "nodes": args.nodes, "interconnect": dataclasses.asdict(link), "engines": {}}
     for e, p in preds.items():
         c = engine_config(cfg, e, world, args.nproc)
         v = verdict(c, p, gpu, preds, world)
-        ts = step_time(c, e, world, link, gpu, None, args.nodes, p.step_flops)
+        ts = step_time(c, e, world, link, gpu, None, args.nodes, p.step_flops, p.census, machine)
         ts["comm_stops_hiding_at_nodes"] = hiding_limit(c, e, args.nproc, link, ts["compute_s"], world)
         r = reserved(p.parts, gpu.name, world)
         report["engines"][e] = {**p.to_dict(), "reserved_bytes": r.reserved_bytes, "device_bytes": r.device_bytes,
@@ -225,6 +225,15 @@ def run(args) -> int:
         return 0
     print_report(cfg, report)
     return 0
+
+
+def _device(name: str, world: int):
+    """(the GPU entry for the memory verdict, the clock's machine: None for a catalogue GPU's own)."""
+    if name != "cpu":
+        return GPUS[name], None
+    from shardlab.plan.cpu import cpu_gpu, cpu_machine  # deferred: it measures this machine
+
+    return cpu_gpu(), cpu_machine(world)
 
 
 _UNIT = [2**30, "GiB"]
@@ -273,7 +282,8 @@ def print_report(cfg: Config, report: dict[str, Any]) -> None:
         for c in v["changes"]:
             print(f"  {e}: change: {c}")
     print(f"time per step on {report['interconnect']['name']} (alpha {report['interconnect']['alpha_s'] * 1e6:.0f} us, "
-          f"{report['interconnect']['bandwidth'] / 1e9:.1f} GB/s), compute at MFU {report['mfu']:g}:")
+          f"{report['interconnect']['bandwidth'] / 1e9:.1f} GB/s), each operation of the probed step at "
+          f"{gpu['name']}'s rate for its kind (docs/plan.md, \"Step time\"):")
     for e, r in report["engines"].items():
         t = r["time"]
         lim = t["comm_stops_hiding_at_nodes"]
@@ -282,5 +292,9 @@ def print_report(cfg: Config, report: dict[str, Any]) -> None:
               f"({(t['tokens_per_s'] or 0) / report['world']:.0f} per rank, {t['flops_per_token']:.3g} FLOP/token)  comm "
               f"{'hidden' if t['comm_hidden'] else 'EXPOSED'}"
               + (f"; stops hiding at {lim} node(s)" if lim else "; hidden up to 1024 nodes"))
+    for e, r in report["engines"].items():
+        parts = r["time"]["parts_s"]
+        print(f"  {e}: compute by kind, ms: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items())
+              + f"; least sure: {r['time']['least_sure']}")
     print("  FLOP/token: counted on the probe's own step (matmuls, attention, recomputation) where it ran at the real "
           "shape, else 6 x parameters (+ what checkpointing recomputes) (docs/memory.md)")

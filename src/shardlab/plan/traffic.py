@@ -1,4 +1,4 @@
-"""Step time: compute from FLOPs (or the probe's measured CPU step) and communication from an
+"""Step time: compute from the probed step's operations (plan/clock.py) and communication from an
 alpha-beta model per collective kind, over the collectives each engine says a step issues
 (`Plannable.step_traffic`, engines/planning.py)."""
 
@@ -16,8 +16,18 @@ from shardlab.engines.api import MixedPrecision
 from shardlab.engines.compile import Checkpointing
 from shardlab.engines.planning import Collective, ModelTraffic
 from shardlab.models import MODELS, repeated_blocks
-from shardlab.plan.catalogue import GPU, MFU, Link
+from shardlab.observe.flops import compute_dtype
+from shardlab.plan.catalogue import GPU, Link
+from shardlab.plan.clock import (
+    Machine,
+    compute_seconds,
+    gpu_machine,
+    least_sure,
+    operation_seconds,
+    step_seconds,
+)
 from shardlab.plan.model import meta_model, n_layer, param_count
+from shardlab.plan.ops import Census, dtype_name, totals
 
 
 def collective_time(kind: str, nbytes: float, world: int, link: Link) -> float:
@@ -73,33 +83,54 @@ def comm_seconds(cfg: Config, engine: str, world: int, link: Link) -> float:
     return sum(calls * collective_time(kind, b, ranks, link) for kind, b, calls, ranks in comm_plan(cfg, engine, world))
 
 
-def step_time(cfg: Config, engine: str, world: int, link: Link, gpu: GPU | None, probe_seconds: float | None,
-              nodes: int = 1, step_flops: float | None = None) -> dict[str, Any]:
-    """Predicted step time: compute and communication (alpha-beta); overlapped = max(compute,
-    comm) for engines that overlap (all do: bucketed all-reduce, prefetch), serial = compute + comm.
-    Compute on a GPU: the FLOPs a rank executes per step at peak FLOP/s x MFU, the FLOPs counted on
-    the probe's step (`step_flops`: matmuls and attention, recomputation included) or, without
-    one, 6*Psi*tokens plus what checkpointing recomputes; on CPU: the probe's measured step."""
+def exposed_seconds(plan: list[Collective], link: Link) -> float:
+    """The collectives no compute can hide ([Note: plan's clock] in plan/clock.py): a step's first
+    gather (nothing to compute before it) and its last reduce (nothing left after it), each taken as
+    the largest call of its kind."""
+    def largest(kinds: tuple[str, ...]) -> float:
+        return max((collective_time(kind, b, ranks, link) for kind, b, calls, ranks in plan
+                    if kind in kinds and calls), default=0.0)
+
+    return largest(("all_gather", "broadcast")) + largest(("reduce_scatter", "all_reduce", "reduce"))
+
+
+def step_time(cfg: Config, engine: str, world: int, link: Link, gpu: GPU | None, probe_seconds: float | None = None,
+              nodes: int = 1, step_flops: float | None = None, census: Census | None = None,
+              machine: Machine | None = None) -> dict[str, Any]:
+    """Predicted step time ([Note: plan's clock] in plan/clock.py): the probed step's operations
+    (`census`, plan/ops.py) each at what `machine` (default: the GPU's, plan/clock.py) does for its
+    kind, the engine's collectives over the link, overlapped as the device allows. Without a census:
+    the FLOPs a rank executes (`step_flops`, counted on the probe's step, else 6*Psi*tokens plus what
+    checkpointing recomputes) at the matmul ceiling of the compute dtype. probe_seconds: unused, kept
+    for callers of the old signature."""
     t = cfg.train
     tokens_per_sample = MODELS[cfg.model.name].tokens_per_sample(cfg.data.seq_len)
     tokens_rank = t.global_batch_size // world * tokens_per_sample
-    if step_flops:
-        flops, counted = step_flops, "FLOPs counted on the probe's step"
-    else:  # 6 = forward 2 + backward 4 per parameter and token; checkpointing adds the recomputed forward's 2
-        recomputed = Checkpointing(t.activation_checkpointing, t.ac_every).recomputed_share(n_layer(cfg))
-        flops, counted = (6 + 2 * recomputed) * param_count(cfg) * tokens_rank, "6*Psi*tokens (+ recompute)"
-    if gpu is not None:
-        compute = flops / (gpu.peak_flops * MFU)
-        source = f"{counted}, {flops / tokens_rank:.3g} per token, at {gpu.peak_flops / 1e12:.0f} TFLOP/s x MFU {MFU:g}"
+    m = machine or gpu_machine(gpu)
+    if census:
+        parts = operation_seconds(census, m)
+        flops = sum(f * calls for (_k, _o, _d, _s, f, _b), calls in census.items())
+        source = f"the probed step's operations at {m.name}'s rates"
     else:
-        compute = probe_seconds or float("nan")
-        source = "the probe's measured step on this CPU, scaled"
-    comm = comm_seconds(cfg, engine, world, link)
-    overlapped = max(compute, comm)
+        if step_flops:
+            flops, counted = step_flops, "FLOPs counted on the probe's step"
+        else:  # 6 = forward 2 + backward 4 per parameter and token; checkpointing adds the recomputed forward's 2
+            recomputed = Checkpointing(t.activation_checkpointing, t.ac_every).recomputed_share(n_layer(cfg))
+            flops, counted = (6 + 2 * recomputed) * param_count(cfg) * tokens_rank, "6*Psi*tokens (+ recompute)"
+        dtype = dtype_name(compute_dtype(t.precision))
+        parts = dict.fromkeys(("matmul", "attention", "memory", "optimizer", "host"), 0.0)
+        parts["matmul"] = flops / m.ceiling(dtype) * m.slowdown
+        source = f"{counted} at the {dtype} matmul ceiling {m.ceiling(dtype) / 1e12:.3g} TFLOP/s"
+    compute = compute_seconds(parts, m)
+    plan = comm_plan(cfg, engine, world)
+    comm = sum(calls * collective_time(kind, b, ranks, link) for kind, b, calls, ranks in plan)
+    step = step_seconds(compute, comm, exposed_seconds(plan, link), m)
     tokens_step = t.global_batch_size * tokens_per_sample
-    return {"compute_s": compute, "comm_s": comm, "flops_per_token": flops / tokens_rank, "step_s": overlapped,
-            "step_serial_s": compute + comm, "tokens_per_s": tokens_step / overlapped if overlapped else None,
-            "compute_source": source, "comm_hidden": comm <= compute, "link": link.name}
+    return {"compute_s": compute, "comm_s": comm, "flops_per_token": flops / tokens_rank, "step_s": step,
+            "step_serial_s": compute + comm, "tokens_per_s": tokens_step / step if step else None,
+            "compute_source": source, "comm_hidden": m.overlaps and comm <= compute, "link": link.name,
+            "parts_s": parts, "least_sure": least_sure(parts, comm, m, bool(census)),
+            "operations": totals(census) if census else None, "machine_sources": m.sources}
 
 
 def hiding_limit(cfg: Config, engine: str, per_node: int, link: Link, compute_s: float, world: int | None = None,

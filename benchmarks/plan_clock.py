@@ -1,0 +1,85 @@
+"""plan's clock checked here: `shardlab plan --gpu cpu` against `shardlab train` of the same config on
+this machine, per model preset, engine and world size (docs/plan.md, "Step time, checked").
+
+    .venv/bin/python benchmarks/plan_clock.py --presets gpt-nano,gpt-tiny,gpt-mini --nproc 1,2,4 \
+        [--engines ddp,fsdp] [--steps 12] [--out plan_clock.json]
+
+Per preset and world size: one `shardlab plan --json` for every engine (its predicted `step_s`), then
+one `shardlab train` per engine (metrics.json's `step_time_median_s`: the median step, the first left
+out). Prints a markdown table with the load average beside each row: on a busy machine both sides move.
+Not a test: it takes minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARDLAB = [sys.executable, "-m", "shardlab"]
+CONFIG = str(ROOT / "configs" / "gpt-tiny.yaml")
+
+
+def _overrides(preset: str, steps: int) -> list[str]:
+    return [f"model.preset={preset}", f"train.steps={steps}", "train.eval_every=0", "checkpoint.every_steps=0",
+            "output.tensorboard=false", "output.progress=false"]
+
+
+def planned(preset: str, engines: list[str], nproc: int, steps: int) -> dict[str, float]:
+    cmd = [*SHARDLAB, "plan", CONFIG, *_overrides(preset, steps), "--gpu", "cpu", "--nproc", str(nproc),
+           "--engines", ",".join(engines), "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    report = json.loads(out)
+    return {e: r["time"]["step_s"] for e, r in report["engines"].items()}
+
+
+def measured(preset: str, engine: str, nproc: int, steps: int, out_dir: str) -> float:
+    name = f"{preset}-{engine}-{nproc}"
+    cmd = [*SHARDLAB, "train", CONFIG, *_overrides(preset, steps), f"parallel.strategy={engine}",
+           f"output.dir={out_dir}", f"output.run_name={name}", "checkpoint.resume=none"]
+    if nproc > 1:
+        cmd += ["--nproc", str(nproc)]
+    subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
+    return json.loads((Path(out_dir) / name / "metrics.json").read_text())["step_time_median_s"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--presets", default="gpt-nano,gpt-tiny,gpt-mini")
+    p.add_argument("--nproc", default="1,2,4")
+    p.add_argument("--engines", default="ddp,zero3,fsdp,torch-ddp,torch-fsdp",
+                   help="distributed engines (at 1 rank `single` is added)")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--out", default=None, help="also write the rows as JSON here")
+    args = p.parse_args(argv)
+    rows = []
+    print("| preset | engine | ranks | planned ms | measured ms | planned / measured | load (1 min) |")
+    print("|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="plan-clock-") as tmp:
+        for preset in args.presets.split(","):
+            for nproc in (int(n) for n in args.nproc.split(",")):
+                engines = (["single"] if nproc == 1 else []) + args.engines.split(",")
+                plan = planned(preset, engines, nproc, args.steps)
+                for engine in engines:
+                    t0 = time.time()
+                    got = measured(preset, engine, nproc, args.steps, tmp)
+                    load = os.getloadavg()[0]
+                    row = {"preset": preset, "engine": engine, "nproc": nproc, "planned_s": plan[engine],
+                           "measured_s": got, "ratio": plan[engine] / got, "load_1min": load,
+                           "run_s": time.time() - t0}
+                    rows.append(row)
+                    print(f"| {preset} | {engine} | {nproc} | {plan[engine] * 1e3:.1f} | {got * 1e3:.1f} | "
+                          f"{row['ratio']:.2f} | {load:.1f} |", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""plan's clock (plan/clock.py, [Note: plan's clock]): each operation at the rate of its kind and dtype on
+the GPU, without running a probe (cheap: the meta model and arithmetic only)."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardlab.config import load_config
+from shardlab.plan.catalogue import GPUS, INTERCONNECTS
+from shardlab.plan.clock import compute_seconds, gpu_machine, operation_seconds
+from shardlab.plan.traffic import step_time
+
+GPT2_SMALL = "configs/gpt2-small.yaml"
+
+
+def test_gpt2_small_on_a_t4_runs_at_the_dtypes_peak():
+    """Issue 46: fp32 at the T4's fp32 peak (8.1 TFLOP/s, its data sheet cited), fp16 at its tensor cores (65)."""
+    t4, link = GPUS["T4"], INTERCONNECTS["pcie-gen3"]
+    assert "FP32 8.1 TFLOPS" in t4.source and t4.peak("fp32") == 8.1e12 and t4.peak("fp16") == 65e12
+    fp32 = load_config(GPT2_SMALL, ["train.precision=fp32", "parallel.mixed_precision=fp32"])
+    fp16 = load_config(GPT2_SMALL, ["train.precision=fp16", "parallel.mixed_precision=fp16"])
+    flops = 1e15  # one rank's step, as a probe would count it
+    at32 = step_time(fp32, "single", 1, link, t4, step_flops=flops)   # one rank: no collective to price
+    at16 = step_time(fp16, "single", 1, link, t4, step_flops=flops)
+    assert at32["compute_s"] == pytest.approx(flops / 8.1e12)
+    assert at16["compute_s"] == pytest.approx(flops / 65e12)
+    # and without a probe's count (6 x parameters x tokens): the achieved FLOP/s never pass the dtype's peak
+    no_probe = step_time(fp32, "single", 1, link, t4)
+    assert no_probe["flops_per_token"] * 64 * 1024 / no_probe["compute_s"] == pytest.approx(8.1e12)
+
+
+def test_each_kind_of_operation_has_its_own_rate():
+    """A census (plan/ops.py records) priced on an H100: a square bf16 matmul at the measured ceiling (MAMF),
+    a skinny one by its bytes, attention at FlashAttention-2's share, an elementwise kernel at bandwidth,
+    every operator's dispatch on the host, overlapped with the device."""
+    h100 = gpu_machine(GPUS["H100"])
+    n = 8192
+    square = ("matmul", "mm", "bf16", ((n, n), (n, n)), 2 * n**3, 3 * n * n * 2)
+    skinny = ("matmul", "mm", "bf16", ((1, n), (n, n)), 2 * n * n, (n * n + 2 * n) * 2)
+    attention = ("attention", "_scaled_dot_product_flash_attention", "bf16", (), 1e12, 1e6)
+    add = ("memory", "", "bf16", (), 0, 3e9)
+    view = ("view", "", "bf16", (), 0, 0)
+    parts = operation_seconds({square: 1, skinny: 1, attention: 1, add: 1, view: 1000}, h100)
+    assert parts["matmul"] == pytest.approx(2 * n**3 / 794.5e12 + (n * n + 2 * n) * 2 / 3.35e12)
+    assert parts["attention"] == pytest.approx(1e12 / (794.5e12 * 0.35))
+    assert parts["memory"] == pytest.approx(3e9 / 3.35e12)
+    assert parts["host"] == pytest.approx(1004 * 5e-6)
+    assert compute_seconds(parts, h100) == pytest.approx(parts["matmul"] + parts["attention"] + parts["memory"])
+    # fp32 on an A100 runs on its CUDA cores (19.5), not tf32 or the tensor cores
+    a100 = gpu_machine(GPUS["A100-80"])
+    fp32 = ("matmul", "mm", "fp32", ((n, n), (n, n)), 2 * n**3, 3 * n * n * 4)
+    assert operation_seconds({fp32: 1}, a100)["matmul"] == pytest.approx(2 * n**3 / 19.5e12)
+
+
+def test_no_fixed_mfu_remains_in_plan():
+    import shardlab.plan as plan
+    import shardlab.plan.catalogue as catalogue
+
+    assert not hasattr(catalogue, "MFU") and "MFU" not in plan.__all__
