@@ -15,6 +15,7 @@ included.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -45,6 +46,24 @@ def hf_config_path(arg: str) -> str | None:
         return arg
     found = shipped_hf_configs().get(arg.removesuffix(".json"))
     return str(found) if found is not None and "/" not in arg else None
+
+
+# The line of a config's leading comment that says how many parameters its model has as built
+# (tests/test_cli_fast.py builds each shipped config's model on the meta device to check it).
+PARAMETERS_LINE = re.compile(r"^# Parameters: ([0-9,]+) as built", re.MULTILINE)
+
+
+def stated_parameters(path: Path) -> int | None:
+    """The parameter count a config's comment states (`# Parameters: N as built`); None if none."""
+    found = PARAMETERS_LINE.search(path.read_text(encoding="utf-8"))
+    return int(found.group(1).replace(",", "")) if found else None
+
+
+def short_count(n: int) -> str:
+    """842496 -> 0.84M, 86039040 -> 86.0M, 8030261248 -> 8.03B: three significant digits."""
+    value, unit = (n / 1e9, "B") if n >= 1e9 else (n / 1e6, "M")
+    decimals = 0 if value >= 100 else 1 if value >= 10 else 2
+    return f"{value:.{decimals}f}{unit}"
 
 
 def describe(path: Path, width: int = 100) -> str:
