@@ -122,7 +122,7 @@ def _check_workers(cfg, args: argparse.Namespace) -> None:
 
 def _configs(args: argparse.Namespace) -> int:
     """`shardlab configs`: the shipped example configs; with a NAME, that config's YAML."""
-    from shardlab.shipped import config_path, describe, shipped_configs
+    from shardlab.shipped import config_path, describe, shipped_configs, short_count, stated_parameters
 
     if args.name:
         path = config_path(args.name)
@@ -135,7 +135,8 @@ def _configs(args: argparse.Namespace) -> int:
     configs = shipped_configs()
     width = max(map(len, configs))
     for name, path in configs.items():
-        print(f"{name:<{width}}  {describe(path)}")
+        count = stated_parameters(path)
+        print(f"{name:<{width}}  {short_count(count) if count else '':>6}  {describe(path)}")
     print(f"\nshardlab train NAME [key=value ...]; `shardlab configs NAME > my.yaml` copies one ({path.parent})")
     return 0
 
