@@ -163,6 +163,44 @@ def _procs(req: SlurmRequest) -> int:
 def render(req: SlurmRequest) -> tuple[list[Path], str]:
     """Check everything, then write the sbatch file, the resolved config and the log dir.
     Returns (written files, submit hint)."""
+    nproc, cpus = _checked_sizes(req)
+    lo, _ = node_range(req.min_nodes, req.nodes)
+    world = req.nodes * nproc
+    run = resolve_config(req.config, with_defaults(req.overrides, {"checkpoint.resume": "auto",
+                                                                   "doctor.enabled": "true"}), world)
+    check_every_size(run, nproc, lo, req.nodes)
+
+    out = req.out.resolve()
+    config_path = out / RESOLVED_CONFIG_NAME
+    log_dir = out / "logs"
+    cfg = run.config
+    grace = preemption.grace_estimate(cfg) if cfg.preemption.enabled else None
+    text = fill(
+        SBATCH_TEMPLATE,
+        sbatch_path=sh_quote(str(out / SBATCH_NAME)),
+        size_line=(f"{lo}..{req.nodes} node(s) (elastic) x {nproc} process(es) = world size {lo * nproc}..{world}."
+                   if req.min_nodes else f"{req.nodes} node(s) x {nproc} process(es) = world size {world}."),
+        **_srun_kill(lo if req.min_nodes else None, sh_quote(req.python)),
+        nodes=req.nodes, nproc=nproc, job_name=req.job_name, cpus_per_task=cpus,
+        time_limit=req.time_limit, workdir=req.workdir or os.getcwd(), log_dir=log_dir,
+        optional_directives="\n".join(_optional_directives(req, grace)), config_path=sh_quote(str(config_path)),
+        rdzv_port=req.rdzv_port, socket_env=_socket_env(req.socket_ifname), omp_threads=max(1, cpus // nproc),
+        setup=req.setup or "# (no environment setup requested: --setup 'source venv/bin/activate')",
+        python=sh_quote(req.python), max_restarts=req.max_restarts,
+        grace_s=grace.grace_s if grace is not None else 30, preempted_code=preemption.PREEMPTED_EXIT_CODE,
+        **_preemption_lines(grace, req.requeue), run_dir=_run_dir_expression(cfg, req.workdir or os.getcwd()),
+    )
+    log_dir.mkdir(parents=True, exist_ok=True)    # Slurm does not create the --output directory
+    written = write_files(out, {SBATCH_NAME: text, RESOLVED_CONFIG_NAME: run.yaml_text},
+                          executable=(SBATCH_NAME,))
+    hint = f"sbatch {sh_quote(str(out / SBATCH_NAME))}"
+    if grace is not None:
+        hint += f"   # {grace.describe()}"
+    return written, hint
+
+
+def _checked_sizes(req: SlurmRequest) -> tuple[int, int]:
+    """The request's counts, port and name checked; (processes per node, CPUs per task)."""
     check_positive(req.nodes, "--nodes")
     check_positive(req.gpus_per_node, "--gpus-per-node", minimum=0)
     nproc = check_positive(_procs(req), "--nproc-per-node")
@@ -175,15 +213,11 @@ def render(req: SlurmRequest) -> tuple[list[Path], str]:
     if not 1 <= req.rdzv_port <= 65535:
         raise RenderError(f"--rdzv-port must be a TCP port (1-65535), got {req.rdzv_port}")
     check_dns_label(req.job_name, "--job-name")
-    lo, _ = node_range(req.min_nodes, req.nodes)
-    world = req.nodes * nproc
-    run = resolve_config(req.config, with_defaults(req.overrides, {"checkpoint.resume": "auto",
-                                                                   "doctor.enabled": "true"}), world)
-    check_every_size(run, nproc, lo, req.nodes)
+    return nproc, cpus
 
-    out = req.out.resolve()
-    config_path = out / RESOLVED_CONFIG_NAME
-    log_dir = out / "logs"
+
+def _optional_directives(req: SlurmRequest, grace: preemption.GraceEstimate | None) -> list[str]:
+    """The #SBATCH lines only some jobs carry."""
     optional = []
     if req.gpus_per_node > 0:   # never ask for GPUs on a CPU cluster: no gres.conf -> rejected job
         optional.append(f"#SBATCH --gpus-per-node={req.gpus_per_node}")
@@ -191,8 +225,6 @@ def render(req: SlurmRequest) -> tuple[list[Path], str]:
                         ("mem", req.mem)):
         if value:
             optional.append(f"#SBATCH --{flag}={value}")
-    cfg = run.config
-    grace = preemption.grace_estimate(cfg) if cfg.preemption.enabled else None
     if grace is not None:
         # B: only the batch shell gets it (it forwards); Slurm may send it up to 60 s early
         optional.append(f"#SBATCH --signal=B:USR1@{grace.grace_s}")
@@ -200,41 +232,27 @@ def render(req: SlurmRequest) -> tuple[list[Path], str]:
         optional.append("#SBATCH --requeue")
     if req.min_nodes:
         optional.append("#SBATCH --no-kill")  # a failed node leaves the allocation; the job goes on
-    if grace is not None and req.requeue:
+    return optional
+
+
+def _preemption_lines(grace: preemption.GraceEstimate | None, requeue: bool) -> dict[str, str]:
+    """The batch script's signal traps and what it does after a preemption save."""
+    if grace is not None and requeue:
         on_preempted = ('echo "shardlab: checkpoint saved after a preemption signal; requeueing job $SLURM_JOB_ID"\n'
                         '    scontrol requeue "$SLURM_JOB_ID"\n    exit 0')
     else:
         on_preempted = 'echo "shardlab: checkpoint saved after a preemption signal; resubmit to continue"'
     traps = ("trap 'forward_signal USR1' USR1\ntrap 'forward_signal TERM' TERM" if grace is not None
              else "# (preemption.enabled=false: no signal is trapped)")
-    if req.socket_ifname:
-        socket_env = (f"export NCCL_SOCKET_IFNAME={sh_quote(req.socket_ifname)}\n"
-                      f"export GLOO_SOCKET_IFNAME={sh_quote(req.socket_ifname)}")
-    else:
-        socket_env = ('export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-^lo,docker0}"\n'
-                      '# GLOO_SOCKET_IFNAME is left to the environment (gloo takes no exclusion list).')
-    text = fill(
-        SBATCH_TEMPLATE,
-        sbatch_path=sh_quote(str(out / SBATCH_NAME)),
-        size_line=(f"{lo}..{req.nodes} node(s) (elastic) x {nproc} process(es) = world size {lo * nproc}..{world}."
-                   if req.min_nodes else f"{req.nodes} node(s) x {nproc} process(es) = world size {world}."),
-        **_srun_kill(lo if req.min_nodes else None, sh_quote(req.python)),
-        nodes=req.nodes, nproc=nproc, job_name=req.job_name, cpus_per_task=cpus,
-        time_limit=req.time_limit, workdir=req.workdir or os.getcwd(), log_dir=log_dir,
-        optional_directives="\n".join(optional), config_path=sh_quote(str(config_path)),
-        rdzv_port=req.rdzv_port, socket_env=socket_env, omp_threads=max(1, cpus // nproc),
-        setup=req.setup or "# (no environment setup requested: --setup 'source venv/bin/activate')",
-        python=sh_quote(req.python), max_restarts=req.max_restarts,
-        grace_s=grace.grace_s if grace is not None else 30, preempted_code=preemption.PREEMPTED_EXIT_CODE,
-        traps=traps, on_preempted=on_preempted, run_dir=_run_dir_expression(cfg, req.workdir or os.getcwd()),
-    )
-    log_dir.mkdir(parents=True, exist_ok=True)    # Slurm does not create the --output directory
-    written = write_files(out, {SBATCH_NAME: text, RESOLVED_CONFIG_NAME: run.yaml_text},
-                          executable=(SBATCH_NAME,))
-    hint = f"sbatch {sh_quote(str(out / SBATCH_NAME))}"
-    if grace is not None:
-        hint += f"   # {grace.describe()}"
-    return written, hint
+    return {"traps": traps, "on_preempted": on_preempted}
+
+
+def _socket_env(ifname: str | None) -> str:
+    """The network interface NCCL and gloo use: the one named, else every one but loopback and docker's."""
+    if ifname:
+        return f"export NCCL_SOCKET_IFNAME={sh_quote(ifname)}\nexport GLOO_SOCKET_IFNAME={sh_quote(ifname)}"
+    return ('export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-^lo,docker0}"\n'
+            '# GLOO_SOCKET_IFNAME is left to the environment (gloo takes no exclusion list).')
 
 
 def _srun_kill(min_nodes: int | None, python: str) -> dict[str, str]:
