@@ -40,6 +40,31 @@ def test_router_loss_equals_transformers_in_float32(dirs, name, path):
     assert loss == pytest.approx(out.loss.item(), rel=1e-6, abs=0), (name, path, loss, out.loss.item())
     without = out.loss.item() - ref.router_aux_loss_coef * out.aux_loss.item()
     assert abs(loss - without) > 1e-3 * abs(without)  # the router term is in, not lost in the tolerance
+    _assert_router_statistics(model, x, y, out, ref)
+
+
+def _assert_router_statistics(model, x, y, out, ref) -> None:
+    """metrics.json's `router` section (loop/router_stats.py, one process) after that one training
+    forward: each layer's tokens per expert are transformers' own top-k choices, the balancing loss
+    its aux_loss; an evaluation forward adds nothing; the report lists the layers."""
+    from types import SimpleNamespace
+
+    from shardlab.loop.router_stats import router_section
+    from shardlab.observe.report import _router
+
+    k = ref.config.num_experts_per_tok
+    want = [torch.bincount(torch.topk(logits, k).indices.reshape(-1), minlength=logits.shape[-1]).tolist()
+            for logits in out.router_logits]
+    model.eval()
+    model(x, y)  # not counted
+    model.train()
+    run = SimpleNamespace(engine=shardlab.engine_of(model), rt=SimpleNamespace(distributed=False, world_size=1))
+    section = router_section(run)["router"]
+    assert section["tokens_per_expert"] == want and section["top_k"] == k, (section, want)
+    assert section["balance_loss_mean"] == pytest.approx(out.aux_loss.item(), rel=1e-6)
+    assert section["balance_micro_batches"] == 1 and section["aux_loss_coef"] == ref.router_aux_loss_coef
+    html = _router(SimpleNamespace(metrics={"router": section}))
+    assert all(layer in html for layer in section["layers"]) and "balancing loss" in html
 
 
 @pytest.mark.parametrize("name", MOE)

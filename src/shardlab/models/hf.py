@@ -8,342 +8,41 @@ built from local files only, optionally with LoRA adapters through `peft`.
     model.hf_attention  transformers' attention implementation (null: its default for the family)
     model.lora.*      rank > 0 adds LoRA adapters; the base weights are frozen
 
-[Note: how an engine fills a model built on the meta device]
-Engines build nothing themselves: they give a meta module's tensors storage and call
-`shardlab.models.init.init_parameters_(root, seed, modules, names)` for the modules they
-materialize (a sharded engine: one unit at a time). When the root model defines
-`shardlab_initialize_(modules, names)` that call is handed to it, so this model fills each
-materialized tensor itself: from the safetensors files (only the tensors of those modules are
-read, through `safe_open`, never the whole model), then transformers' own `_init_weights` for
-everything else (non-persistent buffers, parameters without files: see [Note: every tensor after
-the meta device] in models/hf_load.py), under a generator seeded by (seed, module name), so a
-unit materialized alone equals the same unit of a whole build. Every construction (train,
-verify, eval, generate, export) builds on the meta device and fills this way.
-fsdp and torch-fsdp go one step further: through `shardlab_range_readers` each rank reads only the
-element ranges of its flat shard (fsdp, see [Note: reading a flat range by rows] in
-SafetensorsReader) or the rows of its DTensor shards (torch-fsdp, see [Note: torch-fsdp from the
-meta device] in engines/native.py).
-
-[Note: packed sequences]
-A batch's inputs are either token ids [B, T], or [B, 2, T]: token ids and position ids. Position
-ids restart at 0 at each packed example. The forward passes the position ids and no attention
-mask: transformers builds the block-causal mask from them itself (a new sequence wherever the
-position does not grow by 1), in its attention implementation's form, sliding windows included.
-Whether the family does is found once, on the meta device (hf_load.builds_packed_masks). A family
-that does not gets a block-diagonal 4-D mask in the form its implementation takes: additive for
-eager (which adds the mask to the scores: a boolean one would be added as 0/1), boolean for sdpa;
-otherwise data.packing is refused before any worker starts. Targets of -100 are ignored.
+This file is the registry entry (`SPEC`: keys, build, record, rebuild, depth). The module itself,
+`HFCausalLM`, and how every construction fills it are in models/hf_model.py ([Note: how an engine
+fills a model built on the meta device], [Note: packed sequences]); the checks before any worker
+starts in models/hf_checks.py.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import re
-import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Optional
 
-import torch
-from torch import nn
-
-from shardlab.errors import ConfigError
-from shardlab.models.hf_head import head_scale
-from shardlab.models.hf_load import (  # noqa: F401  (SafetensorsReader, weight_files: this module's API too)
-    ADDITIVE,
-    BOOLEAN,
-    INDEX_FILE,
-    POSITION_IDS,
-    SINGLE_FILE,
-    SafetensorsReader,
-    build_problem,
-    builds_packed_masks,
-    checkpoint_names,
-    derive_,
-    fallback_route,
-    init_owners,
-    mark_,
-    marks,
-    packed_mask,
-    seed_for,
-    takes_4d_masks,
-    weight_files,
+from shardlab.models.hf_checks import (  # noqa: F401  (the checks other code imports from here)
+    _meta_build,
+    _packing_problem,
+    check_hf,
+    lora_layer_names,
+    lora_parameter_problem,
+    lora_target_problem,
 )
-from shardlab.models.hf_lora import _add_lora, _init_lora_, _is_lora_leaf
-from shardlab.models.hf_router import float64_experts_, router_loss, router_term
-from shardlab.models.init import materialize_
-from shardlab.models.lm_loss import choose_loss, chunked_loss, full_loss
-from shardlab.models.safetensors_check import check_safetensors_dir
+from shardlab.models.hf_load import SafetensorsReader, weight_files  # noqa: F401  (this module's API too)
+from shardlab.models.hf_model import (  # noqa: F401  (HFCausalLM, LoRAKeys: imported from here)
+    HF_DTYPES,
+    HFCausalLM,
+    LoRAKeys,
+    build_hf,
+    config_file,
+    load_hf_config,
+    require_transformers,
+)
 from shardlab.models.spec import ModelSpec
 
-HF_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
-
-def require_transformers():
-    try:  # deferred: transformers costs 0.8 s to import and is an optional extra (shardlab[hf])
-        import transformers
-    except ImportError as e:  # pragma: no cover - the extra is installed by make setup
-        raise RuntimeError("model.name=hf needs the `transformers` package: pip install 'shardlab[hf]'") from e
-    return transformers
-
-
-# -- the model ------------------------------------------------------------------------------------
-@dataclass
-class LoRAKeys:
-    """`model.lora.*`: LoRA adapters through peft; rank 0 = full fine-tuning."""
-
-    rank: int = 0
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: Optional[list[str]] = None   # null: peft's default for the architecture
-
-
-class HFCausalLM(nn.Module):
-    """A transformers causal LM behind shardlab's model contract:
-    forward(inputs, targets=None) -> logits, or the mean loss over targets != -100."""
-
-    def __init__(self, hf_config: Any, *, seed: int = 0, hf_path: str | None = None,
-                 dtype: torch.dtype = torch.float32, lora: dict[str, Any] | None = None,
-                 attention: str | None = None):
-        """attention: transformers' attn_implementation (None: its default for the family). Built on the meta device whatever the device in effect (`with torch.device(...)`), then,
-        unless that device is meta, materialized there by `materialize_`: the path every engine
-        takes (see [Note: every tensor after the meta device] in models/hf_load.py)."""
-        super().__init__()
-        transformers = require_transformers()
-        self.init_seed = seed
-        self.hf_path = hf_path
-        self.lora = dict(lora) if lora and lora.get("rank", 0) > 0 else None
-        device = torch.get_default_device()
-        with torch.device("meta"):
-            chosen = {"attn_implementation": attention} if attention else {}
-            model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype, **chosen)
-            # the family hands restarting position ids to transformers' mask builder ([Note: packed sequences])
-            self.packs_by_position_ids = builds_packed_masks(model)
-            self.takes_4d_masks = takes_4d_masks(model)  # Bloom's ALiBi does not: packing refused
-            if self.lora is not None:
-                for p in model.parameters():
-                    p.requires_grad_(False)
-                model = _add_lora(model, self.lora)
-                for name, m in model.named_modules():  # adapters in the model's dtype
-                    if _is_lora_leaf(name):
-                        m.to(dtype)
-        self.model = model
-        if dtype == torch.float64:  # transformers' default experts have no float64 kernel ([Note: float64 experts])
-            float64_experts_(self.hf_model)
-        # the family's router loss when the config asks for it, or why it cannot be added (hf_router.py)
-        self.router_fn, self.router_problem = router_loss(self.hf_model)
-        self.router_groups = 1  # verify's one-process reference: its micro batch's rows in N groups
-        # the scale the family puts on lm_head's output, or why the chunked loss cannot follow it
-        self.head_scale, self.head_problem = head_scale(self.hf_model)
-        self.loss = "full"  # what use_loss chose (train.loss); a model built outside training keeps the full loss
-        self._reader: SafetensorsReader | None = None
-        self._names: dict[str, str] | None = None  # model key -> checkpoint key (see _find)
-        if device.type != "meta":
-            materialize_(self, device, seed)
-
-    # the pieces the rest of shardlab asks for
-    @property
-    def hf_model(self) -> nn.Module:
-        """The transformers model (with LoRA: the peft model's base, adapters injected)."""
-        return self.model.get_base_model() if self.lora is not None else self.model
-
-    @property
-    def hf_config(self):
-        return self.hf_model.config
-
-    def wrap_classes(self) -> set[type]:
-        """The decoder layers (transformers lists them in `_no_split_modules`)."""
-        names = set(getattr(self.hf_model, "_no_split_modules", None) or ())
-        return {type(m) for m in self.modules() if type(m).__name__ in names}
-
-    @property
-    def attention(self) -> str:
-        """The attention implementation in use (transformers' `_attn_implementation`)."""
-        return self.hf_config._attn_implementation
-
-    def packed_route(self) -> str | None:
-        """How packed examples are kept apart under the attention implementation in use:
-        hf_load.POSITION_IDS, ADDITIVE or BOOLEAN, None when no way is known (packing refused)."""
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
-        if self.packs_by_position_ids and self.attention in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-            return POSITION_IDS
-        return fallback_route(self.hf_config) if self.takes_4d_masks else None
-
-    def attention_record(self, packing: bool) -> dict[str, Any]:
-        """What run_args.json records and the run prints once: the implementation and how packed
-        examples are kept apart."""
-        how = {POSITION_IDS: "transformers' masks from position ids", ADDITIVE: "shardlab's 4-D additive mask",
-               BOOLEAN: "shardlab's 4-D boolean mask"}
-        return {"implementation": self.attention,
-                "packed_examples": how.get(self.packed_route(), "refused") if packing else None}
-
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        kwargs: dict[str, Any] = {}
-        if inputs.dim() == 3:  # packed: [B, 2, T] = token ids, position ids
-            ids, pos = inputs[:, 0], inputs[:, 1].long()
-            kwargs = {"position_ids": pos}
-            route = self.packed_route()
-            if route is None:
-                raise ValueError(f"packed rows: no known way to keep examples apart in {self.hf_config.model_type} "
-                                 f"under attention {self.attention!r}; set data.packing=false")
-            if route != POSITION_IDS:
-                kwargs["attention_mask"] = packed_mask(pos, route, next(self.parameters()).dtype)
-        else:
-            ids = inputs
-        router = self.router_fn if targets is not None else None  # [Note: the router loss across micro batches and ranks]
-        if router is not None:
-            kwargs["output_router_logits"] = True
-        if targets is not None and self.loss == "chunked":  # the decoder's last hidden state, then the head
-            out = self.hf_model.get_decoder()(input_ids=ids, use_cache=False, **kwargs)
-            head = self.hf_model.get_output_embeddings()
-            loss = chunked_loss(out.last_hidden_state, head.weight, targets, bias=head.bias, scale=self.head_scale)
-        else:
-            out = self.model(input_ids=ids, use_cache=False, **kwargs)
-            if targets is None:
-                return out.logits
-            loss = full_loss(out.logits, targets)
-        if router is not None:
-            loss = loss + router_term(self.hf_model, router, out.router_logits, targets, self.router_groups)
-        return loss
-
-    def use_loss(self, requested: str) -> str | None:
-        """train.loss (auto | chunked | full) -> the loss forward computes; a line to print, or None."""
-        vocab, width = self.hf_model.get_output_embeddings().weight.shape
-        self.loss, note = choose_loss(requested, vocab, width, self.head_problem)
-        return note
-
-    # -- filling tensors (see the Note at the top) ----------------------------------------------
-    def checkpoint_key(self, canonical: str) -> str:
-        """Our parameter name -> its key in a transformers checkpoint."""
-        key = canonical.removeprefix("model.")
-        if self.lora is not None:
-            # peft nests one wrapper per adapted parameter of a module (MoE experts: gate_up_proj and down_proj)
-            key = re.sub(r"(\.base_layer)+\.", ".", key.removeprefix("base_model.model."))
-        return key
-
-    def _find(self, reader: SafetensorsReader, key: str, alternatives: list[str]) -> str | None:
-        """The checkpoint key of model key `key` (or of one of `alternatives`), through transformers'
-        renaming and converters of checkpoint keys (hf_load.checkpoint_names), with or without the base prefix."""
-        if self._names is None:
-            self._names = checkpoint_names(self.hf_model, reader)
-        prefix = getattr(self.hf_model, "base_model_prefix", "") + "."
-        for k in [key, *alternatives]:
-            for cand in (k, k.removeprefix(prefix), prefix + k):
-                if cand in self._names:
-                    return self._names[cand]
-        return None
-
-    def _file_key(self, reader: SafetensorsReader, canonical: str, tied_names: list[str]) -> str:
-        """The checkpoint key holding parameter `canonical` (or one of the names it is tied to)."""
-        key = self._find(reader, self.checkpoint_key(canonical), [self.checkpoint_key(n) for n in tied_names])
-        if key is None:
-            raise KeyError(f"model.hf_path {self.hf_path!r} has no weight for {self.checkpoint_key(canonical)!r}; "
-                           "the directory does not match its config.json")
-        return key
-
-    def _check_shape(self, key: str, stored: tuple[int, ...], p: torch.Tensor) -> None:
-        if tuple(stored) != tuple(p.shape):
-            raise ValueError(f"model.hf_path: {key} has shape {tuple(stored)}, the config says {tuple(p.shape)}")
-
-    def shardlab_range_readers(self, params: list[torch.Tensor], names: dict[int, str]) -> dict[int, Any]:
-        """For an engine that keeps a flat range of each parameter (fsdp): id(p) -> read(start, end),
-        the elements [start, end) of p flattened, read from model.hf_path's files alone (see
-        SafetensorsReader.read_flat_range), for every p of `params` that comes from the files.
-        Parameters not in the result (random init, LoRA adapters) are materialized and filled by
-        `shardlab_initialize_` as usual. Keys and shapes are checked here, before any read."""
-        if not self.hf_path:
-            return {}
-        reader = self._open_reader()
-        tied: dict[int, list[str]] = {}
-        for n, p in self.named_parameters(remove_duplicate=False):
-            tied.setdefault(id(p), []).append(n)
-        out: dict[int, Any] = {}
-        for p in params:
-            canonical = names[id(p)]
-            if ".lora_" in canonical:
-                continue
-            key = self._file_key(reader, canonical, tied.get(id(p), [canonical]))
-            self._check_shape(key, reader.shape(key), p)
-            out[id(p)] = functools.partial(reader.read_flat_range, key)
-        return out
-
-    @torch.no_grad()
-    def shardlab_initialize_(self, modules=None, names: dict[int, str] | None = None) -> None:
-        """Fill the parameters and buffers of `modules` (all when None) that have storage: from
-        model.hf_path, then transformers' own `_init_weights` for the rest (see [Note: every tensor
-        after the meta device] in models/hf_load.py). Called by shardlab.models.init.init_parameters_,
-        i.e. by every engine's materialization."""
-        tied: dict[int, list[str]] = {}
-        for n, p in self.named_parameters(remove_duplicate=False):
-            tied.setdefault(id(p), []).append(n)
-        names = names if names is not None else {id(p): n for n, p in self.named_parameters()}
-        module_names = {id(m): n for n, m in self.named_modules(remove_duplicate=False)}
-        wanted = None if modules is None else {id(m) for m in modules}
-        # children before parents (as transformers' own initialize_weights): a parent's init
-        # (GPT-2 attention scaling its c_proj) has the last word, as in a whole build
-        order = [m for m in self.modules() if wanted is None or id(m) in wanted][::-1]
-        reader = self._open_reader() if self.hf_path else None
-        with marks() as marked:
-            for m in order:
-                self._load_module_(m, module_names[id(m)], reader, names, tied, marked)
-            derive_(order, init_owners(self), module_names, self.init_seed, marked)
-
-    @torch.no_grad()
-    def load_state_(self, state: dict[str, torch.Tensor]) -> None:
-        """A meta build given `state` (a checkpoint's: parameters and persistent buffers, assigned
-        as they are), and everything else derived as after any materialization: the non-persistent
-        buffers by transformers' own `_init_weights`, never from the files."""
-        self.load_state_dict(state, strict=True, assign=True)
-        for m in self.modules():
-            for name, b in list(m._buffers.items()):
-                if b is not None and b.device.type == "meta":
-                    m._buffers[name] = torch.empty(b.shape, dtype=b.dtype)
-        module_names = {id(m): n for n, m in self.named_modules(remove_duplicate=False)}
-        with marks() as marked:
-            for t in self.state_dict(keep_vars=True).values():  # what `state` gave: parameters, persistent buffers
-                mark_(t, marked)
-            derive_(list(self.modules())[::-1], init_owners(self), module_names, self.init_seed, marked)
-
-    def _load_module_(self, m: nn.Module, module_name: str, reader: SafetensorsReader | None,
-                      names: dict[int, str], tied: dict[int, list[str]], marked: list[torch.Tensor]) -> None:
-        """Pass 1 for one module: its parameters with storage from the files (LoRA adapters: peft's
-        init) and its persistent buffers the files hold, each marked as filled."""
-        for local, p in m.named_parameters(recurse=False):
-            if p.device.type == "meta":
-                continue
-            canonical = names.get(id(p)) or tied.get(id(p), [f"{module_name}.{local}"])[0]
-            if ".lora_" in canonical:
-                _init_lora_(p, canonical, self.init_seed)
-            elif reader is not None:
-                key = self._file_key(reader, canonical, tied.get(id(p), [canonical]))
-                value = reader.get(key)
-                self._check_shape(key, value.shape, p)
-                p.copy_(value.to(dtype=p.dtype))
-            else:
-                continue
-            mark_(p, marked)
-        if reader is None:
-            return
-        for bname, b in m._buffers.items():
-            if b is None or b.device.type == "meta" or bname in m._non_persistent_buffers_set:
-                continue
-            key = self._find(reader, self.checkpoint_key(f"{module_name}.{bname}"), [])
-            if key is not None:
-                value = reader.get(key)
-                self._check_shape(key, value.shape, b)
-                b.copy_(value.to(dtype=b.dtype))
-                mark_(b, marked)
-
-    def _open_reader(self) -> SafetensorsReader:
-        if self._reader is None:
-            self._reader = SafetensorsReader(self.hf_path)
-        return self._reader
-
-
-# -- registry entry (shardlab.models.MODELS) -------------------------------------------------------
 @dataclass
 class HFKeys:
     """`model.*` keys of model.name=hf."""
@@ -353,185 +52,6 @@ class HFKeys:
     hf_dtype: str = "fp32"                 # parameter dtype: fp32 | bf16 | fp64
     hf_attention: Optional[str] = None     # attention implementation: eager | sdpa | ...; null: transformers' default
     lora: LoRAKeys = field(default_factory=LoRAKeys)
-
-
-def config_file(section) -> str:
-    """The config JSON: model.hf_path's config.json, or model.hf_config (a file, a directory with
-    config.json, or the name of a shipped one: shardlab/configs/hf/, e.g. mistral-tiny)."""
-    from shardlab.shipped import hf_config_path
-
-    path = section.hf_path or hf_config_path(section.hf_config) or section.hf_config
-    return os.path.join(path, "config.json") if os.path.isdir(path) else path
-
-
-def load_hf_config(section, vocab_size: int | None = None):
-    transformers = require_transformers()
-    with open(config_file(section)) as f:
-        raw = json.load(f)
-    config = transformers.AutoConfig.for_model(**raw)
-    if vocab_size is not None and section.hf_path is None and vocab_size > config.vocab_size:
-        config.vocab_size = vocab_size  # random init: room for the data's tokenizer
-    return config
-
-
-def _check(section) -> None:
-    if section.name != "hf":
-        return
-    if (section.hf_path is None) == (section.hf_config is None):
-        raise ConfigError("model.name=hf needs exactly one of model.hf_path (a local HF directory with config.json "
-                          "and safetensors weights) or model.hf_config (a config JSON, random init)")
-    if section.hf_path is not None:
-        if not os.path.isfile(os.path.join(section.hf_path, "config.json")):
-            raise ConfigError(f"model.hf_path {section.hf_path!r}: no config.json there; point it at a local "
-                              "directory written by save_pretrained (nothing is downloaded)")
-        if not any(os.path.isfile(os.path.join(section.hf_path, f)) for f in (INDEX_FILE, SINGLE_FILE)):
-            raise ConfigError(f"model.hf_path {section.hf_path!r}: no {SINGLE_FILE} or {INDEX_FILE}; save the model "
-                              "in safetensors (save_pretrained(..., safe_serialization=True))")
-        check_safetensors_dir(section.hf_path)  # headers only: a corrupted file is named before any worker
-    elif not os.path.isfile(config_file(section)):
-        from shardlab.shipped import shipped_hf_configs
-
-        raise ConfigError(f"model.hf_config {section.hf_config!r}: no such file; give a config JSON, a directory "
-                          f"with config.json, or a shipped one's name ({', '.join(shipped_hf_configs())})")
-    try:
-        with open(config_file(section)) as f:
-            raw = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{config_file(section)}:{e.lineno}: not valid JSON ({e.msg})") from None
-    if "model_type" not in raw:
-        raise ConfigError(f"{config_file(section)}: no \"model_type\" (e.g. \"mistral\", \"llama\", \"gpt2\"); "
-                          "transformers needs it to pick the architecture")
-    transformers = require_transformers()
-    if raw["model_type"] not in transformers.CONFIG_MAPPING:  # else its refusal lists every type it knows
-        raise ConfigError(f"{config_file(section)}: model_type {raw['model_type']!r} is unknown to the installed "
-                          f"transformers {transformers.__version__}; upgrade transformers (pip install -U "
-                          "transformers) if the model is newer than it, or correct model_type")
-    if section.hf_dtype not in HF_DTYPES:
-        raise ConfigError(f"model.hf_dtype: unknown value {section.hf_dtype!r}; valid: {', '.join(HF_DTYPES)}")
-    lo = section.lora
-    if lo.rank < 0:
-        raise ConfigError(f"model.lora.rank must be >= 0 (0 = full fine-tuning), got {lo.rank}")
-    if lo.rank and (lo.alpha <= 0 or not 0 <= lo.dropout < 1):
-        raise ConfigError("model.lora.alpha must be > 0 and model.lora.dropout in [0, 1)")
-    if lo.rank:
-        problem = lora_target_problem(section, raw["model_type"]) or lora_parameter_problem(section)
-        if problem:
-            raise ConfigError(problem)
-    problem = _meta_build(section)[1]
-    if problem:
-        raise ConfigError(problem)
-
-
-def _section_key(section) -> tuple:
-    path = config_file(section)
-    return (section.hf_path, section.hf_config, section.hf_dtype, getattr(section, "hf_attention", None), path,
-            os.path.getmtime(path))
-
-
-def _meta_build(section) -> tuple[HFCausalLM | None, str | None]:
-    """The model on the meta device and what stops shardlab from filling it (hf_load.build_problem),
-    once per config (cached: validation runs on the launcher and in every worker)."""
-    return _meta_build_cached(_section_key(section))
-
-
-@functools.lru_cache(maxsize=16)
-def _meta_build_cached(key: tuple) -> tuple[HFCausalLM | None, str | None]:
-    hf_path, hf_config, hf_dtype, attention = key[:4]
-    section = SimpleNamespace(name="hf", hf_path=hf_path, hf_config=hf_config, hf_dtype=hf_dtype,
-                              hf_attention=attention, lora=LoRAKeys())
-
-    try:
-        with torch.device("meta"):
-            model = _build(section, 0, None)
-    except (ValueError, ImportError) as e:  # transformers refuses the implementation for this family
-        if attention is None:
-            raise
-        return None, f"model.hf_attention={attention}: {str(e).splitlines()[0]}"
-    return model, model.router_problem or build_problem(model, hf_path)
-
-
-def _packing_problem(section) -> str | None:
-    """data.packing=true: None when the model keeps packed examples apart under its attention
-    implementation ([Note: packed sequences]), else why not."""
-    model = _meta_build(section)[0]
-    if model is None or model.packed_route() is not None:
-        return None
-    if not model.takes_4d_masks:
-        return (f"data.packing=true: {type(model.hf_model).__name__} builds neither its mask from position ids nor "
-                "takes a 4-D attention mask (Bloom: its ALiBi bias is built from a 2-D mask), so packed examples "
-                "cannot be kept apart; set data.packing=false")
-    return (f"data.packing=true: {type(model.hf_model).__name__} under attention {model.attention!r} has no known way "
-            "to keep packed examples apart (transformers does not build its mask from the position ids, and this "
-            "implementation takes no 4-D mask shardlab writes, or a sliding window would be lost); set "
-            "data.packing=false, or model.hf_attention=eager or sdpa")
-
-
-def lora_layer_names(section) -> dict[str, list[str]]:
-    """Last name component -> full names of the modules LoRA can adapt (Linear, GPT-2's Conv1D,
-    Embedding, Conv*d), from the architecture built on the meta device (no memory, no weights)."""
-    transformers = require_transformers()
-    from transformers.pytorch_utils import Conv1D
-
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(load_hf_config(section))
-    kinds = (nn.Linear, Conv1D, nn.Embedding, nn.Conv1d, nn.Conv2d)
-    out: dict[str, list[str]] = {}
-    for name, m in model.named_modules():
-        if name and isinstance(m, kinds):
-            out.setdefault(name.rsplit(".", 1)[-1], []).append(name)
-    return out
-
-
-def lora_target_problem(section, model_type: str) -> str | None:
-    """What is wrong with model.lora.target_modules for this architecture (None: nothing), found
-    before any worker starts; peft would fail with a traceback, or silently skip a bad name."""
-    targets = section.lora.target_modules
-    if targets is None:
-        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
-
-        if model_type in defaults:
-            return None
-    names = lora_layer_names(section)
-    linear = sorted(names)
-    if targets is None:
-        return (f"model.lora.target_modules=null: peft has no default LoRA targets for model_type {model_type!r}; "
-                f"name them, e.g. model.lora.target_modules=[{', '.join(linear[:2])}] (the layers LoRA can adapt in "
-                f"this model: {', '.join(linear)})")
-    full = {n for group in names.values() for n in group}
-    unknown = [t for t in targets if t not in names and t not in full
-               and not any(n.endswith("." + t) for n in full)]
-    if unknown:
-        return (f"model.lora.target_modules: {unknown} match{'es' if len(unknown) == 1 else ''} no layer of this "
-                f"{model_type} model that LoRA can adapt; its Linear (and Conv1D, Embedding) layers: "
-                f"{', '.join(linear)}")
-    return None
-
-
-def lora_parameter_problem(section) -> str | None:
-    """Why the LoRA targets cannot train on shardlab's engines (None: they can): peft adapts the fused
-    expert parameters of transformers 5's MoE blocks (DeepSeek-V3's `experts.down_proj`, matched by
-    a `down_proj` target) through a parametrization of the parameter itself, which the engines'
-    flat-buffer views of parameters do not carry (fsdp: 'has no parameter ... down_proj')."""
-    transformers = require_transformers()
-    with torch.device("meta"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # peft's notes on patterns that matched nothing
-        model = _add_lora(transformers.AutoModelForCausalLM.from_config(load_hf_config(section)), asdict(section.lora))
-    wrapped = sorted({f"{n.removeprefix('base_model.model.').split('.base_layer')[0]}.{m.parameter_name}"
-                      for n, m in model.named_modules() if type(m).__name__ == "ParamWrapper"})
-    if not wrapped:
-        return None
-    return (f"model.lora.target_modules: peft would adapt the fused expert parameter {wrapped[0]} (and "
-            f"{len(wrapped) - 1} more) by parametrization, which shardlab's engines do not support; name the Linear "
-            "layers to adapt so that peft leaves the experts alone (e.g. the attention's q_proj, o_proj), or train "
-            "the experts with full fine-tuning (model.lora.rank=0)")
-
-
-def _build(section, seed: int, vocab_size: int | None) -> HFCausalLM:
-    """The one construction of an hf model (train, verify, eval, generate, export all come here or
-    through `_rebuild` of what `_record` kept)."""
-    config = load_hf_config(section, vocab_size)
-    return HFCausalLM(config, seed=seed, hf_path=section.hf_path, dtype=HF_DTYPES[section.hf_dtype],
-                      lora=asdict(section.lora), attention=getattr(section, "hf_attention", None))
 
 
 def _record(model: HFCausalLM) -> dict[str, Any]:
@@ -587,7 +107,7 @@ def hf_vocab_size(section) -> int | None:
 
 SPEC = ModelSpec(
     name="hf", keys=HFKeys, data_kind="tokens",
-    build=_build, record=_record, rebuild=_rebuild, check=_check,
+    build=build_hf, record=_record, rebuild=_rebuild, check=check_hf,
     synthetic=lambda section: {"vocab_size": hf_vocab_size(section) or 256},
     packing_problem=_packing_problem,
     max_seq_len=_max_seq_len,

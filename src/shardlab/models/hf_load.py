@@ -156,7 +156,7 @@ def seed_for(seed: int, name: str) -> int:
 def init_owners(root: nn.Module) -> dict[int, nn.Module]:
     """id(module) -> the PreTrainedModel whose `_init_weights` transformers applies to it: the
     nearest one at or above it (transformers' `smart_apply` switches at each sub-model)."""
-    from transformers import PreTrainedModel  # deferred: see models/hf.py, require_transformers
+    from transformers import PreTrainedModel  # deferred: see models/hf_model.py, require_transformers
 
     owners: dict[int, nn.Module] = {}
 
@@ -257,7 +257,7 @@ def build_problem(model: nn.Module, hf_path: str | None) -> str | None:
     return None
 
 
-# -- packed rows: which attention mask (see [Note: packed sequences] in models/hf.py) ---------------
+# -- packed rows: which attention mask (see [Note: packed sequences] in models/hf_model.py) ---------------
 POSITION_IDS = "position_ids"   # transformers builds the block-causal mask from the position ids
 ADDITIVE = "additive mask"      # shardlab passes a 4-D float mask: 0 allowed, the dtype's minimum not
 BOOLEAN = "boolean mask"        # shardlab passes a 4-D boolean mask (True: attend)

@@ -29,6 +29,18 @@ balancing loss of each rank's rows apart (`router_groups = N`: the micro batch's
 equal groups in order, each group's loss weighted by its share of the micro batch's targets). That
 is the same sum, so verify compares like with like and never reports the definition as a fault.
 
+[Note: router statistics]
+metrics.json's `router` section says what the routers did over the steps this run trained: per MoE
+layer, how many (token position, expert) assignments each expert received, summed over the micro
+batches of every rank (token positions x top_k in all: padding included, as the router sees it),
+and the mean of the balancing loss over the micro batches of every rank that computed it (with
+`output_router_logits`; the loss took `aux_loss_coef` times it). The counts come from the routers'
+own choices (their top-k indices, which transformers' routers return beside their logits, caught
+by a forward hook), added after each training forward on the device: no synchronisation and no
+extra forward; a recomputation in the backward (activation checkpointing) only overwrites what the
+hook kept, which the next forward forgets. Evaluation forwards are not counted. Every rank's
+figures are gathered once, at the end (loop/router_stats.py).
+
 [Note: float64 experts]
 transformers' default expert code (`experts_implementation="grouped_mm"`) calls
 `torch._grouped_mm`, which has no float64 kernel on CPU. A model in float64 (model.hf_dtype=fp64,
@@ -38,6 +50,7 @@ the same maths in plain matmuls (`float64_experts_`).
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -65,16 +78,16 @@ def router_loss(causal_lm: nn.Module) -> tuple[Callable | None, str | None]:
     return fn, None
 
 
-def router_term(causal_lm: nn.Module, fn: Callable, router_logits: Any, targets: torch.Tensor,
-                groups: int = 1) -> torch.Tensor:
-    """coef x the balancing loss of the rows (see [Note: the router loss across micro batches and
-    ranks]); groups > 1: the rows cut into that many equal groups, each weighted by its targets."""
-    coef = causal_lm.router_aux_loss_coef
+def router_balance(causal_lm: nn.Module, fn: Callable, router_logits: Any, targets: torch.Tensor,
+                   groups: int = 1) -> torch.Tensor:
+    """The balancing loss of the rows, which the loss takes `router_aux_loss_coef` times (see [Note:
+    the router loss across micro batches and ranks]); groups > 1: the rows cut into that many equal
+    groups, each weighted by its targets."""
     E, k = causal_lm.num_experts, causal_lm.num_experts_per_tok
     logits = tuple(router_logits)
     rows = targets.shape[0]
     if groups <= 1 or rows % groups:
-        return coef * fn(logits, E, k, None)
+        return fn(logits, E, k, None)
     per = rows // groups
     counts = (targets != IGNORE_INDEX).reshape(groups, -1).sum(dim=1).tolist()  # host ints: a float64 share
     total = sum(counts)
@@ -82,7 +95,79 @@ def router_term(causal_lm: nn.Module, fn: Callable, router_logits: Any, targets:
     for g in range(groups):
         part = tuple(t.reshape(rows, -1, t.shape[-1])[g * per:(g + 1) * per].reshape(-1, t.shape[-1]) for t in logits)
         out = out + fn(part, E, k, None) * counts[g] / total
-    return coef * out
+    return out
+
+
+# -- what the routers did: metrics.json's `router` section -----------------------------------------
+class RouterStats:
+    """Tokens per expert of every MoE layer and the balancing loss, over this process's training
+    forwards ([Note: router statistics]). Made only for a model whose routers transformers records
+    (`_can_record_outputs["router_logits"]`: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, ...)."""
+
+    def __init__(self, routers: list[tuple[str, nn.Module]]):
+        self.layers = [name for name, _ in routers]
+        self.experts = int(routers[0][1].weight.shape[0])  # the router's weight: [experts, hidden]
+        self.top_k: int | None = None
+        self.counts: torch.Tensor | None = None  # [layers, experts], where the routers run
+        self.balance_sum: torch.Tensor | None = None
+        self.balance_n = 0
+        self._seen: dict[int, torch.Tensor] = {}
+        for i, (_, m) in enumerate(routers):
+            m.register_forward_hook(functools.partial(self._keep, i))
+
+    def _keep(self, layer: int, module: nn.Module, args: Any, output: Any) -> None:
+        chosen = [o for o in output if torch.is_tensor(o) and not o.is_floating_point()]  # (logits, scores, indices)
+        if chosen:
+            self._seen[layer] = chosen[0]
+
+    def begin(self) -> None:
+        """Before a forward: forget the choices an earlier forward (or a recomputation) left."""
+        self._seen.clear()
+
+    def count(self) -> None:
+        """After a training forward: add the experts each token position was sent to (on the device:
+        no synchronisation)."""
+        for layer, chosen in self._seen.items():
+            if self.counts is None:
+                self.counts = torch.zeros(len(self.layers), self.experts, dtype=torch.int64, device=chosen.device)
+            self.top_k = chosen.shape[-1]
+            self.counts[layer] += torch.bincount(chosen.reshape(-1), minlength=self.experts)
+        self._seen.clear()
+
+    def add_balance(self, value: torch.Tensor) -> None:
+        value = value.detach().double()
+        self.balance_sum = value if self.balance_sum is None else self.balance_sum + value
+        self.balance_n += 1
+
+    def local(self) -> dict[str, Any]:
+        """This process's figures, for `merge_router_stats` (host values: a gather of objects)."""
+        return {"layers": self.layers, "experts": self.experts, "top_k": self.top_k,
+                "counts": None if self.counts is None else self.counts.cpu().tolist(),
+                "balance_sum": None if self.balance_sum is None else self.balance_sum.item(),
+                "balance_n": self.balance_n}
+
+
+def router_stats(causal_lm: nn.Module) -> RouterStats | None:
+    """The model's RouterStats, None when it has no router transformers records."""
+    recorder = (getattr(causal_lm, "_can_record_outputs", None) or {}).get("router_logits")
+    kind = getattr(recorder, "target_class", None)
+    if kind is None:
+        return None
+    routers = [(n, m) for n, m in causal_lm.named_modules() if isinstance(m, kind) and hasattr(m, "weight")]
+    return RouterStats(routers) if routers else None
+
+
+def merge_router_stats(per_rank: list[dict[str, Any]], coef: float | None) -> dict[str, Any]:
+    """metrics.json's `router` section from every rank's `RouterStats.local()`."""
+    first = per_rank[0]
+    counts = [r["counts"] for r in per_rank if r["counts"] is not None]
+    total = [[sum(c[i][e] for c in counts) for e in range(first["experts"])] for i in range(len(first["layers"]))]
+    n = sum(r["balance_n"] for r in per_rank)
+    balance = sum(r["balance_sum"] for r in per_rank if r["balance_sum"] is not None) / n if n else None
+    top_k = next((r["top_k"] for r in per_rank if r["top_k"]), None)
+    return {"layers": first["layers"], "experts": first["experts"], "top_k": top_k,
+            "tokens_per_expert": total if counts else None,
+            "balance_loss_mean": balance, "balance_micro_batches": n, "aux_loss_coef": coef if n else None}
 
 
 def float64_experts_(hf_model: nn.Module) -> str | None:

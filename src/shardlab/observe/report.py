@@ -66,8 +66,8 @@ def build_report(run_dir: str, now: float | None = None) -> str:
     run = read_run(run_dir)
     now = time.time() if now is None else now
     sections = [_header(run, now), _findings(run), _attempts(run, now, plots), _curves(run, plots),
-                _throughput(run, plots), _time_split(run, plots), _memory(run, plots), _collectives(run, plots),
-                _profiles(run)]
+                _throughput(run, plots), _time_split(run, plots), _memory(run, plots), _router(run),
+                _collectives(run, plots), _profiles(run)]
     title = f"shardlab report: {_esc(os.path.basename(os.path.abspath(run_dir)))}"
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{title}</title><style>{_CSS}</style></head>"
             f"<body><h1>{title}</h1>{''.join(sections)}</body></html>\n")
@@ -198,6 +198,28 @@ def _memory(run: Run, plots: Any) -> str:
     missing = ("not recorded: train.memory_tracking=none, or the run has not finished (metrics.json is written "
                "at the end)")
     return "<h2>Memory</h2>" + text + _figure(plots.memory(breakdown) if breakdown else None, "memory", missing)
+
+
+def _router(run: Run) -> str:
+    """A mixture of experts' routing over the run: metrics.json's `router` section ([Note: router
+    statistics] in models/hf_router.py); nothing for a model without routers."""
+    r = (run.metrics or {}).get("router")
+    if not r:
+        return ""
+    rows = []
+    for layer, counts in zip(r["layers"], r.get("tokens_per_expert") or []):
+        total = sum(counts) or 1
+        shares = " ".join(f"{c / total:.0%}" for c in counts)
+        rows.append([layer, sum(counts), shares, f"{max(counts) * len(counts) / total:.2f}",
+                     sum(1 for c in counts if c == 0)])
+    table = _table(["layer", "assignments", f"share per expert (0..{r['experts'] - 1})", "busiest / mean",
+                    "idle experts"], rows) if rows else '<p class="note">no training forward counted</p>'
+    balance = r.get("balance_loss_mean")
+    note = (f"<p>mean balancing loss {balance:.4f} over {r['balance_micro_batches']} micro batches (the loss took "
+            f"{r['aux_loss_coef']} times it)</p>" if balance is not None else
+            "<p class='note'>no balancing loss in the loss (output_router_logits is off)</p>")
+    return (f"<h2>Routing: {r['experts']} experts, top {r.get('top_k')}, tokens per expert over the steps this run "
+            f"trained, every rank</h2>" + table + note)
 
 
 def _collectives(run: Run, plots: Any) -> str:
