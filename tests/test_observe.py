@@ -174,10 +174,20 @@ def test_tracker_keys_are_checked_before_any_worker(monkeypatch):
             load_config(None, overrides)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"output.trackers names wandb, which is not installed: pip install "
-                                          r"'shardlab\[wandb\]'") as e:
+    # the line installs into the environment shardlab runs from, with pyproject.toml's pins
+    with pytest.raises(ConfigError, match=r"output.trackers names wandb, which is not installed: \S*python\S* -m pip "
+                                          r"install 'wandb>=0.18'$") as e:
         load_config(None, ["output.trackers=[tensorboard,wandb]"])
     assert "\n" not in str(e.value)
+
+
+def test_tracker_install_lines_are_pyprojects_extras():
+    from shardlab.observe import trackers
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for name, (_, packages) in trackers.TRACKERS.items():
+        assert list(packages) == extras.get(name, []), name
 
 
 def test_measuring_the_peak_leaves_the_runs_random_stream_alone(tmp_path, monkeypatch):
@@ -301,6 +311,9 @@ def _launch(root: Path, name: str, nproc: int, fault: str, *extra: str, one_core
 def launched(tmp_path_factory, monkeypatch_module):
     root = tmp_path_factory.mktemp("observe")
     monkeypatch_module.setenv("SHARDLAB_CACHE", str(root / "cache"))   # the peak is measured afresh, once
+    # the trackers' system metrics sampled often enough to show in a run of seconds (defaults: 15 s, 10 s)
+    monkeypatch_module.setenv("WANDB__STATS_SAMPLING_INTERVAL", "1")
+    monkeypatch_module.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.5")
     (root / "site").mkdir()
     (root / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
     trackers = ["tensorboard"] + [t for t in ("wandb", "mlflow") if _installed(t)]
@@ -527,13 +540,14 @@ def test_mfu_equals_the_hand_computation(launched):
     assert [r["mfu"] for r in records if "mfu" in r] == m["mfu_per_step"]
 
 
-def _wandb_history(run_dir: Path) -> dict[int, dict]:
-    """The history rows of the offline run, read with wandb's own protobuf records (its offline file is
-    a log of 32 KiB blocks of records, each with a 7-byte header: wandb 0.31 ships no Python reader)."""
+def _wandb_records(run_dir: Path) -> dict[str, list]:
+    """The offline run's records by type (run, config, history, summary, stats, files, ...), read with
+    wandb's own protobuf records (its offline file is a log of 32 KiB blocks of records, each with a
+    7-byte header: wandb 0.31 ships no Python reader)."""
     from wandb.proto import wandb_internal_pb2 as pb2
 
-    path = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))[0]
-    data, pos, pending, rows = Path(path).read_bytes(), 7, b"", {}
+    (path,) = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    data, pos, pending, records = Path(path).read_bytes(), 7, b"", {}
     while pos + 7 <= len(data):
         left = 32768 - pos % 32768
         if left < 7:
@@ -549,13 +563,23 @@ def _wandb_history(run_dir: Path) -> dict[int, dict]:
         if kind in (1, 4):
             r = pb2.Record()
             r.ParseFromString(pending)
-            if r.WhichOneof("record_type") == "history":
-                row = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
-                rows[row["_step"]] = row
-    return rows
+            records.setdefault(r.WhichOneof("record_type"), []).append(r)
+    return records
+
+
+def _items(items) -> dict:
+    return {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in items}
+
+
+def _wandb_history(records: dict[str, list]) -> dict[int, dict]:
+    rows = (_items(r.history.item) for r in records["history"])
+    return {row["_step"]: row for row in rows}
 
 
 def test_trackers_hold_the_metrics(launched, monkeypatch):
+    """What HF's report_to gives, read back from the offline wandb run and MLflow's file store: the
+    run's name, its tags, the config, every logged step, system metrics, the run's figures at the end,
+    metrics.json attached, and the line saying where the offline run is and how to upload it."""
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")   # as the tracker sets it in the worker (trackers.py)
     run_dir = launched["run"]
     m = json.loads((run_dir / "metrics.json").read_text())
@@ -566,11 +590,28 @@ def test_trackers_hold_the_metrics(launched, monkeypatch):
     assert [r["step"] for r in lines if "val_loss" in r] == list(range(EVERY, STEPS + 1, EVERY))
     assert [r["val_loss"] for r in lines if "val_loss" in r][-1] == m["val_loss"]
     if "wandb" not in launched["trackers"] or "mlflow" not in launched["trackers"]:
-        pytest.skip(f"trackers installed: {launched['trackers']} (pip install 'shardlab[wandb]' / '[mlflow]')")
-    rows = _wandb_history(run_dir)
+        pytest.skip(f"trackers installed: {launched['trackers']} (make setup-dev installs wandb and mlflow)")
+    tags = {"engine": "fsdp", "world_size": "2", "model": "gpt", "device": "cpu"}
+    final = {"summary/peak_memory_bytes": max(m["peak_memory_bytes"]), "summary/tokens_per_s": m["tokens_per_s"],
+             "summary/loss": m["losses"][-1], "summary/val_loss": m["val_loss"], "summary/steps": STEPS}
+    records = _wandb_records(run_dir)
+    rows = _wandb_history(records)
     for s, (loss, tok) in expected.items():
         assert rows[s]["train/loss"] == pytest.approx(loss, rel=1e-6)
         assert rows[s]["perf/tokens_per_s"] == pytest.approx(tok, rel=1e-6)
+    (run,) = [r.run for r in records["run"]]
+    assert (run.display_name, run.run_group) == ("run", "run")
+    assert {f"{k}:{v}" for k, v in tags.items()} <= set(run.tags)
+    config = _items(run.config.update)
+    assert config["parallel"]["strategy"] == "fsdp" and config["run"]["world_size"] == 2
+    summary = {k: v for r in records["summary"] for k, v in _items(r.summary.update).items()}
+    assert {k: summary[k] for k in final} == pytest.approx(final, rel=1e-6)
+    assert {"cpu", "proc.memory.rssMB"} <= {i.key for r in records["stats"] for i in r.stats.item}
+    assert "metrics.json" in {f.path for r in records["files"] for f in r.files.files}
+    (kept,) = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "files" / "metrics.json"))
+    assert json.loads(Path(kept).read_text()) == m
+    offline = Path(kept).parent.parent
+    assert f"wandb sync {offline}" in (launched["root"] / "run.log").read_text()
     # MLflow's file store as the tracker left it, read back through MLflow's own client
     from mlflow.tracking import MlflowClient
 
@@ -582,4 +623,10 @@ def test_trackers_hold_the_metrics(launched, monkeypatch):
 
     assert history("train/loss") == pytest.approx({s: v[0] for s, v in expected.items()}, rel=1e-6)
     assert history("perf/tokens_per_s") == pytest.approx({s: v[1] for s, v in expected.items()}, rel=1e-6)
-    assert found.data.params["parallel.strategy"] == "fsdp"
+    assert (found.info.run_name, found.info.status) == ("run", "FINISHED")
+    assert {k: found.data.tags[k] for k in tags} == tags
+    assert found.data.params["parallel.strategy"] == "fsdp" and found.data.params["run.world_size"] == "2"
+    assert {k: found.data.metrics[k] for k in final} == pytest.approx(final, rel=1e-6)
+    assert history("system/cpu_utilization_percentage")
+    (artifact,) = [a.path for a in client.list_artifacts(found.info.run_id) if a.path == "metrics.json"]
+    assert json.loads(Path(client.download_artifacts(found.info.run_id, artifact)).read_text()) == m

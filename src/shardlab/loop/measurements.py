@@ -37,10 +37,11 @@ from shardlab.engines import optimizer_state_bytes
 from shardlab.engines.compile import CompileClock
 from shardlab.loop import metrics as M
 from shardlab.loop.evaluate import Evaluation
+from shardlab.loop.preemption import Preempted
 from shardlab.loop.run_summary import step_tokens, summarize
 from shardlab.observe.flops import StepFlops
 from shardlab.observe.runs import STEPS_FILE
-from shardlab.observe.trackers import open_trackers, resolve_trackers
+from shardlab.observe.trackers import Trackers, resolve_trackers
 
 
 class StepLogger:
@@ -51,15 +52,14 @@ class StepLogger:
     def __init__(self, run: Any, o: OutputConfig, t: TrainConfig):
         self.run, self.t = run, t
         self.bar = self.lines = None
-        self.trackers: list = []
+        self.trackers: Trackers | None = None
         if not run.rt.is_main:
             return
         os.makedirs(run.out_dir, exist_ok=True)
         self.lines = open(os.path.join(run.out_dir, STEPS_FILE), "a", buffering=1)
         self._write({"event": "start", "attempt": run.rt.restart_count, "world": run.rt.world_size,
                      "step": run.state.step, "launch": os.environ.get("TORCHELASTIC_RUN_ID")})
-        self.trackers = open_trackers(resolve_trackers(o), run.out_dir, o.run_name or "run", run.cfg.to_dict(),
-                                      dump_config(run.cfg))
+        self.trackers = Trackers(resolve_trackers(o), run, dump_config(run.cfg))
         if o.progress:
             from tqdm import tqdm
 
@@ -71,10 +71,11 @@ class StepLogger:
 
     def log(self, r: Any, step: int, step_time: float, mfu: float | None) -> None:
         if not math.isfinite(r.loss):
-            self.close()
-            raise FloatingPointError(
+            error = FloatingPointError(
                 f"the loss is {r.loss} at step {step}: training stopped. Lower train.lr, "
                 "enable train.grad_clip, or check the data; the last good checkpoint (if any) is kept.")
+            self.close(error)
+            raise error
         if self.run.change is not None:  # the first step of an elastic group that changed (loop/elastic.py)
             print(self.run.change.line(time.time()), flush=True)
             self.run.change = None
@@ -117,26 +118,31 @@ class StepLogger:
         self._write({"step": step, "val_loss": v.loss, **by_source, "attempt": self.run.rt.restart_count})
         self._track({"val/loss": v.loss, **{k.replace("_", "/", 1): x for k, x in by_source.items()}}, step)
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None) -> Trackers | None:
+        """The bar and steps.jsonl closed. The trackers: with `error` (the exception ending the
+        attempt) ended now, marked failed or preempted; without, returned still open, for
+        `RunMeasurements.summary` to end with metrics.json."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-        for tracker in self.trackers:
-            tracker.close()
-        self.trackers = []
+        trackers, self.trackers = self.trackers, None
+        if trackers is not None and error is not None:
+            trackers.end(outcome="preempted" if isinstance(error, (Preempted, KeyboardInterrupt)) else "failed")
+            trackers = None
         if self.lines is not None:  # the attempt's end: the step it reached ([Note: records stay true])
             with contextlib.suppress(OSError):
                 self._write({"event": "end", "attempt": self.run.rt.restart_count, "step": self.run.state.step})
             self.lines.close()
             self.lines = None
+        return trackers
 
     def _write(self, record: dict[str, Any]) -> None:
         self.lines.write(json.dumps({"time": time.time(), **record}) + "\n")
 
     def _track(self, scalars: dict[str, float | None], step: int) -> None:
         present = {k: float(v) for k, v in scalars.items() if v is not None}
-        for tracker in self.trackers:
-            tracker.log(present, step)
+        if self.trackers is not None:
+            self.trackers.log(present, step)
 
 
 class RunMeasurements:
@@ -153,6 +159,7 @@ class RunMeasurements:
         self.state_bytes: dict[str, int] | None = None
         self.run: Any = None
         self.logger: StepLogger | None = None
+        self.trackers: Trackers | None = None  # rank 0's, open from the last step to metrics.json
         self.flops: StepFlops | None = None
         self.tracker: memory.LiveMemoryTracker | None = None
         self.profiler: memory.StepProfiler | None = None
@@ -223,7 +230,8 @@ class RunMeasurements:
 
     def close(self) -> None:
         if self.logger is not None:
-            self.logger.close()
+            # called in _train's `finally`: an exception on its way out ends the trackers now
+            self.trackers = self.logger.close(sys.exc_info()[1])
             self.logger = None
         if self.profiler is not None:
             self.profiler.close()
@@ -241,8 +249,18 @@ class RunMeasurements:
         mine = {"peak_memory_bytes": peak, "model_state_bytes": self.state_bytes, "comm": self.train_comm,
                 "comm_seconds": _per_kind(self.step_comm_seconds), "live": live,
                 "compile": (self.compile_clock.seconds(), self.compile_clock.graphs())}
-        return summarize(run, self.timer, mine, self.val_losses, time.perf_counter() - self.started,
-                         self.flops.summary(self.timer.times))
+        result = None
+        try:
+            result = summarize(run, self.timer, mine, self.val_losses, time.perf_counter() - self.started,
+                               self.flops.summary(self.timer.times))
+        finally:  # the trackers keep the run's figures and metrics.json (observe/trackers.py)
+            if self.trackers is not None:
+                trackers, self.trackers = self.trackers, None
+                if result is None:
+                    trackers.end(outcome="failed")
+                else:
+                    trackers.end(result, metrics_path=os.path.join(run.out_dir, "metrics.json"))
+        return result
 
     def _model_state(self) -> dict[str, int]:
         return {**self.run.engine.model_state_bytes(), "optimizer": optimizer_state_bytes(self.run.opt)}
