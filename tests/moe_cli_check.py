@@ -52,7 +52,9 @@ def transformers_loss(hf_dir: str) -> float:
         for a in range(0, rows, mb):
             x, y = collate(val, torch.arange(a, min(a + mb, rows)))
             kwargs = {"input_ids": x[:, 0], "position_ids": x[:, 1]} if x.dim() == 3 else {"input_ids": x}
-            out = ref(**kwargs, use_cache=False, output_router_logits=ref.config.output_router_logits)
+            if getattr(ref.config, "output_router_logits", False):
+                kwargs["output_router_logits"] = True
+            out = ref(**kwargs, use_cache=False)
             loss = F.cross_entropy(out.logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100).item()
             if getattr(out, "aux_loss", None) is not None:
                 loss += ref.config.router_aux_loss_coef * out.aux_loss.item()

@@ -121,3 +121,11 @@ def test_exported_model_answers_as_shardlab_generate(tmp_path, monkeypatch, kind
             assert main(["generate", str(export), "--chat", "--prompt", question, "--max-new-tokens", "8",
                          "--temperature", "0"]) == 0
         assert printed.getvalue().strip() == expected.strip()
+    # `shardlab eval RUN/hf` is transformers' loss on the export over the same validation rows
+    from tests.moe_cli_check import transformers_loss
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["eval", str(export)]) == 0
+    loss = json.loads(printed.getvalue().strip().splitlines()[-1])["val_loss"]
+    assert loss == pytest.approx(transformers_loss(str(export)), rel=1e-6, abs=0)
