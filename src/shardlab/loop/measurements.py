@@ -38,6 +38,7 @@ from shardlab.engines.compile import CompileClock
 from shardlab.loop import metrics as M
 from shardlab.loop.evaluate import Evaluation
 from shardlab.loop.preemption import Preempted
+from shardlab.loop.router_stats import router_section
 from shardlab.loop.run_summary import step_tokens, summarize
 from shardlab.observe.flops import StepFlops
 from shardlab.observe.runs import STEPS_FILE
@@ -251,8 +252,9 @@ class RunMeasurements:
                 "compile": (self.compile_clock.seconds(), self.compile_clock.graphs())}
         result = None
         try:
-            result = summarize(run, self.timer, mine, self.val_losses, time.perf_counter() - self.started,
-                               self.flops.summary(self.timer.times))
+            # rank 0's further keys: MFU; a mixture of experts' routing, gathered from every rank (router_stats.py)
+            extra = {**self.flops.summary(self.timer.times), **router_section(run)}
+            result = summarize(run, self.timer, mine, self.val_losses, time.perf_counter() - self.started, extra)
         finally:  # the trackers keep the run's figures and metrics.json (observe/trackers.py)
             if self.trackers is not None:
                 trackers, self.trackers = self.trackers, None
