@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from shardlab.bench import _speed_vs, comm_bus_theory, plan_cells, summarize
+from shardlab.bench_cells import plan_cells, waited_comm
+from shardlab.bench_table import comm_bus_theory, speed_vs, summarize
 from shardlab.testing import run_workers
 
 # hang guards only, not speed budgets: the six cells of test_bench_runs_any_config_with_axes (each a
@@ -69,16 +70,32 @@ def test_speed_ratio_within_the_rounds_spread_says_so():
              ("torch-fsdp", 2): [_metrics([0, 1.05, 1.05]), _metrics([0, 1.10, 1.10])]}
     rows = {r["strategy"]: r for r in summarize(cells, warmup=1)}
     assert rows["fsdp"]["round_medians_s"] == [1.0, 1.2]
-    text = _speed_vs(rows["torch-fsdp"], rows["fsdp"])
+    text = speed_vs(rows["torch-fsdp"], rows["fsdp"])
     assert text.startswith("0.98x") and "within noise" in text
     steady = {("fsdp", 2): [_metrics([0, 1.00]), _metrics([0, 1.01])],
               ("torch-fsdp", 2): [_metrics([0, 1.50]), _metrics([0, 1.49])]}
     rows = {r["strategy"]: r for r in summarize(steady, warmup=1)}
-    text = _speed_vs(rows["torch-fsdp"], rows["fsdp"])
+    text = speed_vs(rows["torch-fsdp"], rows["fsdp"])
     assert text.startswith("1.49x") and "within noise" not in text
     one = {("fsdp", 2): [_metrics([0, 1.0])], ("torch-fsdp", 2): [_metrics([0, 1.5])]}
     rows = {r["strategy"]: r for r in summarize(one, warmup=1)}
-    assert "spread unknown" in _speed_vs(rows["torch-fsdp"], rows["fsdp"])
+    assert "spread unknown" in speed_vs(rows["torch-fsdp"], rows["fsdp"])
+
+
+def test_waited_comm_is_the_median_of_the_measured_steps_and_names_unseen_waits():
+    """The table's "comm waited" column: per rank the median over the measured steps (counted
+    from 1, as the flight record counts them), the largest rank shown; kinds DDP waits for in C++
+    (out of the record's sight) named beside it; no flight records, said so."""
+    from shardlab.bench_table import to_markdown
+
+    per_rank = [[(1, 0.9, 1.0), (2, 0.2, 1.0), (3, 0.4, 1.0), (4, 0.3, 1.0)],
+                [(1, 0.5, 1.0), (2, 0.1, 1.0), (3, 0.1, 1.0), (4, 0.1, 1.0)]]
+    m = {**_metrics([0, 1.0, 1.0, 1.0]), "comm_waited": {"per_rank": per_rank, "unwaited": ["all_reduce"]}}
+    (row,) = summarize({("torch-ddp", 2): [m]}, warmup=1)
+    assert row["comm_waited_s_per_step"] == [0.3, 0.1] and row["comm_waited_s_per_step_max_rank"] == 0.3
+    assert "| 300.0 (+ ar waited inside DDP: not seen) |" in to_markdown([row])
+    (row,) = summarize({("fsdp", 2): [{**m, "comm_waited": None}]}, warmup=1)
+    assert "| not recorded (doctor.enabled=false) |" in to_markdown([row])
 
 
 @pytest.mark.slow
@@ -204,7 +221,15 @@ def test_bench_hsdp_cell_matches_theory_and_reports_comm_time(tmp_path):
     for per_rank in row["comm_seconds_per_step"]:
         assert set(per_rank) == kinds and all(t > 0 for t in per_rank.values()), per_rank
     assert set(row["comm_seconds_per_step_max_rank"]) == kinds
-    assert "comm ms / step" in out.stdout and "ar " in out.stdout
+    assert "collectives in flight ms / step" in out.stdout and "ar " in out.stdout
+    # what each step waited on collectives, from the flight records: part of the step, never more
+    waited = waited_comm(str(tmp_path / "b" / "fsdp-n2-sh1-r0"))
+    assert waited["unwaited"] == [] and len(waited["per_rank"]) == 2
+    for per_step in waited["per_rank"]:
+        assert [step for step, _, _ in per_step] == [1, 2, 3]
+        assert all(0 <= w <= total for _, w, total in per_step), per_step
+    assert 0 < row["comm_waited_s_per_step_max_rank"] <= row["step_time_median_s"], row
+    assert "comm waited ms / step (max rank)" in out.stdout
 
 
 @pytest.mark.slow

@@ -435,7 +435,8 @@ def test_gpu_check_skips_with_a_clear_message_without_cuda():
 def test_bench_activation_checkpointing_and_compile_axes():
     import argparse
 
-    from shardlab.bench import _cell_overrides, add_arguments, check_arguments, plan_cells
+    from shardlab.bench import add_arguments, check_arguments
+    from shardlab.bench_cells import cell_overrides, plan_cells
 
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -444,7 +445,7 @@ def test_bench_activation_checkpointing_and_compile_axes():
     strategies, worlds, variants = check_arguments(args)
     order, skipped = plan_cells(strategies, worlds, variants)
     assert not skipped and len(order) == 2 * 2 * 2  # every engine takes both axes
-    overrides = _cell_overrides(args, "fsdp", 2, {"activation_checkpointing": "selective", "compile": "true"})
+    overrides = cell_overrides(args, "fsdp", 2, {"activation_checkpointing": "selective", "compile": "true"})
     assert "train.activation_checkpointing=selective" in overrides and "train.compile=true" in overrides
     assert json.dumps(order)
 
