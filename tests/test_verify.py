@@ -23,6 +23,7 @@ import torch
 
 from shardlab.testing import run_workers
 from shardlab.verify import causes
+from shardlab.verify.report import format_report
 from shardlab.verify.runs import StepOrder, disable_dropout_, fingerprint
 from tests.verify_faults import FAULTY_PARAMETER
 
@@ -156,6 +157,9 @@ def test_equal_configs_are_equal(reports, name):
     # the engine differs from the reference as much as the reference from itself with its rows reversed
     assert max(row.worst.error for row in r.rows) <= max(10 * r.noise_floor, 1e-13)
     assert r.tolerance.value <= 1e-9 and r.tolerance.value >= 100 * r.noise_floor
+    # the verdict says the worst error and the floor as numbers, and their ratio
+    worst = max(row.worst.error for row in r.rows)
+    assert f"{worst / r.noise_floor:.1f}x the noise floor {r.noise_floor:.1e}" in format_report(r)
     if name == "gpt-fsdp":
         assert any("dropout turned off in both runs" in n for n in r.notes)
     if name == "gpt-hsdp-offload-bf16":
@@ -210,6 +214,23 @@ def test_sft_rows_with_uneven_targets_are_equal(reports):
     r = reports["sft-uneven-targets"]
     assert r.equal, f"first difference {r.first}, {r.cause}"
     assert r.tolerance.value <= 1e-9 and max(row.worst.error for row in r.rows) <= max(10 * r.noise_floor, 1e-13)
+
+
+def test_equal_verdict_says_the_worst_error_and_the_floor():
+    """The issue's report: tolerance 1.1e-12 over a floor of 1.0e-15 and a worst error of 3.1e-15.
+    The verdict says 3.1x the floor (the engine's distance from rounding), not the tolerance's 1100x."""
+    from shardlab.verify.compare import Finding, Report, StepRow
+    from shardlab.verify.tolerance import Tolerance
+
+    rows = [StepRow(s, 5.0, 0.0, 1e-16, Finding(s, "backward", f"h.{s}.w", e), 1e-15, True)
+            for s, e in ((0, 2.0e-15), (1, 3.1e-15))]
+    r = Report("gpt on 2 ranks", rows, Tolerance(1.1e-12, "float64", "size"), 1.0e-15, None)
+    text = format_report(r)
+    assert "EQUAL: every loss, gradient, gradient norm, parameter and buffer within the tolerance 1.1e-12." in text
+    assert "The worst error is 3.1e-15 (gradient h.1.w at step 1), 3.1x the noise floor 1.0e-15." in text
+    assert "1100x" not in text
+    r.noise_floor = None
+    assert "the noise floor was not measured" in format_report(r)
 
 
 def test_uneven_targets_are_what_the_sft_case_exercises():

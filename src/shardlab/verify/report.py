@@ -53,13 +53,28 @@ def _verdict(r: Report) -> list[str]:
         return [f"INCONCLUSIVE: the tolerance is {_e(tol.value)}, too wide to tell a fault (a gradient off by N "
                 "gives 0.5 or more) from rounding here. Verify in float64 (the default)."]
     if r.first is None:
-        margin = f", {tol.value / r.noise_floor:.0f}x the noise floor" if r.noise_floor else ""
-        return [f"EQUAL: every loss, gradient, gradient norm, parameter and buffer within the tolerance{margin}."]
+        return [f"EQUAL: every loss, gradient, gradient norm, parameter and buffer within the tolerance "
+                f"{_e(tol.value)}.", _worst_line(r)]
     f = r.first
     rank = f" (rank {f.rank})" if f.rank is not None else ""
     out = [f"NOT EQUAL. First difference: step {f.step}, phase {f.phase}: {_quantity(f)}{rank}, error "
            f"{_e(f.error)} > tolerance", f"  where: {r.where}"]
     return out + textwrap.wrap(r.cause or "", width=100, initial_indent="  likely cause: ", subsequent_indent="    ")
+
+
+def _worst_line(r: Report) -> str:
+    """The largest error of the run beside the noise floor, both as numbers: how far from rounding
+    the engine came, not how far the tolerance is from the floor."""
+    worst = max((row.worst for row in r.rows), key=lambda f: f.error, default=None)
+    if worst is None:
+        return "No quantity was compared."
+    where = f"{_quantity(worst)} at step {worst.step}"
+    if r.noise_floor is None:
+        return f"The worst error is {_e(worst.error)} ({where}); the noise floor was not measured."
+    if r.noise_floor == 0:
+        return f"The worst error is {_e(worst.error)} ({where}); the noise floor is 0 (the rows' order changed nothing)."
+    return (f"The worst error is {_e(worst.error)} ({where}), {worst.error / r.noise_floor:.1f}x the noise floor "
+            f"{_e(r.noise_floor)}.")
 
 
 def print_report(r: Report) -> None:
