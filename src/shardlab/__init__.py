@@ -33,15 +33,20 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 __all__ = ["parallelize", "no_sync", "clip_grad_norm_", "full_state_dict", "load_full_state_dict",
-           "engine_of", "MixedPrecision", "STRATEGIES", "__version__"]
+           "engine_of", "MixedPrecision", "STRATEGIES", "fit", "register_model", "register_data", "FitResult",
+           "__version__"]
 
 # the public names that live in shardlab.engines, imported (with torch) on first use
 _FROM_ENGINES = ("parallelize", "engine_of", "MixedPrecision", "STRATEGIES")
+# the Python entry to shardlab's loop (entry.py, docs/python.md), imported on first use too
+_FROM_ENTRY = ("fit", "register_model", "register_data", "FitResult")
 
 
 def __getattr__(name: str) -> Any:
     if name in _FROM_ENGINES:
         return getattr(importlib.import_module("shardlab.engines"), name)
+    if name in _FROM_ENTRY:
+        return getattr(importlib.import_module("shardlab.entry"), name)
     raise AttributeError(f"module 'shardlab' has no attribute {name!r}")
 
 
