@@ -15,9 +15,9 @@ METRIC_KEYS = {"wall_clock_s", "steps", "samples_processed", "tokens_processed",
                "step_time_median_s", "world_size", "strategy", "device", "peak_memory_bytes", "final_loss", "losses"}
 
 
-def _train(tmp_path, name, *args, nproc=2, timeout=240):
+def _train(tmp_path, name, *args, nproc=2, timeout=240, progress=False):
     cmd = [sys.executable, "-m", "shardlab", "train", "configs/gpt-tiny.yaml", *args,
-           f"output.dir={tmp_path}", f"output.run_name={name}", "output.progress=false"]
+           f"output.dir={tmp_path}", f"output.run_name={name}", f"output.progress={str(progress).lower()}"]
     if nproc:
         cmd += ["--nproc", str(nproc)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -134,21 +134,27 @@ def test_accumulation_communicates_once_per_step(tmp_path):
 @pytest.mark.slow
 def test_a_finished_run_started_again_trains_and_rewrites_nothing(tmp_path):
     """A run started again once it reached its last step (the same command, here at another
-    --nproc, as an elastic agent that joins a finished run) trains nothing, says so in one line,
-    exits 0 and leaves the records of the attempt that trained as they were; one that trains on
-    adds its attempt to metrics.json's `attempts` ([Note: records stay true])."""
+    --nproc) trains nothing, says so in one line before any worker starts, exits 0 and leaves the
+    records of the attempt that trained as they were; one that trains on adds its attempt to
+    metrics.json's `attempts` ([Note: records stay true]). The first run's output is piped: progress
+    lines, no bar frames, no notice of lines on the workers' stderr."""
     common = ["parallel.strategy=ddp", "model.preset=gpt-nano", "data.seq_len=32", "train.steps=3",
               "checkpoint.every_steps=3", "output.tensorboard=false"]
-    first, _, _ = _train(tmp_path, "run", *common)
+    first, _, out = _train(tmp_path, "run", *common, progress=True)
+    assert "ddp x2  step 3/3  loss " in out.stdout and "%|" not in out.stdout + out.stderr, out.stdout + out.stderr
+    assert "more line(s)" not in out.stderr and "\nshardlab: checkpoint step 3:" in out.stdout
     assert first["world_size"] == 2 and first["steps_this_run"] == 3
     assert [(a["world_size"], a["steps_from"], a["steps_to"]) for a in first["attempts"]] == [(2, 0, 3)]
     assert first["attempts"][0]["train_s"] == pytest.approx(sum(first["step_times_s"]))
     run = tmp_path / "run"
     kept = {name: (run / name).read_bytes() for name in ("metrics.json", "run_args.json", "steps.jsonl")}
+    launches = sorted((run / "debug" / "workers").iterdir())
     _, _, out = _train(tmp_path, "run", *common, "checkpoint.resume=auto", nproc=1)
     assert out.stdout.strip() == (f"shardlab: the run finished at step 3 (train.steps=3): nothing to do; its records "
-                                  f"are kept ({run}/metrics.json); a higher train.steps trains on"), out.stdout
+                                  f"are kept ({run}/metrics.json); a higher train.steps trains on, --fresh starts "
+                                  "over beside it"), out.stdout
     assert {name: (run / name).read_bytes() for name in kept} == kept
+    assert sorted((run / "debug" / "workers").iterdir()) == launches  # no worker started
     longer, args, _ = _train(tmp_path, "run", *common, "train.steps=5", nproc=1)
     assert args["resumed_from_step"] == 3 and args["world_size"] == 1
     assert longer["world_size"] == 1 and longer["steps"] == 5 and longer["steps_this_run"] == 2

@@ -2,7 +2,7 @@
 
   shardlab prepare INPUT... --out DATA_DIR [--tokenizer DIR] [--workers N]  documents to token shards
   shardlab data inspect DATA_DIR [--docs N]  what a prepared corpus holds, its first documents decoded
-  shardlab train [CONFIG.yaml|NAME] [key=value ...] [--nproc N] [--max-restarts R] [--verbose] [--print-config]
+  shardlab train [CONFIG.yaml|NAME] [key=value ...] [--nproc N] [--fresh] [--max-restarts R] [--verbose] [--print-config]
                 [--nnodes MIN:MAX --rdzv-endpoint HOST:PORT --rdzv-id ID]   one agent of an elastic job
   shardlab configs [NAME]                                    the shipped example configs (NAME: print one)
   shardlab bench [CONFIG.yaml] [key=value ...] [--nproc 1,2,4]  measure every engine side by side
@@ -43,7 +43,8 @@ a Kubernetes pod), taking RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT or 
 SLURM_* variables from the environment; with none of them, as a single process.
 Outputs: <output.dir>/<output.run_name>/{{run_args.json,metrics.json,config.yaml,tensorboard/,debug/}}.
 The default run name is <model>-<strategy>-<hash of the config>: the same command continues the
-same run from its latest checkpoint (and so does `shardlab train <run dir>/config.yaml`).
+same run from its latest checkpoint (and so does `shardlab train <run dir>/config.yaml`); a finished
+run says so and starts nothing (a higher train.steps trains on); --fresh starts over beside it.
 A hung or failed run: `shardlab doctor <run dir>` (with --live while it runs) names the stuck rank.
 """
 
@@ -66,14 +67,16 @@ def _train(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    from shardlab.loop.run import default_run_name
+    from shardlab.loop.run_contract import settle
     from shardlab.loop.runtime import in_launched_worker
     from shardlab.loop.train import worker_main
 
-    if args.nproc is None and in_launched_worker():
+    worker = args.nproc is None and in_launched_worker()
+    settled = settle(cfg, args.fresh, worker, elastic=args.nnodes is not None)  # [Note: the run contract]
+    if settled is not None:
+        return settled  # a finished run said so in one line, or --fresh where it cannot be met
+    if worker:
         return worker_main(cfg)  # one of N: the workers prepare the data together (local rank 0 first)
-    if not cfg.output.run_name:
-        cfg.output.run_name = default_run_name(cfg)
     from shardlab.data import prepare_datasets
 
     try:
@@ -167,6 +170,9 @@ def _add_train_parser(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--verbose", action="store_true",
                     help="with --nproc: show the workers' stderr (tracebacks, warnings) as they write it, and the "
                          "hang doctor's whole report after a failure; otherwise both are in <run dir>/debug/")
+    tr.add_argument("--fresh", action="store_true",
+                    help="with --nproc or alone: train from step 0 in a new run directory beside the run this config "
+                         "names (<run name>-2, -3, ...), keeping that run; without it an unfinished run resumes")
     tr.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     tr.set_defaults(func=_train)
 

@@ -94,7 +94,7 @@ RUN_CONFIG = "shardlab_config.yaml"  # the run's resolved config, beside the mod
 @contextlib.contextmanager
 def transformers_progress(show: bool):
     """transformers' (and huggingface_hub's) tqdm bars ("Writing model shards", ...) on or off
-    for the block; off follows output.progress=false."""
+    for the block: `shardlab export` follows output.progress, a training run's export has none."""
     from transformers.utils import logging as hf_logging
 
     was = hf_logging.is_progress_bar_enabled()
@@ -184,9 +184,11 @@ def export_at_end(run) -> str | None:
     model = model_from_state(record, state)
     out = cfg.export.dir or os.path.join(run.out_dir, "hf")
     tok = run_tokenizer_dir(run.out_dir, cfg.to_dict())
+    # no bars: a worker's stderr is read back as warnings ([Note: progress for terminals and for logs]
+    # in loop/measurements.py), and the run's own progress already says where it is
     return export_hf(model, out, tokenizer_dir=tok, lora=cfg.export.lora,
                      base_model=(record.get("kwargs") or {}).get("hf_path"), run_config=cfg.to_dict(),
-                     progress=cfg.output.progress)
+                     progress=False)
 
 
 # -- reading a Hugging Face directory back (shardlab generate / eval) ---------------------------------

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from shardlab.atomic import disk_full_errno, read_json
 from shardlab.config import Config, dump_config
@@ -81,19 +83,11 @@ def launch_local(cfg: Config, nproc: int, max_restarts: int = 0, extra_env: dict
                  verbose: bool = False, rdzv: Rendezvous = Rendezvous()) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     out = os.path.join(cfg.output.dir, cfg.output.run_name)
-    config_path = os.path.join(out, "config.yaml")
-    try:
-        os.makedirs(out, exist_ok=True)
-        with open(config_path, "w") as f:
-            f.write(dump_config(cfg))
-    except OSError as e:   # before any worker: the run directory cannot be written at all
-        free = shutil.disk_usage(cfg.output.dir).free if os.path.isdir(cfg.output.dir) else None
-        print(f"error: cannot write the run directory {out}: {e.strerror or e}"
-              + (f" ({free / 2**20:.1f} MiB free there); free space or choose output.dir on another filesystem"
-                 if free is not None and disk_full_errno(e) else "; check output.dir"), file=sys.stderr)
+    config_path = _write_config(cfg, out)
+    if config_path is None:
         return 1
     # One thread per worker unless the user says otherwise: N workers on N cores.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -102,9 +96,61 @@ def launch_local(cfg: Config, nproc: int, max_restarts: int = 0, extra_env: dict
     os.environ[preemption.MARKER_ENV] = marker
     grace = preemption.grace_estimate(cfg) if cfg.preemption.enabled else None
     doctor.forget_exits(out)
-    # the workers' TORCHELASTIC_RUN_ID: the doctor's launch id
-    run_id = rdzv.run_id or f"shardlab-{uuid.uuid4().hex[:8]}"
-    launch = LaunchConfig(
+    run_id = rdzv.run_id or f"shardlab-{uuid.uuid4().hex[:8]}"  # the workers' TORCHELASTIC_RUN_ID: the doctor's
+    # launch id; how to resume this run, whatever command started it (--fresh names a new one: run_contract.py)
+    again = (f"`shardlab train {config_path} --nproc {nproc}` resumes from it" if rdzv.max_nodes == 1
+             else "The same command resumes from it") + f". Run directory: {out}"
+    # until the agent installs its handlers (when the workers start), SIGUSR1 must not kill us
+    previous = signal.signal(signal.SIGUSR1, preemption.raise_in_agent) if grace else None
+    quiet = _AgentNoise(verbose or not cfg.doctor.enabled)
+    logging.getLogger(_AGENT_LOGGER).addFilter(quiet)
+    try:
+        launch = _launch_config(cfg, nproc, max_restarts, rdzv, run_id, grace, out, verbose)
+        elastic_launch(launch, entrypoint=sys.executable)("-m", "shardlab", "train", config_path)
+    except SignalException as e:
+        return _stopped(e, marker, out, again)
+    except ChildFailedError as e:
+        if preemption.agent_exit_code(e, marker) == preemption.PREEMPTED_EXIT_CODE:
+            print(f"shardlab: the workers were signalled and saved a preemption checkpoint; exit code "
+                  f"{preemption.PREEMPTED_EXIT_CODE}. {again}", file=sys.stderr)
+            return preemption.PREEMPTED_EXIT_CODE
+        _report_failure(out, run_id, e, max_restarts, cfg, verbose, alone=rdzv.max_nodes == 1)
+        return 1
+    finally:
+        logging.getLogger(_AGENT_LOGGER).removeFilter(quiet)
+        if previous is not None:
+            signal.signal(signal.SIGUSR1, previous)
+        if os.path.exists(marker):
+            os.remove(marker)
+    if not verbose:
+        _show_worker_warnings(doctor.attempt_log_dir(out, run_id), nproc)
+    return 0
+
+
+def _write_config(cfg: Config, out: str) -> str | None:
+    """<run dir>/config.yaml, the file every worker trains from; None (said) when the run directory
+    cannot be written at all, before any worker starts."""
+    config_path = os.path.join(out, "config.yaml")
+    try:
+        os.makedirs(out, exist_ok=True)
+        with open(config_path, "w") as f:
+            f.write(dump_config(cfg))
+    except OSError as e:
+        free = shutil.disk_usage(cfg.output.dir).free if os.path.isdir(cfg.output.dir) else None
+        print(f"error: cannot write the run directory {out}: {e.strerror or e}"
+              + (f" ({free / 2**20:.1f} MiB free there); free space or choose output.dir on another filesystem"
+                 if free is not None and disk_full_errno(e) else "; check output.dir"), file=sys.stderr)
+        return None
+    return config_path
+
+
+def _launch_config(cfg: Config, nproc: int, max_restarts: int, rdzv: Rendezvous, run_id: str,
+                   grace: Any, out: str, verbose: bool) -> Any:
+    """torch's LaunchConfig for the agent: the rendezvous, restarts, the signals it forwards and
+    how long it waits for the workers after one (the preemption grace), the workers' log files."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
         min_nodes=rdzv.min_nodes, max_nodes=rdzv.max_nodes, nproc_per_node=nproc,
         run_id=run_id,
         # torch's c10d rendezvous with its stores bound to one address ([Note: who may reach a run's
@@ -118,40 +164,20 @@ def launch_local(cfg: Config, nproc: int, max_restarts: int = 0, extra_env: dict
         shutdown_timeout=grace.grace_s if grace else 30,
         logs_specs=doctor.worker_logs(out, verbose),
     )
-    # until the agent installs its handlers (when the workers start), SIGUSR1 must not kill us
-    previous = signal.signal(signal.SIGUSR1, preemption.raise_in_agent) if grace else None
-    quiet = _AgentNoise(verbose or not cfg.doctor.enabled)
-    logging.getLogger(_AGENT_LOGGER).addFilter(quiet)
-    try:
-        elastic_launch(launch, entrypoint=sys.executable)("-m", "shardlab", "train", config_path)
-    except SignalException as e:
-        code = preemption.agent_exit_code(e, marker)
-        record = read_json(marker)
-        if record is not None:
-            print(f"shardlab: preempted by {record['signal']}: checkpoint of step {record['step']} saved in "
-                  f"{record['save_seconds']:.2f} s ({record['checkpoint']}); exit code {code}. The same command "
-                  f"resumes from it. Run directory: {out}", file=sys.stderr)
-        else:
-            print(f"error: stopped by {e.sigval.name} before the workers saved a checkpoint (exit code {code}). "
-                  f"Run directory: {out}", file=sys.stderr)
-        return code
-    except ChildFailedError as e:
-        if preemption.agent_exit_code(e, marker) == preemption.PREEMPTED_EXIT_CODE:
-            print(f"shardlab: the workers were signalled and saved a preemption checkpoint; exit code "
-                  f"{preemption.PREEMPTED_EXIT_CODE}. The same command resumes from it. Run directory: {out}",
-                  file=sys.stderr)
-            return preemption.PREEMPTED_EXIT_CODE
-        _report_failure(out, run_id, e, max_restarts, cfg, verbose, alone=rdzv.max_nodes == 1)
-        return 1
-    finally:
-        logging.getLogger(_AGENT_LOGGER).removeFilter(quiet)
-        if previous is not None:
-            signal.signal(signal.SIGUSR1, previous)
-        if os.path.exists(marker):
-            os.remove(marker)
-    if not verbose:
-        _show_worker_warnings(doctor.attempt_log_dir(out, run_id), nproc)
-    return 0
+
+
+def _stopped(e: Any, marker: str, out: str, again: str) -> int:
+    """This process was signalled (SIGTERM, SIGUSR1, ...): the workers' preemption save, if they
+    made one, in one line; the exit code (75 after a save)."""
+    code = preemption.agent_exit_code(e, marker)
+    record = read_json(marker)
+    if record is not None:
+        print(f"shardlab: preempted by {record['signal']}: checkpoint of step {record['step']} saved in "
+              f"{record['save_seconds']:.2f} s ({record['checkpoint']}); exit code {code}. {again}", file=sys.stderr)
+    else:
+        print(f"error: stopped by {e.sigval.name} before the workers saved a checkpoint (exit code {code}). "
+              f"Run directory: {out}", file=sys.stderr)
+    return code
 
 
 def _report_failure(out: str, run_id: str, e: Exception, max_restarts: int, cfg: Config, verbose: bool,
@@ -174,14 +200,19 @@ def _report_failure(out: str, run_id: str, e: Exception, max_restarts: int, cfg:
     sys.stderr.flush()
 
 
+# a tqdm frame ("Writing model shards:  40%|####      | 2/5 [00:01<00:01, ...]"): reading the file splits
+# a bar's frames at its carriage returns; some library's bar left on is progress, not a warning
+_BAR_FRAME = re.compile(r"\d+%\|.*\| *\d+/\S* \[")
+
+
 def _show_worker_warnings(logs: str | None, nproc: int, limit: int = 20) -> None:
-    """After a run that ended well: what the workers wrote to stderr (warnings), each line once
-    however many ranks wrote it, at most `limit` lines."""
+    """After a run that ended well: what the workers wrote to stderr (warnings) but progress bars'
+    frames, each line once however many ranks wrote it, at most `limit` lines."""
     seen: dict[str, None] = {}
     for rank in range(nproc):
         try:
             with open(os.path.join(logs or "", str(rank), "stderr.log"), errors="replace") as f:
-                seen.update(dict.fromkeys(line.rstrip() for line in f if line.strip()))
+                seen.update(dict.fromkeys(line.rstrip() for line in f if line.strip() and not _BAR_FRAME.search(line)))
         except OSError:
             continue
     lines = list(seen)

@@ -44,15 +44,50 @@ from shardlab.observe.flops import StepFlops
 from shardlab.observe.runs import STEPS_FILE
 from shardlab.observe.trackers import Trackers, resolve_trackers
 
+# [Note: progress for terminals and for logs]
+# A worker's stdout is the launcher's (torchrun and shardlab's launcher pass it through; its stderr
+# goes to a file: loop/launcher.py), so the worker asks stdout whether a person watches. On a
+# terminal rank 0 draws a progress bar there, and every line printed while it is drawn (a save's
+# line, an elastic group's) goes above it (`StepLogger.printing`). Piped (CI, Slurm, nohup, a
+# test) a bar's frames would be a line each, so a line every `line_interval` steps instead. The
+# libraries' own bars (transformers writing model shards, datasets, the Hugging Face hub) would
+# go to the worker's stderr, which the launcher reads back as warnings: a worker turns them off
+# (`quiet_library_bars`).
+LIBRARY_BARS_OFF = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+
+
+def quiet_library_bars() -> None:
+    """The Hugging Face libraries' progress bars off in this process: by environment for those not
+    imported yet (they read it once, at import), by their switch for those already imported."""
+    os.environ.update(LIBRARY_BARS_OFF)
+    if "huggingface_hub" in sys.modules:
+        sys.modules["huggingface_hub"].utils.disable_progress_bars()
+    if "transformers" in sys.modules:
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
+
+
+def line_interval(steps: int, log_every: int) -> int:
+    """Steps between two progress lines on a piped stdout: about ten lines a run, on a round
+    number of steps (1, 2, 5, 10, 20, 50, ...), never more often than train.log_every."""
+    target, scale = max(1, steps // 10), 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale >= target:
+                return max(log_every, mantissa * scale)
+        scale *= 10
+
 
 class StepLogger:
-    """Rank 0's progress bar and what each step measured: a line of `<run dir>/steps.jsonl` and the
+    """Rank 0's progress (a bar on a terminal, a line every few steps in a log: [Note: progress for
+    terminals and for logs]) and what each step measured: a line of `<run dir>/steps.jsonl` and the
     scalars of the trackers `output.trackers` names (TensorBoard by default); every rank's
     non-finite loss check."""
 
     def __init__(self, run: Any, o: OutputConfig, t: TrainConfig):
         self.run, self.t = run, t
         self.bar = self.lines = None
+        self.every = 0  # steps between progress lines on a piped stdout (0: none)
+        self.started = time.perf_counter()
         self.trackers: Trackers | None = None
         if not run.rt.is_main:
             return
@@ -61,14 +96,31 @@ class StepLogger:
         self._write({"event": "start", "attempt": run.rt.restart_count, "world": run.rt.world_size,
                      "step": run.state.step, "launch": os.environ.get("TORCHELASTIC_RUN_ID")})
         self.trackers = Trackers(resolve_trackers(o), run, dump_config(run.cfg))
-        if o.progress:
+        if o.progress and sys.stdout.isatty():
             from tqdm import tqdm
 
-            # A worker's stderr goes to a file (launcher.py), so on a terminal the bar is drawn on
-            # stdout, which stays the terminal's; piped (CI, Slurm, tests) it stays on stderr.
-            out = sys.stdout if sys.stdout.isatty() else sys.stderr
             self.bar = tqdm(total=t.steps, initial=run.state.step, unit="step", dynamic_ncols=True,
-                            desc=f"{run.engine.strategy} x{run.rt.world_size}", file=out)
+                            desc=self._label(), file=sys.stdout)
+        elif o.progress:
+            self.every = line_interval(t.steps, t.log_every)
+
+    def _label(self) -> str:
+        return f"{self.run.engine.strategy} x{self.run.rt.world_size}"
+
+    @contextlib.contextmanager
+    def printing(self) -> Iterator[None]:
+        """Lines printed inside go above the progress bar (tqdm clears it, then draws it again)."""
+        if self.bar is None:
+            yield
+            return
+        with self.bar.external_write_mode(file=sys.stdout):
+            yield
+
+    def end_bar(self) -> None:
+        """The bar's last frame ends its line: what is printed after training starts a line of its own."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
     def log(self, r: Any, step: int, step_time: float, mfu: float | None) -> None:
         if not math.isfinite(r.loss):
@@ -78,7 +130,8 @@ class StepLogger:
             self.close(error)
             raise error
         if self.run.change is not None:  # the first step of an elastic group that changed (loop/elastic.py)
-            print(self.run.change.line(time.time()), flush=True)
+            with self.printing():
+                print(self.run.change.line(time.time()), flush=True)
             self.run.change = None
         if self.lines is None:
             return
@@ -100,16 +153,24 @@ class StepLogger:
             self._track({"train/loss": r.loss, "train/lr": rec["lr"], "train/grad_norm": r.grad_norm,
                          "perf/samples_per_s": rec["samples_per_s"], "perf/tokens_per_s": rec["tokens_per_s"],
                          "perf/mfu": mfu, "train/loss_scale": rec.get("loss_scale")}, step)
+        if self.bar is not None or (self.every and (step % self.every == 0 or step == self.t.steps)):
+            self._progress(step, r, rec, mfu)
+
+    def _progress(self, step: int, r: Any, rec: dict[str, Any], mfu: float | None) -> None:
+        post = {"loss": f"{r.loss:.4f}", "samples/s": f"{rec['samples_per_s']:.1f}"}
+        if rec["tokens_per_s"]:
+            post["tok/s"] = f"{rec['tokens_per_s']:.0f}"
+        if mfu is not None:
+            post["mfu"] = f"{mfu:.1%}"
+        if r.skipped:
+            post["skipped"] = "fp16 overflow"
         if self.bar is not None:
-            post = {"loss": f"{r.loss:.4f}", "samples/s": f"{rec['samples_per_s']:.1f}"}
-            if rec["tokens_per_s"]:
-                post["tok/s"] = f"{rec['tokens_per_s']:.0f}"
-            if mfu is not None:
-                post["mfu"] = f"{mfu:.1%}"
-            if r.skipped:
-                post["skipped"] = "fp16 overflow"
             self.bar.set_postfix(post)
             self.bar.update(1)
+        else:  # a log: one whole line
+            figures = "  ".join(f"{k} {v}" for k, v in post.items())
+            print(f"{self._label()}  step {step}/{self.t.steps}  {figures}  "
+                  f"elapsed {time.perf_counter() - self.started:.1f} s", flush=True)
 
     def validation(self, v: Evaluation, step: int) -> None:
         """val/loss, and a mixture's val/loss/<corpus> beside it."""
@@ -123,9 +184,7 @@ class StepLogger:
         """The bar and steps.jsonl closed. The trackers: with `error` (the exception ending the
         attempt) ended now, marked failed or preempted; without, returned still open, for
         `RunMeasurements.summary` to end with metrics.json."""
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
+        self.end_bar()
         trackers, self.trackers = self.trackers, None
         if trackers is not None and error is not None:
             trackers.end(outcome="preempted" if isinstance(error, (Preempted, KeyboardInterrupt)) else "failed")
@@ -224,10 +283,17 @@ class RunMeasurements:
         if self.logger is not None:
             self.logger.validation(v, step)
 
+    def printing(self) -> contextlib.AbstractContextManager:
+        """What the loop prints between steps (a save's line) goes above the progress bar."""
+        return self.logger.printing() if self.logger is not None else contextlib.nullcontext()
+
     def training_done(self) -> None:
         """The last step is done: what the steps' collectives sent (before the final evaluation's,
-        whose loss still goes to the scalars: the logger closes in `close`)."""
+        whose loss still goes to the scalars: the logger closes in `close`); the progress bar's
+        line ended, so the final save's line is a line of its own."""
         self.train_comm = _comm_since(self.comm_at_start, self.run.engine.comm_stats())
+        if self.logger is not None:
+            self.logger.end_bar()
 
     def close(self) -> None:
         if self.logger is not None:

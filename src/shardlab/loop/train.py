@@ -31,9 +31,10 @@ from shardlab.doctor import worker as doctor
 from shardlab.loop import elastic
 from shardlab.loop.amp import autocast
 from shardlab.loop.loss import mean_over_ranks, token_weights
-from shardlab.loop.measurements import RunMeasurements
+from shardlab.loop.measurements import RunMeasurements, quiet_library_bars
 from shardlab.loop.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionGuard
 from shardlab.loop.run import Finished, Run, default_run_name, run_dir, start_run, start_runtime
+from shardlab.loop.run_contract import finished_line
 from shardlab.loop.run_summary import print_summary
 from shardlab.loop.runtime import Runtime, shutdown
 
@@ -103,9 +104,8 @@ def _train(cfg: Config, rt: Runtime, guard: PreemptionGuard) -> dict[str, Any]:
     measure = RunMeasurements()  # from here: the run's wall clock and compile time
     run = start_run(cfg, rt)
     if run.finished is not None:  # it had reached its last step: nothing trained, nothing rewritten
-        if rt.is_main:
-            print(f"shardlab: the run finished at step {run.state.step} (train.steps={cfg.train.steps}): nothing to "
-                  f"do; its records are kept ({run.out_dir}/metrics.json); a higher train.steps trains on", flush=True)
+        if rt.is_main:  # under shardlab's launcher the parent said it before any worker started (run_contract.py)
+            print(finished_line(run.out_dir, run.state.step, cfg.train.steps, launcher=False), flush=True)
         return run.finished
     measure.watch(run, cfg.train, cfg.output)
     state = run.state
@@ -124,8 +124,9 @@ def _train(cfg: Config, rt: Runtime, guard: PreemptionGuard) -> dict[str, Any]:
             measure.record(result, state.step)
             if run.eval_due():
                 measure.validation(state.step, run.evaluate())
-            run.save_if_due()
-        measure.training_done()  # the steps' traffic, before the final evaluation's
+            with measure.printing():  # a save's line above the progress bar
+                run.save_if_due()
+        measure.training_done()  # the steps' traffic, before the final evaluation's; the bar's line ended
         run.save_if_due(final=True)
         measure.validation(state.step, run.evaluate())
         run.export()
@@ -139,6 +140,8 @@ def worker_main(cfg: Config) -> int:
     """Entry point of one worker process (under shardlab's launcher, torchrun, srun or a pod).
     Exit codes: 0 done, PREEMPTED_EXIT_CODE (75) a signal was turned into a checkpoint, 1 it lost
     its peers (said in one line; the traceback in <run dir>/debug/); other failures raise."""
+    # the libraries' bars would go to stderr ([Note: progress for terminals and for logs] in measurements.py)
+    quiet_library_bars()
     rt = start_runtime(cfg.parallel)
     clean = False
     try:
