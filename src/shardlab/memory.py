@@ -8,8 +8,9 @@ Two sources, one report (`LiveMemoryTracker.summary()`, docs/memory.md):
   returns while a step is tracked; each new storage gets a record (its bytes, its part) and a
   weakref whose callback subtracts it when the storage dies. `UntypedStorage.resize_`, which
   the sharded engines use to free and refill gathered buffers and which does not dispatch,
-  is wrapped. Storages made before tracking (parameters, optimizer state, engine buffers)
-  are adopted from what the engine and the optimizer expose.
+  is wrapped (how storages are seen: shardlab/memory_watch.py). Storages made before tracking
+  (parameters, optimizer state, engine buffers) are adopted from what the engine and the
+  optimizer expose.
 - On CUDA also the caching allocator: `max_memory_allocated` / `max_memory_reserved`, read
   and reset at every phase boundary, so each phase has its own allocator peak.
 
@@ -63,10 +64,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from shardlab import doctor
+from shardlab.memory_watch import StorageRecord, Watch, storage_of, unwatch_resizes, watch_resizes
 
 #: Every part a byte can be attributed to, in report order.
 PARTS = ("params", "gathered_params", "grads", "unsharded_grads", "optimizer", "activations", "comm", "other")
@@ -83,81 +83,6 @@ _BIRTH_PART = {"forward": "activations", "backward": "activations"}
 # Parameters, buffers and optimizer state are pinned once claimed.
 _CLAIM_ORDER = ("comm", "unsharded_grads", "gathered_params", "grads")
 _PINNED = ("params", "optimizer")
-
-# Every tracker alive in this process hears of storage resizes (weakly held: a dropped tracker leaves).
-_trackers: weakref.WeakSet[LiveMemoryTracker] = weakref.WeakSet()
-
-
-def _storage(t: Any) -> torch.UntypedStorage | None:
-    """The storage behind a tensor (a DTensor's local shard), or None for what has none here."""
-    if not isinstance(t, torch.Tensor):
-        return None
-    local = getattr(t, "_local_tensor", None)  # DTensor: the shard this rank holds
-    if local is not None:
-        t = local
-    if t.is_meta or t.layout != torch.strided:
-        return None
-    try:
-        return t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # wrapper subclasses without storage
-        return None
-
-
-class _Record:
-    """One live storage: its bytes now and the part they count in."""
-
-    __slots__ = ("nbytes", "part", "ref", "__weakref__")
-
-    def __init__(self, nbytes: int, part: str):
-        self.nbytes = nbytes
-        self.part = part
-        self.ref: weakref.ref | None = None
-
-
-class _Watch(TorchDispatchMode):
-    """Hands every tensor an operator returns to the tracker."""
-
-    def __init__(self, tracker: LiveMemoryTracker):
-        super().__init__()
-        self.tracker = tracker
-        self.fresh: dict[Any, bool] = {}   # operator -> its outputs are new storages
-        try:  # deferred: torch.distributed.tensor costs 0.5 s to import, and only FSDP2 makes DTensors
-            from torch.distributed.tensor import DTensor
-
-            self.subclasses: tuple[type, ...] = (DTensor,)
-        except ImportError:  # a torch build without distributed
-            self.subclasses = ()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        # DTensor (FSDP2's parameters) must first unwrap into its local tensors; those ops
-        # come back through this mode, and the local storages are what occupy memory.
-        if self.subclasses and any(issubclass(t, self.subclasses) for t in types):
-            return NotImplemented
-        out = func(*args, **(kwargs or {}))
-        fresh = self.fresh.get(func)
-        if fresh is None:
-            fresh = self.fresh[func] = _returns_fresh(func)
-        see = self.tracker._see
-        if isinstance(out, torch.Tensor):
-            see(out, fresh)
-        elif isinstance(out, (tuple, list)):
-            for t in out:
-                if isinstance(t, torch.Tensor):
-                    see(t, fresh)
-                elif isinstance(t, (tuple, list)):
-                    for u in tree_flatten(t)[0]:
-                        if isinstance(u, torch.Tensor):
-                            see(u, fresh)
-        return out
-
-
-def _returns_fresh(func: Any) -> bool:
-    """Whether an operator's outputs are new storages. Views, in-place and out= operators
-    return (parts of) their inputs, per their schema's alias annotations: such an output
-    may show a storage made before tracking (a dataset's token tensor sliced by `__getitem__`),
-    which did not just come to life and must not be counted from here."""
-    schema = getattr(func, "_schema", None)
-    return schema is None or all(r.alias_info is None for r in schema.returns)
 
 
 class LiveMemoryTracker:
@@ -191,16 +116,16 @@ class LiveMemoryTracker:
         self.params = list({id(p): p for p in params or ()}.values())
         self.buffers = list(buffers or ())
         self._lock = threading.RLock()
-        self._records: dict[int, _Record] = {}   # id(storage) -> record; the weakref removes it
+        self._records: dict[int, StorageRecord] = {}   # id(storage) -> record; the weakref removes it
         self.live = 0
         self.by_part = dict.fromkeys(PARTS, 0)
         self.phase_name = "other"
         self.step_index: int | None = None
         self.tracking = False
-        self._watch: _Watch | None = None
+        self._watch: Watch | None = None
         self._dirty = False
-        self._unclaimed_grads: set[_Record] = set()      # born in backward, not claimed yet
-        self._peak_pending: dict[_Record, int] = {}       # those of them live at the peak: bytes
+        self._unclaimed_grads: set[StorageRecord] = set()      # born in backward, not claimed yet
+        self._peak_pending: dict[StorageRecord, int] = {}       # those of them live at the peak: bytes
         self._hooked: dict[int, weakref.ref] = {}        # id(leaf) -> leaf, for leaves with our hook
         self._handles: list[Any] = []
         # the result
@@ -217,8 +142,7 @@ class LiveMemoryTracker:
         self.alloc_phase_peaks: dict[str, int] = {}
         self.reserved_peak = 0
         self.allocator_peak_seen = 0  # max_memory_allocated over the whole run, across our resets
-        _patch_resize()
-        _trackers.add(self)
+        watch_resizes(self)
         for p in self.params:  # see [Note: a gradient is a gradient from birth]
             self.hook_leaf(p, "grads")
         if engine is not None:
@@ -289,7 +213,7 @@ class LiveMemoryTracker:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        _trackers.discard(self)
+        unwatch_resizes(self)
 
     # -- start / stop ---------------------------------------------------------------------------
     def _start(self) -> None:
@@ -297,7 +221,7 @@ class LiveMemoryTracker:
             self.allocator_peak_seen = max(self.allocator_peak_seen, torch.cuda.max_memory_allocated(self.device))
             torch.cuda.reset_peak_memory_stats(self.device)
         self.tracking = True
-        self._watch = _Watch(self)
+        self._watch = Watch(self)
         self._watch.__enter__()
 
     def _stop(self) -> None:
@@ -330,9 +254,10 @@ class LiveMemoryTracker:
         torch.cuda.reset_peak_memory_stats(self.device)
 
     # -- bookkeeping ----------------------------------------------------------------------------
-    def _see(self, t: torch.Tensor, fresh: bool = True) -> None:
-        """A tensor an operator returned: a new storage, or a known one that changed size."""
-        st = _storage(t)
+    def see(self, t: torch.Tensor, fresh: bool = True) -> None:
+        """A tensor an operator returned: a new storage, or a known one that changed size
+        (`fresh`: the operator makes new storages, [Note: what a tracker sees] in memory_watch.py)."""
+        st = storage_of(t)
         if st is None or st.device.type not in self.storage_devices:
             return
         rec = self._records.get(id(st))
@@ -342,16 +267,28 @@ class LiveMemoryTracker:
         elif rec.nbytes != st.nbytes():
             self._resize(rec, st.nbytes())
 
-    def _add(self, st: torch.UntypedStorage, part: str) -> _Record:
+    def resized(self, st: torch.UntypedStorage) -> None:
+        """`st.resize_` returned: a known storage changed size, or one made before tracking was refilled."""
+        if st.device.type not in self.storage_devices:
+            return
+        rec = self._records.get(id(st))
+        if rec is not None:
+            self._resize(rec, st.nbytes())
+        elif st.nbytes() > 0 and self.tracking:
+            # made before tracking and refilled now (FSDP2's all-gather outputs after a
+            # warm-up step): it counts from here, as what the phase makes until claimed
+            self._add(st, _BIRTH_PART.get(self.phase_name, "other"))
+
+    def _add(self, st: torch.UntypedStorage, part: str) -> StorageRecord:
         with self._lock:
             rec = self._records.get(id(st))
             if rec is not None:
                 return rec
-            rec = _Record(0, part)
+            rec = StorageRecord(0, part)
             key = id(st)
             records, tracker_ref = self._records, weakref.ref(self)
 
-            def dead(_ref: weakref.ref, key: int = key, rec: _Record = rec) -> None:
+            def dead(_ref: weakref.ref, key: int = key, rec: StorageRecord = rec) -> None:
                 tracker = tracker_ref()
                 if tracker is not None and records.get(key) is rec:
                     with tracker._lock:
@@ -367,7 +304,7 @@ class LiveMemoryTracker:
             self._resize(rec, st.nbytes())
             return rec
 
-    def _resize(self, rec: _Record, nbytes: int) -> None:
+    def _resize(self, rec: StorageRecord, nbytes: int) -> None:
         with self._lock:
             delta = nbytes - rec.nbytes
             if delta < 0 and self._dirty:
@@ -386,7 +323,7 @@ class LiveMemoryTracker:
                     self._dirty = True
 
     def _claim(self, t: Any, part: str, adopt: bool = False) -> None:
-        st = _storage(t)
+        st = storage_of(t)
         if st is None or st.device.type not in self.storage_devices:
             return
         rec = self._records.get(id(st))
@@ -494,31 +431,6 @@ class LiveMemoryTracker:
     def _is_hooked(self, t: torch.Tensor) -> bool:
         ref = self._hooked.get(id(t))
         return ref is not None and ref() is t
-
-
-# -- UntypedStorage.resize_ does not dispatch: wrap it --------------------------------------------------
-_original_resize = torch.UntypedStorage.resize_
-
-
-def _tracked_resize(storage: torch.UntypedStorage, size: int):
-    out = _original_resize(storage, size)
-    for tracker in list(_trackers):
-        if storage.device.type not in tracker.storage_devices:
-            continue
-        rec = tracker._records.get(id(storage))
-        if rec is not None:
-            tracker._resize(rec, storage.nbytes())
-        elif storage.nbytes() > 0 and tracker.tracking:
-            # made before tracking and refilled now (FSDP2's all-gather outputs after a
-            # warm-up step): it counts from here, as what the phase makes until claimed
-            tracker._add(storage, _BIRTH_PART.get(tracker.phase_name, "other"))
-    return out
-
-
-def _patch_resize() -> None:
-    # Installed once and left in place: with no tracker alive it only forwards the call.
-    if torch.UntypedStorage.resize_ is not _tracked_resize:
-        torch.UntypedStorage.resize_ = _tracked_resize  # type: ignore[method-assign]
 
 
 # -- marks without a tracker, and the profiler ---------------------------------------------------------

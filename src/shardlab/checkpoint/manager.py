@@ -11,7 +11,6 @@ import re
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,6 +30,7 @@ from shardlab.checkpoint.format import (
     step_dir_name,
 )
 from shardlab.checkpoint.integrity import HASH_KEY, SafeReader, check_file_hashes, dcp_load, file_sha256
+from shardlab.checkpoint.loading import Reads, compatibility_error, plan_reads, restore_param_groups
 from shardlab.checkpoint.planners import (
     _flat_local,
     _FlatPieceLoadPlanner,
@@ -405,7 +405,7 @@ class CheckpointManager:
         this rank reads into which tensor) and apply (optimizer, schedule, train state, RNG)."""
         self.wait()
         path, manifest, reader, md = self._resolve_for_load(path, model, opt)
-        reads = _plan_reads(model, opt, manifest, md, self.rt.rank)
+        reads = plan_reads(model, opt, manifest, md, self.rt.rank)
         try:
             with torch.no_grad():
                 dcp_load(reads.plain, reader, _FlatPieceLoadPlanner(reads.pieces), no_dist=not _dist_ready())
@@ -436,7 +436,7 @@ class CheckpointManager:
         self._agree(error)
         self._agree(self._hash_error(path, manifest))
         shapes = self._param_shapes(checkpoint_layout(model))
-        self._agree(_compatibility_error(path, manifest, shapes, _model_buffers(model), opt))
+        self._agree(compatibility_error(path, manifest, shapes, _model_buffers(model), opt))
         reader = SafeReader(path, manifest)
         md = None
         try:
@@ -446,13 +446,13 @@ class CheckpointManager:
         self._agree(error)
         return path, manifest, reader, md
 
-    def _apply(self, path: str, manifest: dict[str, Any], reads: _Reads, opt, sched, state) -> None:
+    def _apply(self, path: str, manifest: dict[str, Any], reads: Reads, opt, sched, state) -> None:
         if reads.has_optim:
             for p, st in reads.optimizer_state.items():
                 opt.state[p] = st
         om = manifest["optimizer"]
         if opt is not None and om is not None:
-            _restore_param_groups(opt, om["param_groups"], path)
+            restore_param_groups(opt, om["param_groups"], path)
         if sched is not None and manifest.get("scheduler"):
             sched.load_state_dict(manifest["scheduler"])
             if opt is not None:  # LambdaLR.load_state_dict leaves the optimizer's lr alone
@@ -472,74 +472,6 @@ class CheckpointManager:
                      manifest["strategy"], manifest["world_size"])
 
 
-@dataclass
-class _Reads:
-    """What one rank reads: ranges of flattened tensors into its local parameters and fresh
-    optimizer-state tensors (pieces), and whole tensors (plain: buffers, scalars, RNG)."""
-
-    pieces: list[_Piece]
-    plain: dict[str, torch.Tensor]
-    optimizer_state: dict[nn.Parameter, dict[str, torch.Tensor]]
-    has_optim: bool
-    rng_keys: list[str]
-
-
-def _plan_reads(model: nn.Module, opt, manifest: dict[str, Any], md: Any, rank: int) -> _Reads:
-    pieces: list[_Piece] = []
-    plain: dict[str, torch.Tensor] = {}
-    new_state: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
-    om = manifest["optimizer"]
-    has_optim = bool(opt is not None and om is not None and (om["tensor_keys"] or om["scalar_keys"]))
-    first_name = next(iter(manifest["params"]))
-    for p, ps in checkpoint_layout(model):
-        flat = _flat_local(p)
-        for pc in ps:
-            pieces.append(_Piece(f"model/{pc.name}", pc.offset, math.prod(pc.full_shape),
-                                 flat[pc.local_start:pc.local_start + pc.numel]))
-        if not has_optim or not _had_optimizer_state(p, ps, om, md):
-            continue
-        st: dict[str, torch.Tensor] = {}
-        for key in om["tensor_keys"]:
-            st[key] = torch.zeros_like(p.detach())
-            sflat = _flat_local(st[key])
-            for pc in ps:
-                pieces.append(_Piece(f"optim/{pc.name}/{key}", pc.offset, math.prod(pc.full_shape),
-                                     sflat[pc.local_start:pc.local_start + pc.numel]))
-        for key in om["scalar_keys"]:
-            # a local parameter holding only padding has no name of its own: its scalars
-            # (Adam's step) equal every other parameter's, take the first one's
-            fqn = f"optim/{ps[0].name if ps else first_name}/{key}"
-            smd = md[fqn]
-            st[key] = torch.empty(smd.size, dtype=smd.properties.dtype)
-            plain[fqn] = st[key]
-        new_state[p] = st
-    for name, b in _model_buffers(model).items():
-        plain[f"model/{name}"] = b
-    rng_keys = [k for k in md if k.startswith(f"rng/{rank}/")]
-    for k in rng_keys:
-        plain[k] = torch.empty(md[k].size, dtype=md[k].properties.dtype)
-    return _Reads(pieces, plain, new_state, has_optim, rng_keys)
-
-
-def _had_optimizer_state(p: torch.Tensor, pieces: list, om: dict[str, Any], md: Any) -> bool:
-    """Whether the checkpoint holds optimizer state for local parameter `p`.
-
-    [Note: parameters without optimizer state]
-    A save writes optimizer state only for parameters the optimizer has state for, i.e. those
-    that got a gradient. Frozen parameters (LoRA's base weights, fsdp's frozen flat shards) never
-    do, even when they sit in the optimizer's param groups, and a trainable one that no loss has
-    reached yet has none either. Asking to read state for them would fail on the missing keys
-    (or, for a piece-less padding shard, borrow another parameter's), so a frozen parameter gets
-    none, and a trainable one gets it iff the checkpoint has its keys. The resumed optimizer
-    then holds state for exactly the parameters the saving one did."""
-    if not p.requires_grad:
-        return False
-    if not pieces:  # only padding here: its state, if any, is as its group's
-        return True
-    name = pieces[0].name
-    return all(f"optim/{name}/{key}" in md for key in [*om["tensor_keys"], *om["scalar_keys"]])
-
-
 def _dist_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -550,43 +482,3 @@ def _jsonable(v: Any) -> bool:
         return True
     except (TypeError, ValueError):
         return False
-
-
-def _compatibility_error(path: str, manifest: dict[str, Any], shapes: dict[str, list[int]],
-                         buffers: dict[str, torch.Tensor], opt) -> str | None:
-    saved = manifest["params"]
-    missing = sorted(set(shapes) - set(saved))
-    unexpected = sorted(set(saved) - set(shapes))
-    if missing or unexpected:
-        return (f"checkpoint {path} does not fit this model: parameters missing from the checkpoint: "
-                f"{missing[:5]}{'...' if len(missing) > 5 else ''}; parameters the model lacks: "
-                f"{unexpected[:5]}{'...' if len(unexpected) > 5 else ''} (was it written for another model.* config?)")
-    wrong = [f"{n}: checkpoint {saved[n]} vs model {s}" for n, s in shapes.items() if list(saved[n]) != list(s)]
-    wrong += [f"{n}: checkpoint {manifest['buffers'].get(n)} vs model {list(b.shape)}" for n, b in buffers.items()
-              if manifest["buffers"].get(n) != list(b.shape)]
-    if wrong:
-        return (f"checkpoint {path} does not fit this model: model shape mismatch: {'; '.join(wrong[:5])}"
-                f"{' ...' if len(wrong) > 5 else ''}; use the model.* config it was trained with")
-    om = manifest["optimizer"]
-    if opt is not None and om is not None and om["class"] != type(opt).__name__:
-        return (f"checkpoint {path} holds {om['class']} state but the optimizer is {type(opt).__name__}; "
-                "set train.optimizer as when it was saved")
-    if opt is not None and om is not None and len(om["param_groups"]) != len(opt.param_groups):
-        return f"checkpoint {path} has {len(om['param_groups'])} optimizer param groups, the optimizer {len(opt.param_groups)}"
-    return None
-
-
-def _restore_param_groups(opt, saved: list[dict[str, Any]], path: str) -> None:
-    """The learning rate is state (the schedule moves it); the other hyperparameters come from
-    the config, and a difference from the checkpoint's is reported, not silently overridden."""
-    for g, s in zip(opt.param_groups, saved):
-        for k, v in s.items():
-            if k in ("lr", "initial_lr"):
-                g[k] = v
-            elif k in g and _norm(g[k]) != _norm(v):
-                log.warning("resuming from %s: optimizer %s is %r now, %r in the checkpoint; using %r", path, k,
-                            g[k], v, g[k])
-
-
-def _norm(v: Any) -> Any:
-    return list(v) if isinstance(v, tuple) else v
