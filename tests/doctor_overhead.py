@@ -105,7 +105,8 @@ def _run(strategy: str, enabled: bool, steps: int, out: str, name: str) -> dict:
 
 
 def _calls_per_step(run_dir: str, step: int) -> int:
-    from shardlab.doctor.flight import flight_path, read_flight
+    from shardlab.doctor.flight import flight_path
+    from shardlab.doctor.flight_read import read_flight
 
     return sum(e.step == step for e in read_flight(flight_path(os.path.join(run_dir, "debug"), 0)).entries)
 

@@ -31,7 +31,8 @@ from pathlib import Path
 import pytest
 
 from shardlab.doctor import analysis, flight, report
-from shardlab.doctor.flight import RECORDER, FlightRecorder, flight_path, read_flight
+from shardlab.doctor.flight import RECORDER, FlightRecorder, flight_path
+from shardlab.doctor.flight_read import read_flight
 from shardlab.testing import run_workers
 from tests.doctor_faults import PLANTED_BYTES, SITECUSTOMIZE
 

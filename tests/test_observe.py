@@ -31,7 +31,8 @@ from pathlib import Path
 import pytest
 
 from shardlab.doctor import flight as F
-from shardlab.doctor.flight import FlightRecorder, read_flight
+from shardlab.doctor.flight import FlightRecorder
+from shardlab.doctor.flight_read import read_flight, read_step_summaries
 from shardlab.observe import runs
 from shardlab.observe.trace import build_trace
 from tests.doctor_faults import SITECUSTOMIZE
@@ -125,7 +126,7 @@ def test_step_summaries_cover_the_steps_the_rings_lost(tmp_path, monkeypatch):
     at(30.0).enter_phase("finish")
     rec.close("finished")
     f = read_flight(str(debug / "rank0.flight"))
-    summaries = F.read_step_summaries(F.steps_path(str(debug / "rank0.flight")))
+    summaries = read_step_summaries(F.steps_path(str(debug / "rank0.flight")))
     assert [x.step for x in summaries] == list(range(1, 31))
     for x in summaries:
         data = 0.2 if x.step % 2 == 0 else 0.1

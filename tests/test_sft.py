@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from shardlab.data import sft  # noqa: E402
+from shardlab.data import sft, sft_examples  # noqa: E402
 from shardlab.models.hf import HFCausalLM  # noqa: E402
 
 
@@ -77,7 +77,7 @@ def test_trailing_user_turn_is_an_error_naming_the_line(tmp_path):
                     '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, '
                     '{"role": "user", "content": "and?"}]}\n')
     with pytest.raises(sft.SFTDataError, match="ends with a user turn") as e:
-        sft.read_examples(str(path))
+        sft_examples.read_examples(str(path))
     assert f"{path}:2" in str(e.value)
 
 
@@ -150,7 +150,7 @@ def test_bad_jsonl_names_file_and_line(tmp_path, line, needle):
     path = tmp_path / "d.jsonl"
     path.write_text('{"instruction": "a", "output": "b"}\n' + line + "\n")
     with pytest.raises(sft.SFTDataError, match=needle) as e:
-        sft.read_examples(str(path))
+        sft_examples.read_examples(str(path))
     assert f"{path}:2" in str(e.value)
 
 

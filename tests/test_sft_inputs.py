@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from shardlab.data import sft
+from shardlab.data import sft, sft_examples
 from tests.test_prepare_shapes import save_dict_to_disk, save_to_disk
 
 
@@ -27,7 +27,7 @@ def alpacas(n: int, seed: int) -> list[dict]:
 
 
 def expected(records: list[dict]) -> list[dict]:
-    return [sft.check_example(r, "truth") for r in records]
+    return [sft_examples.check_example(r, "truth") for r in records]
 
 
 def write_corpus(root) -> list[dict]:
@@ -53,15 +53,15 @@ def write_corpus(root) -> list[dict]:
 
 def test_every_shape_of_prepare_reads_example_by_example(tmp_path):
     want = write_corpus(tmp_path / "corpus")
-    assert sft.read_examples(str(tmp_path / "corpus")) == want
-    assert sft.read_examples(str(tmp_path / "corpus" / "a-ultrachat.parquet")) == want[:30]
-    assert sft.read_examples(str(tmp_path / "corpus" / "*.gz")) == want[30:50]
-    assert sft.read_examples(str(tmp_path / "corpus" / "sub" / "e-ds")) == want[-12:]
+    assert sft_examples.read_examples(str(tmp_path / "corpus")) == want
+    assert sft_examples.read_examples(str(tmp_path / "corpus" / "a-ultrachat.parquet")) == want[:30]
+    assert sft_examples.read_examples(str(tmp_path / "corpus" / "*.gz")) == want[30:50]
+    assert sft_examples.read_examples(str(tmp_path / "corpus" / "sub" / "e-ds")) == want[-12:]
     pc = [{"prompt": "p", "completion": "c"},
           {"prompt": [{"role": "user", "content": "p"}], "completion": [{"role": "assistant", "content": "c"}]}]
     (tmp_path / "pc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pc))
     chat = {"messages": [{"role": "user", "content": "p"}, {"role": "assistant", "content": "c"}]}
-    assert sft.read_examples(str(tmp_path / "pc.jsonl")) == [chat, chat]
+    assert sft_examples.read_examples(str(tmp_path / "pc.jsonl")) == [chat, chat]
 
 
 def test_broken_files_are_one_line_naming_the_file(tmp_path):
@@ -82,7 +82,7 @@ def test_broken_files_are_one_line_naming_the_file(tmp_path):
                           ("dd", r"dd: a DatasetDict of splits \['train_sft', 'test_sft'\]; give the one to train "
                                  r"on: data.path=.*dd/train_sft")):
         with pytest.raises(sft.SFTDataError, match=message) as e:
-            sft.read_examples(str(tmp_path / name))
+            sft_examples.read_examples(str(tmp_path / name))
         assert "\n" not in str(e.value) and str(tmp_path / name) in str(e.value)
 
 

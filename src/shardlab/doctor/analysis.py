@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardlab.atomic import read_json
-from shardlab.doctor.flight import Entry, Flight, read_flight
+from shardlab.doctor.flight_read import Entry, Flight, read_flight
 from shardlab.doctor.worker import EXITS_FILE, WATCH_PERIOD_S, debug_dir
 
 #: A rank whose watcher has not ticked for this long was not running (stopped, dead, or hung

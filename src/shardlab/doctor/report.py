@@ -15,7 +15,7 @@ from shardlab.doctor.analysis import (
     main_thread_frames,
     traceback_frames,
 )
-from shardlab.doctor.flight import Entry
+from shardlab.doctor.flight_read import Entry
 
 STACK_FRAMES = 4   # innermost frames shown per rank
 

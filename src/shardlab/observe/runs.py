@@ -40,15 +40,8 @@ from typing import Any
 
 from shardlab.atomic import read_json
 from shardlab.doctor.analysis import NOT_RUNNING_AFTER_S
-from shardlab.doctor.flight import (
-    APART,
-    PARTS,
-    Flight,
-    read_flight,
-    read_step_summaries,
-    split_step,
-    steps_path,
-)
+from shardlab.doctor.flight import APART, PARTS, split_step, steps_path
+from shardlab.doctor.flight_read import Flight, read_flight, read_step_summaries
 
 #: rank 0's per-step records, one JSON object a line (loop/measurements.py's `StepLogger` writes it)
 STEPS_FILE = "steps.jsonl"

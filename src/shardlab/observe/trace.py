@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Any
 
-from shardlab.doctor.flight import Flight
+from shardlab.doctor.flight_read import Flight
 from shardlab.observe.runs import Attempt, NotARun, coverage, read_run
 
 #: tracks per attempt within a rank's process: phases, then collective lanes
