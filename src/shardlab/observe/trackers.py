@@ -189,8 +189,7 @@ class MLflow:
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "shardlab")
         found = self.client.get_experiment_by_name(name)
         experiment = found.experiment_id if found is not None else self.client.create_experiment(name)
-        tags = {**facts.tags, "shardlab.run": facts.name, "shardlab.attempt": str(facts.attempt),
-                "shardlab.run_dir": os.path.abspath(facts.run_dir)}
+        tags = {**facts.tags, "run": facts.name, "attempt": str(facts.attempt), "run_dir": os.path.abspath(facts.run_dir)}
         self.run_id = self.client.create_run(experiment, run_name=facts.display_name, tags=tags).info.run_id
         params = [Param(k, str(v)[:6000]) for k, v in _flatten(facts.config).items()]
         for i in range(0, len(params), 100):   # MLflow takes at most 100 params in one batch
