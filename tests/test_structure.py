@@ -1,5 +1,5 @@
-"""The shape of src/ the team keeps (docs/architecture.md): files of at most 600 lines, functions
-of at most 80, no import circles among shardlab's modules (function-local imports included), and
+"""The shape of src/ the team keeps (docs/architecture.md): files of at most 500 lines, functions
+of at most 60, no import circles among shardlab's modules (function-local imports included), and
 engine names only inside engines/ (outside it, the config's default alone: every list of engines
 comes from STRATEGIES and what the engines answer)."""
 
@@ -11,6 +11,8 @@ import pathlib
 import re
 
 SRC = pathlib.Path(__file__).resolve().parent.parent / "src"
+MAX_FILE_LINES = 500       # a file longer than this is split along a seam it already has (issue 48)
+MAX_FUNCTION_LINES = 60    # def line to last line, inclusive
 BUILT_IN_ENGINES = ("single", "ddp", "zero3", "fsdp", "ddp-minimal", "zero3-minimal", "fsdp-minimal", "torch-ddp",
                     "torch-fsdp")
 
@@ -28,10 +30,10 @@ def test_files_and_functions_stay_small():
     too_big = []
     for p in _files():
         text = p.read_text()
-        if text.count("\n") > 600:
+        if text.count("\n") > MAX_FILE_LINES:
             too_big.append(f"{p.relative_to(SRC)}: {text.count(chr(10))} lines")
         for node in ast.walk(ast.parse(text)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES:
                 too_big.append(f"{p.relative_to(SRC)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert not too_big, too_big
 
