@@ -631,3 +631,41 @@ def test_trackers_hold_the_metrics(launched, monkeypatch):
     assert history("system/cpu_utilization_percentage")
     (artifact,) = [a.path for a in client.list_artifacts(found.info.run_id) if a.path == "metrics.json"]
     assert json.loads(Path(client.download_artifacts(found.info.run_id, artifact)).read_text()) == m
+
+
+def test_a_failed_attempt_ends_its_trackers_marked_failed(tmp_path, monkeypatch):
+    """An exception out of the loop ends the trackers at once (loop/measurements.py), marked failed:
+    wandb's exit code 1, MLflow's FAILED, the steps logged before it kept, no end-of-run figures.
+    One process, in this one, three steps of gpt-nano."""
+    if not (_installed("wandb") and _installed("mlflow")):
+        pytest.skip("wandb and mlflow not installed (make setup-dev installs them)")
+    from mlflow.tracking import MlflowClient
+
+    from shardlab.loop import train as T
+    from tests.checkpoint_helpers import make_cfg, runtime
+
+    for key, value in (("WANDB_MODE", "offline"), ("WANDB_SILENT", "true"), ("MLFLOW_ALLOW_FILE_STORE", "true"),
+                       ("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")):
+        monkeypatch.setenv(key, value)   # as the trackers set them, undone after the test
+    cfg = make_cfg("single", str(tmp_path), "failed", "output.trackers=[wandb,mlflow]", "train.log_every=1",
+                   steps=4, every=0)
+    real_step, calls = T.train_step, {"n": 0}
+
+    def fail_third(run, tracker):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("planted failure")
+        return real_step(run, tracker)
+
+    monkeypatch.setattr(T, "train_step", fail_third)
+    with pytest.raises(RuntimeError, match="planted failure"):
+        T.train(cfg, runtime(0, 1, "single"))
+    records = _wandb_records(tmp_path / "failed")
+    assert [r.exit.exit_code for r in records["exit"]] == [1]
+    assert sorted(_wandb_history(records)) == [1, 2]
+    assert not [k for r in records["summary"] for k in _items(r.summary.update) if k.startswith("summary/")]
+    client = MlflowClient(tracking_uri=(tmp_path / "failed" / "mlruns").as_uri())
+    (found,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert found.info.status == "FAILED"
+    assert [m.step for m in client.get_metric_history(found.info.run_id, "train/loss")] == [1, 2]
+    assert not [k for k in found.data.metrics if k.startswith("summary/")]
