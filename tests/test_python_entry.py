@@ -45,6 +45,7 @@ def _run(cmd: list, log: Path, **env: str) -> str:
 
 
 # -- the three ways in, as docs/python.md shows them ----------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.timeout(2 * HANG_GUARD_S)
 def test_own_loop_example(tmp_path):
     out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -53,6 +54,7 @@ def test_own_loop_example(tmp_path):
     assert (tmp_path / "model.pt").exists() and (tmp_path / "dcp" / ".metadata").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(2 * HANG_GUARD_S)
 def test_fit_example(tmp_path):
     _run([*TORCHRUN, "--nproc-per-node", "2", EXAMPLES / "python_fit.py", f"output.dir={tmp_path}",
@@ -62,6 +64,7 @@ def test_fit_example(tmp_path):
     assert metrics["losses"][1] < metrics["losses"][0]  # loss=F.mse_loss from register_model: it learns
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(2 * HANG_GUARD_S)
 def test_cli_plugin_example(tmp_path):
     _run([sys.executable, "-m", "shardlab", "train", "--nproc", "2", "model.name=wide-mlp", "model.wide_width=48",
@@ -104,6 +107,7 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(4 * HANG_GUARD_S)
 def test_user_model_killed_at_2_resumes_at_3_exactly_verifies_and_reports(tmp_path):
     script, out = TESTS / "python_entry_user.py", f"output.dir={tmp_path}"

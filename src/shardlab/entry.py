@@ -31,7 +31,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -160,21 +160,36 @@ def fit(config: str | Mapping[str, Any] | None = None, overrides: Sequence[str] 
     6}}`; dotted keys too: `{"train.steps": 6}`); overrides: "key=value" strings. A bad config
     prints one line naming the key and exits 2 (SystemExit), before any process group exists."""
     from shardlab.data import prepare_datasets
-    from shardlab.loop.run import default_run_name, run_dir
+    from shardlab.loop.run import run_dir
+    from shardlab.loop.run_contract import settle
     from shardlab.loop.runtime import env_world, in_launched_worker
     from shardlab.loop.train import worker_main
 
+    say = env_world()[0] == 0  # one line, not one per rank
     try:
         cfg = resolve_config(config, overrides)
-        if not cfg.output.run_name:  # the same on every rank: a function of the config
-            cfg.output.run_name = default_run_name(cfg)
-        if not in_launched_worker():
-            prepare_datasets(cfg)  # alone: as `shardlab train`; workers prepare together (local rank 0 first)
-    except (ConfigError, ValueError) as e:
-        if env_world()[0] == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+    except ConfigError as e:
+        _exit_bad_input(e, say)
+    worker = in_launched_worker()
+    # as `shardlab train` decides before its workers: the run name, and a finished run said in one
+    # line with nothing started ([Note: the run contract] in loop/run_contract.py)
+    settled = settle(cfg, False, worker, elastic=False)
+    if settled == 2:
+        raise SystemExit(2)  # settle printed why
+    if settled is not None:
+        return FitResult(settled, run_dir(cfg.output))
+    if not worker:  # alone: as `shardlab train`; workers prepare together (local rank 0 first)
+        try:
+            prepare_datasets(cfg)
+        except ValueError as e:
+            _exit_bad_input(e, say)
     return FitResult(worker_main(cfg), run_dir(cfg.output))
+
+
+def _exit_bad_input(e: Exception, say: bool) -> NoReturn:
+    if say:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+    raise SystemExit(2) from None
 
 
 def resolve_config(config: str | Mapping[str, Any] | None, overrides: Sequence[str] = ()) -> Any:
