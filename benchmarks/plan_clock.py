@@ -1,13 +1,14 @@
 """plan's clock checked here: `shardlab plan --gpu cpu` against `shardlab train` of the same config on
 this machine, per model preset, engine and world size (docs/plan.md, "Step time, checked").
 
-    .venv/bin/python benchmarks/plan_clock.py --presets gpt-nano,gpt-tiny,gpt-mini --nproc 1,2,4 \
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_clock.py --presets gpt-nano,gpt-tiny,gpt-mini --nproc 1,2,4 \
         [--engines ddp,fsdp] [--steps 12] [--out plan_clock.json]
 
 Per preset and world size: one `shardlab plan --json` for every engine (its predicted `step_s`), then
 one `shardlab train` per engine (metrics.json's `step_time_median_s`: the median step, the first left
 out). Prints a markdown table with the load average beside each row: on a busy machine both sides move.
-Not a test: it takes minutes.
+Not a test: it takes minutes. Run it with OMP_NUM_THREADS set (1 on a shared machine): plan and the runs then
+use the same threads per rank, and no OpenMP thread spins waiting for a descheduled sibling.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ class Machine:
     ceilings: dict[str, float]
     memory_bandwidth: float
     host_op_s: float
-    attention_share: float
+    attention_share: float               # of the matmul ceiling in the same dtype
     overlaps: bool                       # collectives run beside compute (a GPU's streams), or take its cores
     sources: dict[str, str] = field(default_factory=dict)
     assumed: set[str] = field(default_factory=set)
@@ -87,12 +87,15 @@ def gpu_machine(gpu: GPU) -> Machine:
             sources[f"matmul {half}"] = f"{gpu.name} data sheet {half} {gpu.peak(half) / 1e12:g} TFLOP/s (no measured ceiling)"
             assumed.add(f"matmul {half}")
     share = ATTENTION_SHARE.get(gpu.name, 0.5)
-    sources["attention"] = f"{share:.0%} of the matmul ceiling: " + ATTENTION_SOURCE.get(gpu.name, "assumed")
+    sources["attention"] = f"{share:.0%} of the data sheet's peak: " + ATTENTION_SOURCE.get(gpu.name, "assumed")
     if gpu.name not in ATTENTION_SOURCE:
         assumed.add("attention")
     sources["memory"] = f"{gpu.name} data sheet bandwidth {gpu.memory_bandwidth / 1e9:g} GB/s, reached in full"
     sources["host"] = f"{GPU_HOST_OP_S * 1e6:g} us per operator (assumed)"
-    return Machine(gpu.name, ceilings, gpu.memory_bandwidth, GPU_HOST_OP_S, share, True, sources, assumed)
+    # the papers' shares are of the data sheet's peak, the clock applies them to the ceiling: rescaled
+    half = "bf16" if "bf16" in ceilings else "fp16" if "fp16" in ceilings else "fp32"
+    of_ceiling = share * gpu.peak(half) / ceilings[half]
+    return Machine(gpu.name, ceilings, gpu.memory_bandwidth, GPU_HOST_OP_S, of_ceiling, True, sources, assumed)
 
 
 def operation_seconds(census: Census, m: Machine) -> dict[str, float]:

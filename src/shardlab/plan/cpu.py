@@ -2,10 +2,11 @@
 here: each matmul and attention shape of the probed step timed as it is, memory bandwidth, the cost of
 dispatching one operator, and the loopback link (`INTERCONNECTS["loopback"]`, fitted by
 `python -m shardlab.plan fit-loopback`). Each rank runs with the threads `shardlab train` gives it
-(OMP_NUM_THREADS = cores // ranks, at least 1: loop/launcher.py); more ranks than cores share them.
+(OMP_NUM_THREADS where set, else cores // ranks, at least 1: loop/launcher.py); more ranks than cores
+share them.
 
-Measured when plan runs (about a second for a small model), on whatever else the cores are doing: a busy
-machine plans a slower step, as it would run one.
+Measured when plan runs (a second or two for a small model), on whatever else the cores are doing: each
+figure is a mean over many calls, so a busy machine plans a slower step, as it would run one.
 """
 
 from __future__ import annotations
@@ -22,15 +23,19 @@ from shardlab.observe.flops import measured_peak
 from shardlab.plan.catalogue import GPU
 from shardlab.plan.clock import Machine
 
-#: A measurement repeats its operation until this many seconds have passed (at least 3 calls), best call kept.
-MEASURE_S = 0.02
+#: A measurement repeats its operation until this many seconds have passed (at least 3 calls): its mean.
+MEASURE_S = 0.05
 #: An operation of more FLOPs than this is not timed (a large model planned on this CPU): the ceiling prices it.
 LARGEST_TIMED_FLOPS = 2e10
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
 
 def threads_per_rank(world: int) -> int:
-    return max(1, (os.cpu_count() or 1) // world)
+    """The threads each worker gets: OMP_NUM_THREADS where set (the launcher keeps it), else its default."""
+    try:
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    except (KeyError, ValueError):
+        return max(1, (os.cpu_count() or 1) // world)
 
 
 @contextlib.contextmanager
@@ -43,27 +48,28 @@ def _threads(n: int):
         torch.set_num_threads(before)
 
 
-def _best_call(fn) -> float:
-    fn()  # the first call of a shape sets up its kernel
-    best, start, calls = float("inf"), time.perf_counter(), 0
+def _mean_call(fn) -> float:
+    """Seconds per call, the mean over MEASURE_S (at least 3 calls) after a first call that sets up its
+    kernel: a mean, not the best call, so that the share of the cores a busy machine leaves is in it, as it
+    is in the run's own steps."""
+    fn()
+    start, calls = time.perf_counter(), 0
     while calls < 3 or time.perf_counter() - start < MEASURE_S:
-        t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
         calls += 1
-    return best
+    return (time.perf_counter() - start) / calls
 
 
 def _bandwidth() -> float:
     """Bytes/s of an elementwise add over 4 MiB float32 tensors (two read, one written)."""
     a, b, out = torch.ones(2**20), torch.ones(2**20), torch.empty(2**20)
-    return 3 * a.nbytes / _best_call(lambda: torch.add(a, b, out=out))
+    return 3 * a.nbytes / _mean_call(lambda: torch.add(a, b, out=out))
 
 
 def _host_op_seconds() -> float:
     """One tiny operator's dispatch: what each operator of a step costs beyond its data."""
     x = torch.ones(1)
-    return _best_call(lambda: [torch.add(x, x) for _ in range(100)]) / 100
+    return _mean_call(lambda: [torch.add(x, x) for _ in range(100)]) / 100
 
 
 class _Rates:
@@ -89,7 +95,7 @@ class _Rates:
             if call is None or len(t) < (3 if op in ("addmm", "baddbmm") else 2):
                 return None
             with _threads(self.threads):
-                return flops / _best_call(call)
+                return flops / _mean_call(call)
         return self._attention(op, t, flops)
 
     def _attention(self, op: str, t: list[torch.Tensor], flops: float) -> float | None:
@@ -100,8 +106,8 @@ class _Rates:
         fwd = flop_counter.sdpa_flop_count(q.shape, k.shape, v.shape)
         with _threads(self.threads):
             with torch.no_grad():
-                forward = _best_call(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
-            both = _best_call(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward())
+                forward = _mean_call(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+            both = _mean_call(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward())
         if op.endswith("backward"):
             return max(flops, 1) / max(both - forward, forward * 0.5)
         return fwd / forward

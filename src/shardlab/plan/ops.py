@@ -9,7 +9,8 @@ A record is (kind, op, dtype, shape, FLOPs of one call, bytes one call reads and
 - "optimizer": the kernels of the optimizer's step (AdamW over the shards), told by torch's global
   optimizer-step hooks, and any `_foreach_*` / fused optimizer kernel;
 - "memory": every other kernel that moves data (elementwise, norms, softmax, casts, copies); shape ();
-- "view": operators whose outputs alias an input (views, reshapes): no data moves, a dispatch still costs;
+- "view": operators whose outputs alias an input (views, reshapes), return no tensor (prim::device, size
+  queries) or allocate without writing (empty): no data moves, a dispatch still costs;
 - collectives (c10d) are not recorded: the link model prices them (plan/traffic.py).
 Memory and optimizer kernels are aggregated by dtype (their time is bytes over bandwidth, so their
 shapes do not matter), matmuls and attention by shape.
@@ -30,6 +31,10 @@ from shardlab.observe.flops import CountFlops
 Census = dict[tuple, float]
 
 KINDS = ("matmul", "attention", "memory", "optimizer", "view")
+#: operators that move no data: allocations whose memory nobody writes yet, storage resizes
+_NO_DATA = ("empty", "new_empty", "resize_", "set_", "_local_scalar_dense")
+#: operators that read only the rows they return (a lookup into a table)
+_READS_ROWS = ("embedding", "index_select", "gather")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -93,8 +98,16 @@ class OpCensus(CountFlops):
         if kind is None:
             return out
         inputs, outputs = _tensors((args, kwargs)), _tensors(out)
+        name = func._overloadpacket.__name__
+        if not outputs or name.startswith(_NO_DATA):  # a query (prim::device, sizes) or an uninitialized allocation
+            kind = "view"
         dtype = dtype_name(inputs[0].dtype if inputs else outputs[0].dtype if outputs else torch.float32)
-        moved = 0 if kind == "view" else sum(t.numel() * t.element_size() for t in inputs + outputs)
+        if kind == "view":
+            moved = 0
+        elif name in _READS_ROWS:  # reads the rows it returns, not the whole table
+            moved = 2 * sum(t.numel() * t.element_size() for t in outputs)
+        else:
+            moved = sum(t.numel() * t.element_size() for t in inputs + outputs)
         shape: tuple = ()
         if kind in ("matmul", "attention"):  # the operands (a backward's first input is the output's gradient)
             first = 1 if kind == "attention" and func._overloadpacket.__name__.endswith("backward") else 0
