@@ -142,3 +142,19 @@ def test_the_loader_follows_the_sampler_and_reads_the_next_step_ahead():
         assert torch.equal(got, s.rank_indices(step, 1, 2))
         assert ds.hinted[-1] == s.rank_indices(step + 1, 1, 2).tolist()
     assert set(b.wait_s) == {0, 1, 7, 2}
+
+
+def test_the_vocabulary_a_corpus_is_checked_against_comes_from_the_model_spec(tmp_path):
+    """A corpus's token ids are checked against what the model section fixes (data/tokens.py
+    asks `ModelSpec.own_vocab`, naming no model): a `vocab_size` key; a pretrained HF model's
+    config; nothing for an HF model built from a config alone, which grows to the data's."""
+    from types import SimpleNamespace
+
+    from shardlab.data.tokens import fixed_model_vocab
+
+    (tmp_path / "config.json").write_text('{"vocab_size": 100}')
+    cfg = lambda **model: SimpleNamespace(model=SimpleNamespace(**model))  # noqa: E731
+    assert fixed_model_vocab(cfg(name="gpt", vocab_size=512)) == 512
+    assert fixed_model_vocab(cfg(name="mlp")) is None
+    assert fixed_model_vocab(cfg(name="hf", hf_path=str(tmp_path), hf_config=None)) == 100
+    assert fixed_model_vocab(cfg(name="hf", hf_path=None, hf_config=str(tmp_path))) is None

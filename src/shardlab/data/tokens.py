@@ -45,7 +45,7 @@ from shardlab.data.shards import (
 from shardlab.data.source import DataSource
 from shardlab.data.text import Tokenizer, text_files
 from shardlab.errors import ConfigError
-from shardlab.models.hf import hf_vocab_size
+from shardlab.models import model_spec
 
 
 class ShardWindows(torch.utils.data.Dataset):
@@ -146,12 +146,10 @@ def data_dir(cfg) -> str:
 
 def fixed_model_vocab(cfg) -> int | None:
     """The model's vocabulary when the config fixes it (model.vocab_size, or a pretrained HF
-    model's); None when the model takes the data's."""
+    model's: `ModelSpec.own_vocab`); None when the model takes the data's."""
     m = cfg.model
     vocab = getattr(m, "vocab_size", None)
-    if vocab is None and getattr(m, "hf_path", None):
-        vocab = hf_vocab_size(m)
-    return vocab
+    return vocab if vocab is not None else model_spec(m.name).own_vocab(m)
 
 
 def check_corpus(cfg, path: str, where: str, full_hash: bool | None = None,

@@ -109,6 +109,7 @@ SPEC = ModelSpec(
     name="hf", keys=HFKeys, data_kind="tokens",
     build=build_hf, record=_record, rebuild=_rebuild, check=check_hf,
     synthetic=lambda section: {"vocab_size": hf_vocab_size(section) or 256},
+    own_vocab=lambda section: hf_vocab_size(section) if section.hf_path else None,  # a config alone grows to the data's
     packing_problem=_packing_problem,
     max_seq_len=_max_seq_len,
     depth=lambda section: load_hf_config(section).num_hidden_layers,

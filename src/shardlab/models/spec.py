@@ -56,6 +56,10 @@ class ModelSpec:
     # plan pins it to what the real data offers, so the probe's synthetic tokens build the same
     # model. None: the model fixes its own (an HF config's vocab_size).
     vocab_key: str | None = None
+    # model section -> the vocabulary its pretrained files fix whatever the data offers (a pretrained
+    # HF model's); None when no `vocab_size` key fixes one either, the model takes the data's: the
+    # data sources check a corpus's token ids against it, naming no model (data/tokens.py)
+    own_vocab: Callable[[Any], int | None] = lambda section: None
     # True for a language model whose loss is its output projection's cross-entropy, whole or
     # chunked (train.loss, models/lm_loss.py): its module has `use_loss(mode) -> a line or None`.
     # False: train.loss=chunked is refused; auto and full leave the model as it is.
