@@ -319,10 +319,10 @@ def test_compiled_summary_leaves_compilation_out_of_throughput(capsys):
               "steps_this_run": 4, "step_time_median_s": 0.7, "mfu": None, "compile_s": 88.0, "compiled_graphs": 3,
               "mfu_note": "not counted under train.compile: compiled kernels bypass the dispatcher that counts FLOPs",
               "num_parameters": 1e6, "num_trainable_parameters": 1e6, "model_state_bytes": [2**20],
-              "peak_memory_bytes": [2**30], "wall_clock_s": 95.0}
+              "peak_memory_bytes": [2**30], "wall_clock_s": 95.0, "step_times_s": [88.0, 0.7, 0.7, 0.7]}
     print_summary(result, "runs/x")
     text = capsys.readouterr().out
-    assert "22.9 (steps 2-4)" in text and "2926 (steps 2-4)" in text and "88.0 s, 3 graph(s), in step 1" in text
+    assert "22.9 (steps 2-4)" in text and "2926 (steps 2-4)" in text and "88.0 s, 3 graphs; step 1: 88.0 s" in text
     assert "not counted under train.compile" in text and "MFU" in text
 
 

@@ -82,7 +82,8 @@ def summarize(run: Any, timer: M.StepTimer, mine: dict, val_losses: dict, wall: 
         "val_losses_by_source": {step: v.by_source for step, v in val_losses.items() if v.by_source} or None,
         "restart_count": rt.restart_count,
         "attempts": per_rank[0]["attempts"],  # every attempt of the run, oldest first ([Note: records stay true])
-        # train.compile: seconds compiling (slowest rank), in the first step's time (not in throughput nor the median)
+        # train.compile: seconds compiling (slowest rank): the first step's (not in throughput nor the median step)
+        # and the final evaluation's
         "compile_s": max(r["compile"][0] for r in per_rank) if cfg.train.compile else None,
         "compiled_graphs": per_rank[0]["compile"][1] if cfg.train.compile else None,
     }
@@ -224,8 +225,9 @@ def print_summary(result: dict[str, Any], out_dir: str) -> None:
 
 def _speed_rows(row: Any, result: dict[str, Any]) -> None:
     """Throughput, the median step, MFU (or why it is not measured) and compile time: under
-    train.compile the rates leave out the run's first step, which compiled, and say so. Values
-    short enough for the 80 columns a table gets in a log."""
+    train.compile the rates leave out the run's first step, which compiled, and say so; the
+    compile row gives that step's time beside the compile seconds. Values short enough for the
+    80 columns a table gets in a log."""
     compiled = result.get("compile_s") is not None
     first = result["steps"] - result["steps_this_run"] + 1  # the run's first step, counted from 1
     after = f" (steps {first + 1}-{result['steps']})" if compiled and result["throughput_steps"] else ""
@@ -243,5 +245,7 @@ def _speed_rows(row: Any, result: dict[str, Any]) -> None:
         row("MFU", "not counted under train.compile")
     elif result.get("mfu_note"):
         row("MFU", result["mfu_note"])
-    if compiled:
-        row("torch.compile", f"{result['compile_s']:.1f} s, {result['compiled_graphs']} graph(s), in step {first}")
+    if compiled:  # most of it in the first step; the final evaluation recompiles outside the steps
+        graphs = result["compiled_graphs"]
+        row("torch.compile", f"{result['compile_s']:.1f} s, {graphs} graph{'' if graphs == 1 else 's'}; "
+            f"step {first}: {result['step_times_s'][0]:.1f} s")
