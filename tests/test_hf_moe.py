@@ -94,8 +94,12 @@ def test_a_flat_range_of_fused_experts_reads_only_its_experts(dirs, name):
 def test_lora_on_fused_experts_is_refused_in_one_line(tmp_path):
     """DeepSeek-V3: a `down_proj` target makes peft adapt the fused expert parameters by
     parametrization, which the engines do not carry (fsdp failed in the forward): refused at config
-    time, in one line; attention-only targets pass."""
-    from shardlab.models.hf import LoRAKeys, lora_parameter_problem
+    time, in one line; attention-only targets pass, and so do the default ones (the attention's)."""
+    from transformers import AutoModelForCausalLM
+
+    from shardlab.models.hf import LoRAKeys, lora_parameter_problem, lora_target_problem
+    from shardlab.models.hf_lora import default_targets
+    from shardlab.models.hf_model import load_hf_config
     from tests.test_hf_families import section
 
     path = write_family("deepseek_v3", str(tmp_path / "ds"))
@@ -105,6 +109,29 @@ def test_lora_on_fused_experts_is_refused_in_one_line(tmp_path):
     assert problem and "\n" not in problem and "experts.down_proj" in problem, problem
     sec.lora = LoRAKeys(rank=2, target_modules=["q_a_proj", "o_proj"])
     assert lora_parameter_problem(sec) is None
+    # no targets named: peft has no default for deepseek_v3, so shardlab's is the attention's Linear layers
+    sec.lora = LoRAKeys(rank=2)
+    assert lora_target_problem(sec, "deepseek_v3") is None and lora_parameter_problem(sec) is None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(load_hf_config(sec))
+    assert default_targets(model) == ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj"]
+
+
+def test_default_lora_targets_of_a_converted_family_are_peft_s(dirs):
+    """Mixtral: peft's own default (q_proj, v_proj), named by shardlab, since peft 0.21 given no
+    targets empties the list for a family with a weight conversion and refuses."""
+    from transformers import AutoModelForCausalLM
+
+    from shardlab.models.hf import LoRAKeys, lora_parameter_problem, lora_target_problem
+    from shardlab.models.hf_lora import default_targets
+    from shardlab.models.hf_model import load_hf_config
+    from tests.test_hf_families import section
+
+    sec = section(dirs["mixtral"])
+    sec.lora = LoRAKeys(rank=2)
+    assert lora_target_problem(sec, "mixtral") is None and lora_parameter_problem(sec) is None
+    with torch.device("meta"):
+        assert default_targets(AutoModelForCausalLM.from_config(load_hf_config(sec))) == ["q_proj", "v_proj"]
 
 
 def test_bloom_packing_is_refused_before_workers_and_its_unpacked_loss_is_transformers(tmp_path):
