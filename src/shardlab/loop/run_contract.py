@@ -81,13 +81,15 @@ def settle(cfg: Config, fresh: bool, launched_worker: bool, elastic: bool) -> in
     """Before any worker starts: the run name (the default one, or the fresh one with `fresh`), then
     None to go on, or the exit code after saying why not ([Note: the run contract])."""
     from shardlab.loop.run import default_run_name  # deferred: the training loop's modules (torch)
+    from shardlab.loop.runtime import env_world
 
     if not cfg.output.run_name:
         cfg.output.run_name = default_run_name(cfg)
     try:
         return _settle(cfg, fresh, launched_worker, elastic)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if env_world()[0] == 0:  # every worker of a launched job stops, one says why
+            print(f"error: {e}", file=sys.stderr)
         return 2
 
 
