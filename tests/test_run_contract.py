@@ -82,11 +82,14 @@ def test_line_interval(steps, log_every, every):
 
 
 def test_bar_frames_are_not_warnings(tmp_path, capsys):
-    """What the workers wrote to stderr is shown after a clean run, but a progress bar's frames
-    (split at their carriage returns) are neither shown nor counted."""
+    """What the workers wrote to stderr is shown after a clean run, each line once whichever ranks
+    wrote it (torch's rank prefix and log clock aside), but a progress bar's frames (split at their
+    carriage returns) are neither shown nor counted."""
     logs = tmp_path / "attempt_0"
-    (logs / "0").mkdir(parents=True)
     frames = "\r".join(f"Writing model shards: {p}%|#   | {i}/5 [00:01<00:02, 2.00it/s]" for i, p in ((1, 20), (5, 100)))
-    (logs / "0" / "stderr.log").write_text(frames + "\nUserWarning: a real warning\n")
-    _show_worker_warnings(str(logs), 1, limit=1)
-    assert capsys.readouterr().err == "UserWarning: a real warning\n"
+    for rank in (0, 1):
+        (logs / str(rank)).mkdir(parents=True)
+        (logs / str(rank) / "stderr.log").write_text(
+            f"{frames}\n[rank{rank}]:W1128 00:32:11.8{rank}0000 18{rank}8 torch/x.py:12] careful\n")
+    _show_worker_warnings(str(logs), 2, limit=1)
+    assert capsys.readouterr().err == "W torch/x.py:12] careful\n"

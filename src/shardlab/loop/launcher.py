@@ -203,16 +203,21 @@ def _report_failure(out: str, run_id: str, e: Exception, max_restarts: int, cfg:
 # a tqdm frame ("Writing model shards:  40%|####      | 2/5 [00:01<00:01, ...]"): reading the file splits
 # a bar's frames at its carriage returns; some library's bar left on is progress, not a warning
 _BAR_FRAME = re.compile(r"\d+%\|.*\| *\d+/\S* \[")
+# what makes one rank's copy of a line differ from another's: torch's "[rank1]:" prefix, and the
+# clock and pid of its log header ("W1128 00:32:11.868000 1849 "), kept as its severity letter
+_RANK_HEADER = re.compile(r"^\[rank\d+\]:(?:([WEIDC])\d{4} [\d:.]+ +\d+ )?")
 
 
 def _show_worker_warnings(logs: str | None, nproc: int, limit: int = 20) -> None:
     """After a run that ended well: what the workers wrote to stderr (warnings) but progress bars'
-    frames, each line once however many ranks wrote it, at most `limit` lines."""
+    frames, each line once however many ranks wrote it (their rank prefixes and clocks aside), at
+    most `limit` lines."""
     seen: dict[str, None] = {}
     for rank in range(nproc):
         try:
             with open(os.path.join(logs or "", str(rank), "stderr.log"), errors="replace") as f:
-                seen.update(dict.fromkeys(line.rstrip() for line in f if line.strip() and not _BAR_FRAME.search(line)))
+                seen.update(dict.fromkeys(_RANK_HEADER.sub(lambda m: f"{m[1]} " if m[1] else "", line.rstrip())
+                                          for line in f if line.strip() and not _BAR_FRAME.search(line)))
         except OSError:
             continue
     lines = list(seen)
