@@ -159,11 +159,19 @@ SHARDED = (("mixtral", "fsdp"), ("qwen3_moe", "torch-fsdp"))  # one engine per c
 
 def _sharded_loads(rank: int, world: int, dirs: dict[str, str]) -> dict:
     """MoE directories built on the meta device by a range-reading engine at `world` ranks: the
-    full state, and the bytes this rank read from the files."""
+    full state, and the bytes this rank read from the files; then, after one training forward of
+    the same packed row on every rank, metrics.json's router section as gathered at the end."""
+    from types import SimpleNamespace
+
+    from shardlab.loop.router_stats import router_section
+
     out = {}
     for name, strategy in SHARDED:
         model = shardlab_model(dirs[name], strategy)
         out[name, strategy] = (shardlab.full_state_dict(model), shardlab.engine_of(model).unwrapped()._reader.bytes_read)
+        model(*packed_row(examples(name)))
+        run = SimpleNamespace(engine=shardlab.engine_of(model), rt=SimpleNamespace(distributed=True, world_size=world))
+        out["router", name] = router_section(run)["router"]
     return out
 
 
@@ -186,3 +194,8 @@ def test_fsdp_and_torch_fsdp_at_3_ranks_load_per_expert_checkpoints(dirs):
             for k, v in got.items():
                 assert torch.equal(v, want[k]), (name, strategy, rank, k)
             assert read < whole, (name, strategy, rank, read, whole)
+        # every rank gathered the same counts: each rank's one row of 20 token positions, top 2, 3 ranks
+        sections = [run["router", name] for run in runs]
+        assert all(s == sections[0] for s in sections), sections
+        assert [sum(c) for c in sections[0]["tokens_per_expert"]] == [3 * 2 * 20] * 2, sections[0]
+        assert sections[0]["balance_micro_batches"] == 3, sections[0]
