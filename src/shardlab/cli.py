@@ -243,7 +243,7 @@ COMMANDS: dict[str, Command] = {
                          "add_export_parsers"),
     "doctor": _adds_itself("diagnose a hung or failed run: the stuck rank and where every rank waits",
                            "shardlab.doctor.cli", "add_doctor_parser"),
-    "report": _module_command("report", "one HTML file on where a run's time and memory went (needs shardlab[plot])",
+    "report": _module_command("report", "one HTML file on where a run's time and memory went",
                               "shardlab.observe.report"),
     "trace": _module_command("trace", "every rank's phases and collectives as one Chrome trace (Perfetto)",
                              "shardlab.observe.trace"),

