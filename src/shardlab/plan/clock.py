@@ -134,16 +134,28 @@ def step_seconds(compute: float, comm: float, exposed: float, m: Machine) -> flo
     return exposed + max(compute, comm - exposed)
 
 
-def least_sure(parts: dict[str, float], comm_s: float, m: Machine, counted: bool) -> str:
-    """Where the clock is least sure: the part that dominates the step, and what it assumed."""
+def main_dtype(census: Census) -> str | None:
+    """The dtype most of the step's matmul FLOPs run in."""
+    flops: dict[str, float] = {}
+    for (kind, _op, dtype, _shape, f, _moved), calls in census.items():
+        if kind == "matmul":
+            flops[dtype] = flops.get(dtype, 0.0) + f * calls
+    return max(flops, key=lambda d: flops[d]) if flops else None
+
+
+def least_sure(parts: dict[str, float], comm_s: float, m: Machine, counted: bool, dtype: str | None = None) -> str:
+    """Where the clock is least sure: the part that dominates the step, and what it assumed for it (for
+    matmuls, the figure of the dtype most of them run in)."""
     named = {**parts, "comm": comm_s}
     top = max(named, key=lambda k: named[k])
     total = sum(named.values()) or 1.0
     share = f"{top} is {named[top] / total:.0%} of the parts"
     if not counted:
         return share + "; no probe at the real shape: FLOPs from 6 x parameters x tokens at the matmul ceiling"
-    source = next((v for k, v in m.sources.items() if k.split()[0] == top), None)
     if top == "comm":
         return share + "; the link's alpha-beta constants (plan/catalogue.py, INTERCONNECTS) set it"
-    sure = "assumed" if any(a.split()[0] == top for a in m.assumed) else "measured or cited"
-    return share + f" ({sure}: {source})" if source else share
+    key = f"{top} {dtype}" if f"{top} {dtype}" in m.sources else top
+    if key not in m.sources:
+        return share
+    sure = "assumed" if key in m.assumed or top in m.assumed else "measured or cited"
+    return share + f" ({sure}: {m.sources[key]})"

@@ -23,6 +23,7 @@ from shardlab.plan.clock import (
     compute_seconds,
     gpu_machine,
     least_sure,
+    main_dtype,
     operation_seconds,
     step_seconds,
 )
@@ -129,7 +130,7 @@ def step_time(cfg: Config, engine: str, world: int, link: Link, gpu: GPU | None,
     return {"compute_s": compute, "comm_s": comm, "flops_per_token": flops / tokens_rank, "step_s": step,
             "step_serial_s": compute + comm, "tokens_per_s": tokens_step / step if step else None,
             "compute_source": source, "comm_hidden": m.overlaps and comm <= compute, "link": link.name,
-            "parts_s": parts, "least_sure": least_sure(parts, comm, m, bool(census)),
+            "parts_s": parts, "least_sure": least_sure(parts, comm, m, bool(census), main_dtype(census) if census else None),
             "operations": totals(census) if census else None, "machine_sources": m.sources}
 
 
