@@ -131,7 +131,8 @@ class RouterStats:
             if self.counts is None:
                 self.counts = torch.zeros(len(self.layers), self.experts, dtype=torch.int64, device=chosen.device)
             self.top_k = chosen.shape[-1]
-            self.counts[layer] += torch.bincount(chosen.reshape(-1), minlength=self.experts)
+            flat = chosen.reshape(-1).long()  # scatter_add_, not bincount: a shape known ahead (fake tensors: plan)
+            self.counts[layer].scatter_add_(0, flat, torch.ones_like(flat))
         self._seen.clear()
 
     def add_balance(self, value: torch.Tensor) -> None:
