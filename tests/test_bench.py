@@ -95,7 +95,7 @@ def test_waited_comm_is_the_median_of_the_measured_steps_and_names_unseen_waits(
     assert row["comm_waited_s_per_step"] == [0.3, 0.1] and row["comm_waited_s_per_step_max_rank"] == 0.3
     assert "| 300.0 (+ ar waited inside DDP: not seen) |" in to_markdown([row])
     (row,) = summarize({("fsdp", 2): [{**m, "comm_waited": None}]}, warmup=1)
-    assert "| not recorded (doctor.enabled=false) |" in to_markdown([row])
+    assert "| not recorded (no flight record: doctor.enabled=false) |" in to_markdown([row])
 
 
 @pytest.mark.slow

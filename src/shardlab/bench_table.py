@@ -7,13 +7,15 @@ Two figures of communication time, and only one of them is part of the step. "co
 the time a rank's step stood still waiting for collectives: the union of its waits (from the
 `wait()` of an async call, or the issue of a blocking one, until it returned), from the flight
 record's step split ([Note: where a step's time goes] in observe/runs.py; the step there runs
-from its mark to the next step's, the step boundary's agreement all-reduce included). It is at
+from its mark to the next step's). It counts every collective the step waited on: the engine's
+and the loop's own (the token count, the gradient norm, the step boundary's agreement). It is at
 most the step, and what the step would save if communication were free and ranks balanced.
-"in flight, by kind" is each kind's calls timed from issue until their wait returned, summed:
-calls in flight together each count in full and the compute overlapped before the wait is in
-it, so it can exceed the step (zero3's reduces, all waited at the end of backward). It says how
-long collectives were outstanding, not what they cost. torch-ddp's buckets complete in a callback DDP waits for in C++: the record never sees that
-wait, which counts as compute, so its waited figure says so.
+"in flight, by kind" is each of the engine's kinds, its calls timed from issue until their wait
+returned, summed: calls in flight together each count in full and the compute overlapped before
+the wait is in it, so it can exceed the step (zero3's reduces, all waited at the end of
+backward). It says how long collectives were outstanding, not what they cost. torch-ddp's
+buckets complete in a callback DDP waits for in C++: the record never sees that wait, which
+counts as compute, so its waited figure says so.
 """
 
 from __future__ import annotations
@@ -276,7 +278,7 @@ def _waited_ms(r: dict[str, Any]) -> str:
     out of the record's sight, named beside it."""
     waited = r.get("comm_waited_s_per_step_max_rank")
     if waited is None:
-        return "not recorded (doctor.enabled=false)" if r.get("comm_waited_s_per_step") is None else ""
+        return "not recorded (no flight record: doctor.enabled=false)" if r.get("comm_waited_s_per_step") is None else ""
     unseen = ", ".join(_KIND_ABBREV.get(k, k) for k in r.get("comm_unwaited_kinds") or [])
     return f"{waited * 1000:.1f}" + (f" (+ {unseen} waited inside DDP: not seen)" if unseen else "")
 
