@@ -145,7 +145,24 @@ def _dcp_in_memory(strategy: str, rank: int, world: int) -> dict:
     out["dcp: set_model_state_dict(full) of a plain module"] = _same(shardlab.full_state_dict(model), plain)
     got = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     out["dcp: get_model_state_dict(full)"] = _same(got, plain)
+    out.update(_broadcast_from_rank0(model, {k: v + 1 if v.is_floating_point() else v for k, v in plain.items()},
+                                     strategy, rank))
     return out
+
+
+def _broadcast_from_rank0(model, plain: dict, strategy: str, rank: int) -> dict:
+    """DCP's broadcast_from_rank0 (rank 0 alone given the state): it loads where the module lists its own
+    parameters; zero3 and fsdp refuse it on the other ranks, naming the calls that work
+    ([Note: broadcast_from_rank0 on an engine that replaced the parameters] in engines/state_dict.py)."""
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    try:  # every rank receives every tensor before any load: the ranks stay in step either way
+        set_model_state_dict(model, dict(plain) if rank == 0 else {}, options=options)
+    except RuntimeError as e:
+        refused = rank > 0 and "give every rank the whole state dict" in str(e)
+        return {"dcp: broadcast_from_rank0 refused, naming the call": refused and strategy in SHARDED}
+    if strategy in SHARDED and strategy != "torch-fsdp":
+        return {"dcp: broadcast_from_rank0 refused, naming the call": rank == 0}
+    return {"dcp: broadcast_from_rank0": _same(shardlab.full_state_dict(model), plain)}
 
 
 def _dcp_files(strategy: str, rank: int, world: int, path: str) -> dict:

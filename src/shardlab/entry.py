@@ -152,9 +152,11 @@ class FitResult:
         return found if isinstance(found, dict) else None
 
 
-def fit(config: str | Mapping[str, Any] | None = None, overrides: Sequence[str] = ()) -> FitResult:
+def fit(config: str | Mapping[str, Any] | None = None, overrides: Sequence[str] = (), *,
+        fresh: bool = False) -> FitResult:
     """Train as `shardlab train CONFIG key=value ...` does without --nproc: this process is one
-    worker (under torchrun, srun or a pod), or the only one.
+    worker (under torchrun, srun or a pod), or the only one. fresh: `--fresh`, from step 0 in a
+    new run directory beside the one the config names (one process only: workers cannot agree on it).
 
     config: a YAML file, a shipped config's name, or a mapping of sections (`{"train": {"steps":
     6}}`; dotted keys too: `{"train.steps": 6}`); overrides: "key=value" strings. A bad config
@@ -173,7 +175,7 @@ def fit(config: str | Mapping[str, Any] | None = None, overrides: Sequence[str] 
     worker = in_launched_worker()
     # as `shardlab train` decides before its workers: the run name, and a finished run said in one
     # line with nothing started ([Note: the run contract] in loop/run_contract.py)
-    settled = settle(cfg, False, worker, elastic=False)
+    settled = settle(cfg, fresh, worker, elastic=False)
     if settled == 2:
         raise SystemExit(2)  # settle printed why
     if settled is not None:

@@ -28,6 +28,16 @@ DCP's own recipes and set_state_dict call). `state_dict="full"` gives full CPU t
 (every rank calls it, rank 0 may then `torch.save` them and a plain module loads the file); the
 default's DTensors fail in a plain module's `load_state_dict`, as FSDP2's do.
 
+[Note: broadcast_from_rank0 on an engine that replaced the parameters]
+DCP's `StateDictOptions(broadcast_from_rank0=True)` gives rank 0 the whole state dict and the other
+ranks nothing; every rank receives every tensor, and each keeps those whose keys its module's
+`named_parameters()` lists. FSDP2 and the replicated engines list the module's own keys; zero3 and
+fsdp (and their minimal twins) list what they hold instead (owned whole tensors, flat slices), so the
+other ranks keep none
+of the module's keys and their load fails, naming the calls that work on every engine: the whole
+state dict on every rank (`set_model_state_dict(..., full_state_dict=True)`, or
+`shardlab.load_full_state_dict`), or DCP's sharded `dcp.load` of a saved checkpoint.
+
 `load_state_dict` takes either: a plain tensor is the full value (each rank copies the pieces it
 holds, no communication); a DTensor is gathered first (`full_tensor()`: a collective). Keys the
 engine registers itself (fsdp's `flat_shard`, what DCP's full-state-dict load adds from
@@ -145,13 +155,16 @@ class ShardedModuleState:
             if value is not None and value is not p:
                 self._copy_whole(key, p, value, error_msgs)
         given: dict[str, tuple[StateKey, torch.Tensor]] = {}
+        missing = [prefix + k.key for k in self.mirror.keys if k.module is None and prefix + k.key not in state_dict]
         for k in self.mirror.keys:
-            if k.module is not None:
-                continue  # buffers stay in their modules under their own names: loaded as usual
-            if prefix + k.key in state_dict:
+            if k.module is None and prefix + k.key in state_dict:  # buffers stay in their modules: loaded as usual
                 given[k.name] = (k, state_dict.pop(prefix + k.key))  # tied names: the last given wins
-            else:
-                missing_keys.append(prefix + k.key)
+        missing_keys.extend(missing)
+        if missing and _strict:
+            error_msgs.append(f"{len(missing)} of the module's parameters are not in the state dict this rank was "
+                              f"given ([Note: broadcast_from_rank0 on an engine that replaced the parameters]): "
+                              "give every rank the whole state dict, e.g. set_model_state_dict(model, full, "
+                              "options=StateDictOptions(full_state_dict=True)) or shardlab.load_full_state_dict")
         layout = self._layout()
         for name, (k, value) in given.items():
             self._load_param(prefix + k.key, k, value, layout.get(name, []), error_msgs)
