@@ -121,7 +121,10 @@ def test_exported_model_answers_as_shardlab_generate(tmp_path, monkeypatch, kind
             assert main(["generate", str(export), "--chat", "--prompt", question, "--max-new-tokens", "8",
                          "--temperature", "0"]) == 0
         assert printed.getvalue().strip() == expected.strip()
-    # `shardlab eval RUN/hf` is transformers' loss on the export over the same validation rows
+    if kind != "bos":
+        return
+    # `shardlab eval RUN/hf` is transformers' loss on the export over the same validation rows (one
+    # template is enough: the path does not depend on it)
     from tests.moe_cli_check import transformers_loss
 
     printed = io.StringIO()
