@@ -52,7 +52,7 @@ class Prediction:
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        out.pop("census")  # tuple keys: the report gives its totals by kind instead (`time.operations`)
+        out.pop("census")  # tuple keys: the report gives its totals by kind instead (its time's `operations`)
         return out
 
 
