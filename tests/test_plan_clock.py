@@ -57,3 +57,31 @@ def test_no_fixed_mfu_remains_in_plan():
     import shardlab.plan.catalogue as catalogue
 
     assert not hasattr(catalogue, "MFU") and "MFU" not in plan.__all__
+
+
+def test_the_census_sees_each_kind_of_operation():
+    """plan/ops.py on a real step of a tiny model: matmul FLOPs as `CountFlops` counts them, the optimizer's
+    kernels told apart by its step hooks, views and queries moving no bytes, a lookup reading only its rows;
+    and --gpu cpu's rates (plan/cpu.py) time a matmul shape of it."""
+    import torch
+
+    from shardlab.plan.cpu import cpu_machine
+    from shardlab.plan.ops import OpCensus, totals
+
+    torch.manual_seed(0)
+    table, linear = torch.nn.Embedding(1000, 16), torch.nn.Linear(16, 16)
+    opt = torch.optim.AdamW([*table.parameters(), *linear.parameters()])
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with OpCensus() as census:
+        hidden = table(ids)
+        linear(hidden.view(4, 16)).sum().backward()
+        opt.step()
+    kinds = totals(census.census)
+    assert kinds["matmul"]["flops"] == census.flops > 0
+    assert kinds["optimizer"]["calls"] > 0 and kinds["optimizer"]["bytes"] >= 2 * 4 * (1000 * 16 + 16 * 16 + 16)
+    assert kinds["view"]["calls"] > 0 and kinds["view"]["bytes"] == 0
+    lookups = [(key, n) for key, n in census.census.items() if key[0] == "memory" and key[5] == 2 * 4 * 16 * 4]
+    assert lookups, "the embedding's forward reads its 4 rows (2 x 4 x 16 floats), not the 1000-row table"
+    machine = cpu_machine(1)
+    parts = operation_seconds(census.census, machine)
+    assert all(v >= 0 for v in parts.values()) and parts["matmul"] > 0 and parts["host"] > 0
