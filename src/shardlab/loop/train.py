@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-import shardlab
 from shardlab import memory
 from shardlab.config import Config
 from shardlab.doctor import RECORDER
@@ -66,7 +65,7 @@ def train_step(run: Run, tracker: memory.LiveMemoryTracker | None = None,
         x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
         last = i == run.accumulation - 1
         # backward must run inside no_sync too: the engines read the flag while backward runs.
-        with contextlib.nullcontext() if last else shardlab.no_sync(model):
+        with contextlib.nullcontext() if last else run.engine.no_sync():
             with phase("forward"), autocast(t.precision, rt.device):
                 loss = weights.scale(model(x, y), i)
             with phase("backward"):
@@ -78,7 +77,7 @@ def train_step(run: Run, tracker: memory.LiveMemoryTracker | None = None,
             scaler.unscale_(opt)  # before clipping: the norm is of the true gradients
         if before_clip is not None:
             before_clip(run)
-        grad_norm = shardlab.clip_grad_norm_(model, t.grad_clip if t.grad_clip > 0 else float("inf"))
+        grad_norm = run.engine.clip_grad_norm_(t.grad_clip if t.grad_clip > 0 else float("inf"))
         skipped = False
         if scaler is not None:
             scale = scaler.get_scale()
