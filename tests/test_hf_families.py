@@ -315,6 +315,11 @@ VERIFY_MODES = {"fsdp-lora": ("fsdp", 2), "ddp-full": ("ddp", 0)}
 # by hand in both modes (2026-11-27, docs/sft.md), which would add about 60 s here
 BY_HAND = ("qwen2_moe", "olmoe", "deepseek_v3", "opt", "gpt_bigcode", "nemotron")
 VERIFIED = [n for n in NAMES if n not in BY_HAND]
+# One mode per family, alternating down the list (each mode on nine families, Mixtral's converter with
+# LoRA on fsdp and Qwen3-MoE's with full fine-tuning on ddp): both modes on every family doubled the
+# module's cost (97 s of the idle suite's 18 min 38 s, its largest fixture) for engines the rest of the
+# suite already proves on these models (tests/test_hf_models.py, tests/test_verify_hf.py)
+VERIFIED_MODE = {name: sorted(VERIFY_MODES)[i % 2] for i, name in enumerate(VERIFIED)}
 
 
 def _verify_config(path: str, data: str, strategy: str, lora: int) -> dict:
@@ -364,13 +369,12 @@ def verified(dirs, tmp_path_factory, monkeypatch_module):
                                                      {"role": "assistant", "content": f"It is {i + i % 5}."}]})
                             + "\n" for i in range(48)))
     cases = {f"{name}/{mode}": _verify_config(dirs[name], str(data), *VERIFY_MODES[mode])
-             for name in VERIFIED for mode in VERIFY_MODES}
+             for name, mode in VERIFIED_MODE.items()}
     return run_workers(3, _verify_all, cases, str(root), timeout_s=600)[0]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", sorted(VERIFY_MODES))
-@pytest.mark.parametrize("name", VERIFIED)
+@pytest.mark.parametrize(("name", "mode"), sorted(VERIFIED_MODE.items()))
 def test_verify_at_3_ranks_is_equal(verified, name, mode):
     """(4) `shardlab verify --nproc 3` (in-process, the same plan and comparison) says EQUAL, in
     float64, with the engine's largest error within 100x the measured noise floor."""
