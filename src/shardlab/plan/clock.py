@@ -64,7 +64,7 @@ class Machine:
     sources: dict[str, str] = field(default_factory=dict)
     assumed: set[str] = field(default_factory=set)
     rate: Callable[..., float | None] | None = None
-    slowdown: float = 1.0                # more ranks than cores: each rank's share of them
+    slowdown: float = 1.0                # more ranks than cores (a CPU): each takes ranks / cores as long
 
     def ceiling(self, dtype: str) -> float:
         return self.ceilings.get(dtype) or self.ceilings["fp32"]
@@ -103,7 +103,7 @@ def operation_seconds(census: Census, m: Machine) -> dict[str, float]:
     time) and host (dispatch), before the host and device are overlapped (`compute_seconds`)."""
     out = dict.fromkeys(("matmul", "attention", "memory", "optimizer", "host"), 0.0)
     for (kind, op, dtype, shape, flops, moved), calls in census.items():
-        out["host"] += calls * m.host_op_s
+        out["host"] += calls * m.host_op_s * m.slowdown
         if kind == "view":
             continue
         by_bytes = moved / m.memory_bandwidth
