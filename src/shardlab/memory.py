@@ -56,7 +56,6 @@ checkpointing) and kept are not counted unless an engine or the optimizer expose
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
@@ -433,54 +432,13 @@ class LiveMemoryTracker:
         return ref is not None and ref() is t
 
 
-# -- marks without a tracker, and the profiler ---------------------------------------------------------
+# -- marks without a tracker ---------------------------------------------------------------------
 @contextlib.contextmanager
 def phase_range(name: str) -> Iterator[None]:
     """A phase mark outside the tracker (none runs, or a phase it does not count: data,
     checkpoint, eval): the profiler's named range and the rank's heartbeat (shardlab.doctor)."""
     with torch.profiler.record_function(f"shardlab.{name}"), doctor.phase(name):
         yield
-
-
-class StepProfiler:
-    """A torch.profiler trace of steps [first, first + count) written as Chrome trace JSON to
-    `<out_dir>/profile/rank<r>.json`: CPU (and CUDA) operators with input shapes, memory
-    allocations and frees, collectives (c10d/gloo/nccl ranges) and shardlab's phase ranges.
-    Open it in https://ui.perfetto.dev or chrome://tracing (docs/memory.md)."""
-
-    def __init__(self, out_dir: str, rank: int, first: int, count: int, device: torch.device,
-                 with_stack: bool = False):
-        self.path = os.path.join(out_dir, "profile", f"rank{rank}.json")
-        self.first, self.last = first, first + count - 1
-        self.device = device
-        self.with_stack = with_stack
-        self.prof: torch.profiler.profile | None = None
-        self.written: str | None = None
-
-    def before_step(self, step: int) -> None:
-        if step == self.first and self.prof is None and self.written is None:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if self.device.type == "cuda":
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.prof = torch.profiler.profile(activities=activities, record_shapes=True, profile_memory=True,
-                                               with_stack=self.with_stack)
-            self.prof.__enter__()
-
-    def after_step(self, step: int) -> None:
-        if self.prof is not None:
-            self.prof.step()
-            if step >= self.last:
-                self.close()
-
-    def close(self) -> None:
-        """Stop and write (also when training ends before the last profiled step)."""
-        if self.prof is None:
-            return
-        prof, self.prof = self.prof, None
-        prof.__exit__(None, None, None)
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        prof.export_chrome_trace(self.path)
-        self.written = self.path
 
 
 def module_parameters(model: nn.Module) -> list[nn.Parameter]:

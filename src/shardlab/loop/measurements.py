@@ -31,6 +31,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 from shardlab import memory
 from shardlab.config import OutputConfig, TrainConfig, dump_config
 from shardlab.engines import optimizer_state_bytes
@@ -222,7 +224,7 @@ class RunMeasurements:
         self.trackers: Trackers | None = None  # rank 0's, open from the last step to metrics.json
         self.flops: StepFlops | None = None
         self.tracker: memory.LiveMemoryTracker | None = None
-        self.profiler: memory.StepProfiler | None = None
+        self.profiler: StepProfiler | None = None
         self.comm_at_start: dict | None = None
         self.train_comm: dict | None = None
 
@@ -239,7 +241,7 @@ class RunMeasurements:
             self.tracker = memory.LiveMemoryTracker(rt.device, engine=run.engine, optimizer=run.opt)
         if t.profile:
             first = run.state.step + 1 if t.steps - run.state.step > 1 else run.state.step
-            self.profiler = memory.StepProfiler(run.out_dir, rt.rank, first, t.profile_steps, rt.device)
+            self.profiler = StepProfiler(run.out_dir, rt.rank, first, t.profile_steps, rt.device)
         self.comm_at_start = run.engine.comm_stats()
 
     @contextlib.contextmanager
@@ -354,3 +356,44 @@ def _comm_since(before: dict | None, after: dict | None) -> dict | None:
         return None
     before = before or {}
     return {kind: {k: v - before.get(kind, {}).get(k, 0) for k, v in totals.items()} for kind, totals in after.items()}
+
+
+class StepProfiler:
+    """A torch.profiler trace of steps [first, first + count) written as Chrome trace JSON to
+    `<out_dir>/profile/rank<r>.json`: CPU (and CUDA) operators with input shapes, memory
+    allocations and frees, collectives (c10d/gloo/nccl ranges) and shardlab's phase ranges.
+    Open it in https://ui.perfetto.dev or chrome://tracing (docs/memory.md)."""
+
+    def __init__(self, out_dir: str, rank: int, first: int, count: int, device: torch.device,
+                 with_stack: bool = False):
+        self.path = os.path.join(out_dir, "profile", f"rank{rank}.json")
+        self.first, self.last = first, first + count - 1
+        self.device = device
+        self.with_stack = with_stack
+        self.prof: torch.profiler.profile | None = None
+        self.written: str | None = None
+
+    def before_step(self, step: int) -> None:
+        if step == self.first and self.prof is None and self.written is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=activities, record_shapes=True, profile_memory=True,
+                                               with_stack=self.with_stack)
+            self.prof.__enter__()
+
+    def after_step(self, step: int) -> None:
+        if self.prof is not None:
+            self.prof.step()
+            if step >= self.last:
+                self.close()
+
+    def close(self) -> None:
+        """Stop and write (also when training ends before the last profiled step)."""
+        if self.prof is None:
+            return
+        prof, self.prof = self.prof, None
+        prof.__exit__(None, None, None)
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        prof.export_chrome_trace(self.path)
+        self.written = self.path
