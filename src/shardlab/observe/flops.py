@@ -191,7 +191,7 @@ def device_peak(device: torch.device, precision: str) -> tuple[float, str]:
         known = _catalogue_gpu(device)
         dtype = {"bf16": "bf16", "fp16": "fp16"}.get(precision, "fp32")  # fp32 matmuls: CUDA cores (no tf32)
         if known is not None and dtype in known.peaks:
-            return known.peak(dtype), f"plan's catalogue: {known.name}, dense {dtype} ({known.source[:80]}...)"
+            return known.peaks[dtype], f"plan's catalogue: {known.name}, dense {dtype} ({known.source[:80]}...)"
     return measured_peak(device, compute_dtype(precision))
 
 
