@@ -73,8 +73,9 @@ class Machine:
 def gpu_machine(gpu: GPU) -> Machine:
     """A catalogue GPU as the clock sees it: ceilings by dtype (MAMF for bf16/fp16 where measured)."""
     ceilings = {"fp32": gpu.peak("fp32")}
-    sources = {"matmul fp32": f"{gpu.name} data sheet fp32 (CUDA cores) {gpu.peak('fp32') / 1e12:g} TFLOP/s"}
-    assumed = {"matmul fp32", "memory", "host"}
+    sources = {"matmul fp32": f"{gpu.name} data sheet fp32 (CUDA cores) {gpu.peak('fp32') / 1e12:g} TFLOP/s "
+                              "(no measured ceiling)"}
+    assumed = {"matmul fp32", "memory", "optimizer", "host"}
     for half in ("bf16", "fp16"):
         if half not in gpu.peaks:
             continue
@@ -91,6 +92,7 @@ def gpu_machine(gpu: GPU) -> Machine:
     if gpu.name not in ATTENTION_SOURCE:
         assumed.add("attention")
     sources["memory"] = f"{gpu.name} data sheet bandwidth {gpu.memory_bandwidth / 1e9:g} GB/s, reached in full"
+    sources["optimizer"] = sources["memory"]
     sources["host"] = f"{GPU_HOST_OP_S * 1e6:g} us per operator (assumed)"
     # the papers' shares are of the data sheet's peak, the clock applies them to the ceiling: rescaled
     half = "bf16" if "bf16" in ceilings else "fp16" if "fp16" in ceilings else "fp32"
