@@ -5,7 +5,9 @@ and nothing starts, --fresh trains beside it, checkpoint.resume=none never repla
 piped output has progress lines, not a bar's frames, and no notice for bars. One process each,
 no workers: the runs are two steps of gpt-nano through `shardlab.cli.main`."""
 
+import io
 import json
+import sys
 
 import pytest
 
@@ -93,3 +95,24 @@ def test_bar_frames_are_not_warnings(tmp_path, capsys):
             f"{frames}\n[rank{rank}]:W1128 00:32:11.8{rank}0000 18{rank}8 torch/x.py:12] careful\n")
     _show_worker_warnings(str(logs), 2, limit=1)
     assert capsys.readouterr().err == "W torch/x.py:12] careful\n"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_terminal_progress_is_a_bar_with_lines_above_it(tmp_path, monkeypatch):
+    """stdout a terminal: a bar drawn in place (carriage returns, no newline per step), and every
+    line printed while it is drawn (each step's save) on a line of its own, the bar redrawn after it."""
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    assert main(_args(tmp_path, "train.steps=3", "checkpoint.every_steps=1", "output.run_name=t")) == 0
+    out = terminal.getvalue()
+    assert out.count("%|") >= 3 and "single x1  step " not in out
+    for step in (1, 2, 3):
+        before, _, after = out.partition(f"shardlab: checkpoint step {step}:")
+        assert after and before.endswith(("\r", "\n")), before[-200:]  # not glued to a bar frame
+        assert "\n" in after  # the save's line ends before anything is drawn again
+    last_frame, _, summary = out[out.rindex("%|"):].partition("shardlab: single on 1 worker(s)")
+    assert summary and "\n" in last_frame  # the bar's line ended before the summary
