@@ -1,5 +1,6 @@
 """What `shardlab train` does with a run directory that already exists, decided before any worker
-starts (docs/training.md, "Run names and resuming"). Files only: no torch, no process group.
+starts (docs/training.md, "Run names and resuming"), from the run's files alone: no worker, no
+process group.
 
 [Note: the run contract]
 The default run name is a hash of the config (loop/run.py), so the same command names the same
@@ -20,7 +21,8 @@ The launcher decides this once, before its workers exist. Under torchrun, srun o
 workers are the first processes: there is no parent to pick a fresh name for all of them (each
 rank, and each restart, would pick its own), so `--fresh` is refused there (output.run_name names
 a new run), and a finished run is found by the workers after they are built (loop/run.py's
-`finished_record`, rank 0's answer for all), in the same one line (`finished_line`).
+`finished_record`, rank 0's answer for all) and said in the same line (`finished_line`), which
+offers another output.run_name there in place of --fresh.
 """
 
 from __future__ import annotations
