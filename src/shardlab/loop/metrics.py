@@ -1,4 +1,4 @@
-"""Measurement and run outputs: step timers, peak memory per rank, what run_args.json holds.
+"""Step timers and peak memory per rank (what run_args.json holds: run.py's `run_args`).
 
 Peak memory is measured, not modelled: on CUDA `torch.cuda.max_memory_allocated`; on CPU
 the process's peak resident set size (getrusage), which includes the Python interpreter
@@ -9,16 +9,11 @@ as exact tensor byte counts (`model_state_bytes`).
 
 from __future__ import annotations
 
-import os
-import platform
 import resource
 import statistics
-import subprocess
 import sys
 
 import torch
-
-import shardlab
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -30,30 +25,6 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def git_commit(path: str | None = None) -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=path or os.getcwd(), capture_output=True,
-                             text=True, timeout=5)
-        return out.stdout.strip() or None if out.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def run_args(cfg_dict: dict, world_size: int, hostnames: list[str], extra: dict | None = None) -> dict:
-    return {
-        "config": cfg_dict,
-        "world_size": world_size,
-        "hostnames": hostnames,
-        "shardlab_version": shardlab.__version__,
-        "torch_version": torch.__version__,
-        "python_version": platform.python_version(),
-        "platform": platform.platform(),
-        "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__))),
-        "argv": sys.argv,
-        **(extra or {}),
-    }
 
 
 class StepTimer:

@@ -11,6 +11,9 @@ import contextlib
 import hashlib
 import json
 import os
+import platform
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +40,6 @@ from shardlab.data.text import copy_tokenizer_files
 from shardlab.doctor import worker as doctor
 from shardlab.engines import Engine, engine_class, engine_of
 from shardlab.loop import elastic
-from shardlab.loop import metrics as M
 from shardlab.loop.amp import make_loss_scaler
 from shardlab.loop.checkpoint_cost import CheckpointCost
 from shardlab.loop.evaluate import Evaluation, evaluate_sources
@@ -285,15 +287,15 @@ def write_start(run: Run) -> None:
         return
     describe = getattr(run.engine.unwrapped(), "attention_record", None)  # models/hf.py: implementation, packing
     attention = describe(cfg.data.packing) if describe is not None else None
+    args = run_args(cfg.to_dict(), rt.world_size, hosts,
+                    {"num_parameters": run.num_parameters, "num_trainable_parameters": run.num_trainable,
+                     "accumulation_steps": run.accumulation, "data": run.data.info,
+                     "restart_count": rt.restart_count, "resumed_from_step": run.state.step, "attention": attention})
+    config_yaml = dump_config(cfg)
     os.makedirs(run.out_dir, exist_ok=True)
-    write_json_atomic(os.path.join(run.out_dir, "run_args.json"), M.run_args(
-        cfg.to_dict(), rt.world_size, hosts,
-        {"num_parameters": run.num_parameters, "num_trainable_parameters": run.num_trainable,
-         "accumulation_steps": run.accumulation, "data": run.data.info,
-         "restart_count": rt.restart_count, "resumed_from_step": run.state.step, "attention": attention}),
-        default=str)
+    write_json_atomic(os.path.join(run.out_dir, "run_args.json"), args, default=str)
     with open(os.path.join(run.out_dir, "config.yaml"), "w") as f:
-        f.write(dump_config(cfg))
+        f.write(config_yaml)
     if run.data.tokenizer_dir:  # exports read it from here (a trained one lives in a cache)
         from shardlab.data.sft import SFTTokenizer
 
@@ -311,6 +313,31 @@ def write_start(run: Run) -> None:
         lines[1:1] = [note] if note else []
     for line in lines:
         print(line, flush=True)
+
+
+def run_args(cfg_dict: dict, world_size: int, hostnames: list[str], extra: dict | None = None) -> dict:
+    """What run_args.json holds: the config, where and with what the run started."""
+    return {
+        "config": cfg_dict,
+        "world_size": world_size,
+        "hostnames": hostnames,
+        "shardlab_version": shardlab.__version__,
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "git_commit": git_commit(os.path.dirname(os.path.abspath(__file__))),
+        "argv": sys.argv,
+        **(extra or {}),
+    }
+
+
+def git_commit(path: str | None = None) -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=path or os.getcwd(), capture_output=True,
+                             text=True, timeout=5)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 # how a run is watched, stopped or resumed, not what it trains: changing these keeps the run name
