@@ -97,14 +97,15 @@ class StepLogger:
         self.lines = open(os.path.join(run.out_dir, STEPS_FILE), "a", buffering=1)
         self._write({"event": "start", "attempt": run.rt.restart_count, "world": run.rt.world_size,
                      "step": run.state.step, "launch": os.environ.get("TORCHELASTIC_RUN_ID")})
+        terminal = sys.stdout.isatty()
+        if o.progress and not terminal:
+            self.every = line_interval(t.steps, t.log_every)
         self.trackers = Trackers(resolve_trackers(o), run, dump_config(run.cfg))
-        if o.progress and sys.stdout.isatty():
+        if o.progress and terminal:
             from tqdm import tqdm
 
             self.bar = tqdm(total=t.steps, initial=run.state.step, unit="step", dynamic_ncols=True,
                             desc=self._label(), file=sys.stdout)
-        elif o.progress:
-            self.every = line_interval(t.steps, t.log_every)
 
     def _label(self) -> str:
         return f"{self.run.engine.strategy} x{self.run.rt.world_size}"
