@@ -150,17 +150,20 @@ def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
     """NaN gradients at step 4 (a save step) make the parameters NaN before any loss shows it:
     the save refuses, the run stops naming the step, and step 2 stays the latest checkpoint."""
     cfg = make_cfg("single", str(tmp_path), "nan", steps=6, every=2)
-    real_clip, calls = shardlab.clip_grad_norm_, {"n": 0}
+    from shardlab.engines import engine_class
 
-    def clip_then_poison(model, max_norm):
-        norm = real_clip(model, max_norm)
+    engine = engine_class("single")  # train_step clips through the run's engine
+    real_clip, calls = engine.clip_grad_norm_, {"n": 0}
+
+    def clip_then_poison(self, max_norm, norm_type=2.0):
+        norm = real_clip(self, max_norm, norm_type)
         calls["n"] += 1
         if calls["n"] == 4:
-            for p in model.parameters():
+            for p in self.local_parameters():
                 p.grad.fill_(float("nan"))
         return norm
 
-    monkeypatch.setattr(shardlab, "clip_grad_norm_", clip_then_poison)
+    monkeypatch.setattr(engine, "clip_grad_norm_", clip_then_poison)
     with pytest.raises(FloatingPointError, match="non-finite parameters at step 4.*last good checkpoint is step 2"):
         T.train(cfg, runtime(0, 1, "single"))
     assert [s for s, _ in list_checkpoints(f"{tmp_path}/nan/checkpoints")] == [2]
