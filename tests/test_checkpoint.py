@@ -105,6 +105,25 @@ def test_torn_save_is_ignored_and_cleaned(single_runs, tmp_path):
         resolve_checkpoint(os.path.join(root, "step_00000009.tmp"))
 
 
+def test_a_checkpoint_pruned_while_listed_is_skipped(single_runs, tmp_path, monkeypatch):
+    """A reader lists while the run prunes (retention): a directory that vanishes between the
+    listing and its stat is skipped, not a FileNotFoundError (seen at load 20 in
+    test_sigkill_worker_restarts_and_matches_uninterrupted's poll)."""
+    out, _ = single_runs
+    root = str(tmp_path / "checkpoints")
+    shutil.copytree(f"{out}/single-straight/checkpoints", root)
+    first = list_checkpoints(root)[0][1]
+    real_getsize = os.path.getsize
+
+    def pruned_meanwhile(path):
+        if path.startswith(first + os.sep):
+            shutil.rmtree(first, ignore_errors=True)
+        return real_getsize(path)
+
+    monkeypatch.setattr(os.path, "getsize", pruned_meanwhile)
+    assert [s for s, _ in list_checkpoints(root)] == [TOTAL]
+
+
 def _fresh(cfg):
     model = shardlab.parallelize(build_model(cfg.model, seed=cfg.seed, vocab_size=256, device="meta"),
                                  cfg.parallel.strategy, device="cpu")

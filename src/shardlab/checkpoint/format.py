@@ -97,6 +97,8 @@ def list_checkpoints(root: str, *, complete_only: bool = True) -> list[tuple[int
             except CheckpointError as e:
                 log.warning("skipping %s", e)
                 continue
+            except FileNotFoundError:
+                continue  # pruned by the run while this reader listed it (its retention: a newer one exists)
         found.append((int(m.group(1)), path))
     return sorted(found)
 
