@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import multiprocessing as mp
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +72,8 @@ def predict_all(cfg: Config, nproc: int, engines: list[str] | None = None, per_n
     (`Prediction.alternatives`)."""
     cfg = laid_out(cfg, nproc)
     out = _predict_all(cfg, nproc, engines, per_node, probe)
+    if probe == "auto" and not any(p.probe == "fake" for p in out.values()):
+        probe = "real"  # the fake probe failed (said once, _fake_failed), or none applied: as the config's
     for change, changed, applies in alternative_configs(cfg, nproc):
         probed = [e for e in out if applies(e)]
         for e, p in (_predict_all(changed, nproc, probed, per_node, probe) if probed else {}).items():
@@ -150,6 +154,8 @@ def _predict_all(cfg, nproc: int, engines: list[str] | None, per_node: int | Non
         built, probes = in_child(_plan_child, to_build, plans, nproc, layers, probe_accumulation,
                                  timeout_s=P.PROBE_TIMEOUT_S)
         states.update(built)
+    except RuntimeError as e:  # a kernel with no fake-tensor path for these dtypes (see _fake_failed)
+        return _fake_failed(e, cfg, nproc, engines, per_node, probe, any(fake[x] for x in probe_ok))
     except mp.TimeoutError:  # the pool's exit terminates the probe
         why_not.update({e: f"the probes did not finish in {P.PROBE_TIMEOUT_S:g} s here "
                            "(SHARDLAB_PLAN_PROBE_TIMEOUT_S gives them longer)" for e in probe_ok})
@@ -162,6 +168,21 @@ def _predict_all(cfg, nproc: int, engines: list[str] | None, per_node: int | Non
             p.step_flops = scale_flops(probes[e], L) * k / probe_accumulation
             p.census = scale_micro_batches(scale_census(probes[e], L), k / probe_accumulation)
     return out
+
+
+def _fake_failed(error: RuntimeError, cfg, nproc: int, engines, per_node, probe: str,
+                 any_fake: bool) -> dict[str, Prediction]:
+    """A probe on fake tensors that met a kernel whose fake (meta) path refuses what the real one
+    takes: torch._grouped_mm's asks for bf16 as CUDA's does, where transformers' default experts
+    of an MoE model in float32 call it (its CPU kernel takes float32, so a real probe runs).
+    --probe auto probes on real tensors instead and says so; --probe fake says what to use."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if not any_fake:
+        raise error
+    if probe == "fake":
+        raise ConfigError(f"the probe on fake tensors failed ({first}); --probe real (or auto) probes on real ones")
+    print(f"plan: the probe on fake tensors failed ({first}); probing on real tensors", file=sys.stderr, flush=True)
+    return _predict_all(cfg, nproc, engines, per_node, "real")
 
 
 PROBE_KINDS = ("auto", "fake", "real")
@@ -181,7 +202,9 @@ def probe_kind(engine: str, probe: str = "auto") -> str:
 def _plan_child(to_build: dict[str, dict], plans: dict[str, dict], nproc: int, layers: list[int | None],
                 accumulation: int) -> tuple[dict, dict]:
     """In one child process: each engine of `to_build` built on a fake group (its exact state),
-    then the probes (plan/probe.py)."""
+    then the probes (plan/probe.py). A meta kernel that refuses its inputs is said by the parent in
+    one line (_fake_failed), not by fake_tensor's logger with the traceback it re-raises anyway."""
+    logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
     built = {e: built_state(raw, e, nproc) for e, raw in to_build.items()}
     return built, (P.probe_child(plans, nproc, layers, accumulation) if plans else {})
 
