@@ -223,12 +223,22 @@ def test_a_peak_measured_on_busy_cores_is_not_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(flops, "PEAK_SIDE", 256)
     monkeypatch.setattr(flops, "PEAK_SECONDS", 0.2)
     cpu, wall = torch.device("cpu"), time_module.perf_counter
-    monkeypatch.setattr(flops.time, "process_time", lambda: wall() * torch.get_num_threads() / 3)
+    # the fake process clock is the wall clock's last reading (flops reads the two together), not a
+    # reading of its own: beside two CPU hogs a preemption between the two readings made one round's
+    # fake CPU time outgrow its wall time, and that round looked free (cached)
+    last_wall = [wall()]
+
+    def wall_read() -> float:
+        last_wall[0] = wall()
+        return last_wall[0]
+
+    monkeypatch.setattr(flops.time, "perf_counter", wall_read)
+    monkeypatch.setattr(flops.time, "process_time", lambda: last_wall[0] * torch.get_num_threads() / 3)
     peak, source = flops.measured_peak(cpu, torch.float32)
     share = re.search(r"measured under load \(the best round had (\d+)% of its threads' time\)", source)
     assert peak > 0 and share and 25 <= int(share.group(1)) <= 45, source        # a third, give or take
     assert not flops.peak_cache_path(cpu, torch.float32).exists()
-    monkeypatch.setattr(flops.time, "process_time", lambda: wall() * torch.get_num_threads())
+    monkeypatch.setattr(flops.time, "process_time", lambda: last_wall[0] * torch.get_num_threads())
     peak, source = flops.measured_peak(cpu, torch.float32)
     record = json.loads(flops.peak_cache_path(cpu, torch.float32).read_text())
     assert "cached in" in source and record["peak_flops"] == peak and record["cpu_share"] >= flops.FREE_SHARE
