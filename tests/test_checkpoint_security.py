@@ -1,12 +1,14 @@
 """Loading a checkpoint never runs code from it, and a damaged one stops with a clear error.
 
-DCP keeps a checkpoint's `.metadata` as a pickle. The CLI cases tamper with a copy of one run
-trained once for the module (2 workers, fsdp, checkpoints at steps K and TOTAL) and run
-`shardlab train ... checkpoint.resume=auto`, `export`, `eval` and `generate` on it in a
-subprocess: the crafted pickle's command never runs, the exit status is 1, stderr is one
-`error:` line naming the file, and nothing prints a traceback. The unit cases check the
-restricted unpickler against the real metadata every engine writes, and the manifest's
-hashes against the files.
+DCP keeps a checkpoint's `.metadata` as a pickle. The CLI cases tamper with copies of one run
+trained once for the module (2 ranks, fsdp, checkpoints at steps K and TOTAL, in the module's
+one spawn, beside a short run of every other engine) and run `shardlab train ...
+checkpoint.resume=auto`, `export`, `eval` and `generate` on them, each in a process of its own
+(forked from one interpreter that imported torch once: tests/cli_batch.py), and a resume by
+`shardlab train --nproc 2` under the launcher: the crafted pickle's command never runs, the exit
+status is 1, stderr is one `error:` line naming the file, and nothing prints a traceback. The
+unit cases check the restricted unpickler against the real metadata every engine writes, and the
+manifest's hashes against the files.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,8 +39,9 @@ from shardlab.checkpoint import (
 from shardlab.loop import train as T
 from shardlab.testing import run_workers
 from tests.checkpoint_helpers import TOTAL, K, make_cfg, overrides, runtime
+from tests.cli_batch import Command, run_commands
 
-pytestmark = pytest.mark.slow  # one 2-worker training run for the module, subprocesses per case
+pytestmark = pytest.mark.slow  # one 2-rank spawn for the module, one driver for the CLI cases, one launch
 
 CKPT = "checkpoints/step_{:08d}"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -111,13 +115,30 @@ def _shardlab(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
                           timeout=timeout, env=ENV)
 
 
+def _train_every_engine(rank: int, world: int, out: str) -> list[str]:
+    """The CLI cases' run (fsdp, checkpoints at K and TOTAL) and one short run per other engine (plus
+    fsdp with async saves), in one spawn: their newest checkpoints' paths, the CLI cases' run first."""
+    rt = runtime(rank, world, "fsdp")
+    T.train(make_cfg("fsdp", out, "run"), rt)
+    paths = [os.path.join(out, "run", CKPT.format(TOTAL))]
+    for strategy, extra in [("ddp", ()), ("zero3", ()), ("torch-ddp", ()), ("torch-fsdp", ()),
+                            ("fsdp", ("checkpoint.async=true",))]:
+        name = f"{strategy}{'-async' if extra else ''}"
+        T.train(make_cfg(strategy, out, name, *extra, steps=1, every=1), runtime(rank, world, strategy))
+        paths.append(os.path.join(out, name, CKPT.format(1)))
+    return paths
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> str:
-    """The module's only training run: fsdp on 2 workers, checkpoints at K and TOTAL."""
-    out = str(tmp_path_factory.mktemp("trained"))
-    r = _shardlab("train", *overrides("fsdp", out, "run"), "--nproc", "2")
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    run = os.path.join(out, "run")
+def every_engine(tmp_path_factory) -> list[str]:
+    """The module's only spawn (2 ranks): the checkpoints of `_train_every_engine`."""
+    return run_workers(2, _train_every_engine, str(tmp_path_factory.mktemp("trained")), timeout_s=240)[0]
+
+
+@pytest.fixture(scope="module")
+def trained(every_engine) -> str:
+    """The CLI cases' run: fsdp on 2 ranks, checkpoints at K and TOTAL."""
+    run = os.path.dirname(os.path.dirname(every_engine[0]))
     assert [s for s, _ in list_checkpoints(os.path.join(run, "checkpoints"))] == [K, TOTAL]
     assert sorted(os.listdir(os.path.join(run, CKPT.format(TOTAL)))) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp", "shardlab.json"]
@@ -139,17 +160,32 @@ TAMPERING = ("evil-metadata", "evil-metadata-rehashed", "bitflip")
 COMMANDS = ("resume", "export", "eval", "generate")
 
 
+@pytest.fixture(scope="module")
+def tampered_runs(trained, tmp_path_factory) -> dict[tuple[str, str], tuple[Path, str, subprocess.CompletedProcess]]:
+    """Every (tampering, command) case on its own copy of the run, all commands in one driver
+    (tests/cli_batch.py: a process per command, forked after torch was imported once); per case
+    its directory (the copy under it, the marker, the export's output), the file tampered with
+    and what the command did."""
+    cases, commands = [], []
+    for kind in TAMPERING:
+        for command in COMMANDS:
+            case = tmp_path_factory.mktemp(f"{kind}-{command}")
+            run = shutil.copytree(trained, case / "run")
+            changed = tamper(str(run / CKPT.format(TOTAL)), kind, str(case / "marker"))
+            cases.append(((kind, command), (case, changed)))
+            commands.append(Command(_command(command, str(case), str(run))))
+    done = run_commands(commands, timeout_s=240)
+    return {key: (*case, r) for (key, case), r in zip(cases, done)}
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 @pytest.mark.parametrize("kind", TAMPERING)
-def test_tampered_checkpoint_runs_no_code_and_fails_cleanly(trained, tmp_path, kind, command):
-    run = shutil.copytree(trained, tmp_path / "run")
+def test_tampered_checkpoint_runs_no_code_and_fails_cleanly(tampered_runs, kind, command):
+    case, changed, r = tampered_runs[kind, command]
+    run = case / "run"
     ckpt = str(run / CKPT.format(TOTAL))
-    marker = tmp_path / "marker"
-    changed = tamper(ckpt, kind, str(marker))
 
-    r = _shardlab(*_command(command, str(tmp_path), str(run)))
-
-    assert not marker.exists(), "the checkpoint's pickle ran its command"
+    assert not (case / "marker").exists(), "the checkpoint's pickle ran its command"
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-3000:]
     assert "Traceback" not in r.stdout + r.stderr, r.stderr[-3000:]
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: checkpoint "), r.stderr[-3000:]
@@ -162,7 +198,7 @@ def test_tampered_checkpoint_runs_no_code_and_fails_cleanly(trained, tmp_path, k
     # the way out names the previous checkpoint, which resume=auto did not fall back to silently
     assert f"resume from the previous complete checkpoint, {run / CKPT.format(K)}" in r.stderr
     assert [s for s, _ in list_checkpoints(str(run / "checkpoints"))] == [K, TOTAL]
-    assert not os.path.exists(tmp_path / "model.safetensors")
+    assert not os.path.exists(case / "model.safetensors")
 
 
 def test_two_worker_resume_refuses_crafted_metadata(trained, tmp_path):
@@ -245,17 +281,6 @@ def test_metadata_made_of_allowed_classes_is_still_checked(trained, tmp_path):
         read_model_state(ckpt)
 
 
-def _save_one_of_each(rank: int, world: int, out: str) -> list[str]:
-    """One short run per engine (plus fsdp with async saves): their checkpoints' paths."""
-    paths = []
-    for strategy, extra in [("ddp", ()), ("zero3", ()), ("fsdp", ()), ("torch-ddp", ()), ("torch-fsdp", ()),
-                            ("fsdp", ("checkpoint.async=true",))]:
-        name = f"{strategy}{'-async' if extra else ''}"
-        T.train(make_cfg(strategy, out, name, *extra, steps=1, every=1), runtime(rank, world, strategy))
-        paths.append(os.path.join(out, name, CKPT.format(1)))
-    return paths
-
-
 class _RecordingUnpickler(pickle.Unpickler):
     def __init__(self, f, seen: set):
         super().__init__(f)
@@ -266,9 +291,9 @@ class _RecordingUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def test_restricted_unpickler_reads_what_every_engine_writes(tmp_path):
+def test_restricted_unpickler_reads_what_every_engine_writes(every_engine, tmp_path):
     out = str(tmp_path)
-    paths = run_workers(2, _save_one_of_each, out, timeout_s=240)[0]
+    paths = list(every_engine)
     T.train(make_cfg("single", out, "single", steps=1, every=1), runtime(0, 1, "single"))
     paths.append(os.path.join(out, "single", CKPT.format(1)))
     seen: set[str] = set()
