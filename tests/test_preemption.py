@@ -8,7 +8,8 @@ preempted.json and exit code 75, and resuming ends bitwise equal to an uninterru
   during the preemption save itself: each save finishes and nothing is torn;
 - the grace period running out (SIGKILL) in the middle of a preemption save leaves the previous
   checkpoint loadable;
-- the grace estimate and what `shardlab render` writes from it.
+- the grace estimate and what `shardlab render` writes from it (the renders forked from one
+  interpreter, tests/cli_batch.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from shardlab.loop import preemption
 from shardlab.loop import train as T
 from shardlab.testing import WorkerError, run_workers
 from tests.checkpoint_helpers import assert_same_tensors, make_cfg, runtime
+from tests.cli_batch import Command, run_commands
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 40
@@ -278,26 +280,25 @@ def test_grace_estimate_uses_the_measured_save(tmp_path):
 
 def test_render_slurm_and_k8s_carry_the_grace(tmp_path):
     config = str(ROOT / "configs" / "gpt-tiny.yaml")
-    env = {**os.environ}
-    subprocess.run([sys.executable, "-m", "shardlab", "render", "slurm", config, "preemption.grace_s=90",
-                    "--nodes", "2", "--gpus-per-node", "0", "--out", str(tmp_path / "s")], check=True, env=env,
-                   capture_output=True, timeout=120)
+    # the three renders in one driver (tests/cli_batch.py: a process each, torch imported once)
+    renders = run_commands([
+        Command(["render", "slurm", config, "preemption.grace_s=90", "--nodes", "2", "--gpus-per-node", "0",
+                 "--out", tmp_path / "s"]),
+        Command(["render", "slurm", config, "preemption.enabled=false", "--no-requeue", "--out", tmp_path / "off"]),
+        Command(["render", "k8s", config, "preemption.grace_s=60", "--nodes", "2", "--out", tmp_path / "k"])],
+        timeout_s=120)
+    for r in renders:
+        assert r.returncode == 0, (r.args, r.stdout[-2000:], r.stderr[-3000:])
     text = (tmp_path / "s" / "shardlab.sbatch").read_text()
     for line in ("#SBATCH --signal=B:USR1@90", "#SBATCH --requeue", "trap 'forward_signal USR1' USR1",
                  "-m shardlab.torchrun", "--shutdown-timeout=90", 'scontrol requeue "$SLURM_JOB_ID"',
                  f'[ "$rc" = {preemption.PREEMPTED_EXIT_CODE} ]'):
         assert line in text, line
-    subprocess.run([sys.executable, "-m", "shardlab", "render", "slurm", config, "preemption.enabled=false",
-                    "--no-requeue", "--out", str(tmp_path / "off")], check=True, env=env, capture_output=True,
-                   timeout=120)
     off = (tmp_path / "off" / "shardlab.sbatch").read_text()
     assert "#SBATCH --signal" not in off and "#SBATCH --requeue" not in off and "scontrol requeue" not in off
     import yaml
 
-    proc = subprocess.run([sys.executable, "-m", "shardlab", "render", "k8s", config, "preemption.grace_s=60",
-                           "--nodes", "2", "--out", str(tmp_path / "k")], check=True, env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert "15 s" in proc.stdout   # the GKE spot note: 60 s is more than spot pods get
+    assert "15 s" in renders[2].stdout   # the GKE spot note: 60 s is more than spot pods get
     job = next(d for d in yaml.safe_load_all((tmp_path / "k" / "manifest.yaml").read_text()) if d and d["kind"] == "Job")
     pod = job["spec"]["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] == 65
