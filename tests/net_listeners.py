@@ -10,22 +10,49 @@ import tempfile
 import time
 
 
-def process_tree(root: int) -> set[int]:
-    """`root` and every process below it."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _below(root: int, parents: dict[int, int]) -> set[int]:
     tree, grew = {root}, True
     while grew:
         below = {pid for pid, ppid in parents.items() if ppid in tree} - tree
         tree |= below
         grew = bool(below)
     return tree
+
+
+def process_tree(root: int) -> set[int]:
+    """`root` and every process below it."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (ppid := _parent(int(entry))) is not None:
+            parents[int(entry)] = ppid
+    return _below(root, parents)
+
+
+class ProcessTree:
+    """`process_tree(root)` sampled again and again: a process's parent is read once, when its pid
+    first appears, and forgotten when the pid goes. Reading every process's stat each time cost
+    ~4 ms a sample on this machine (160 processes), 7 % of a core at 20 samples a second for the
+    whole of a run."""
+
+    def __init__(self, root: int):
+        self.root, self.parents = root, {}
+
+    def pids(self) -> set[int]:
+        now = {int(e) for e in os.listdir("/proc") if e.isdigit()}
+        for gone in self.parents.keys() - now:
+            del self.parents[gone]
+        for pid in now - self.parents.keys():
+            if (ppid := _parent(pid)) is not None:
+                self.parents[pid] = ppid
+        return _below(self.root, self.parents)
 
 
 def listeners_of(pids: set[int]) -> set[tuple[str, int]]:
@@ -67,6 +94,7 @@ def run_watching_listeners(cmd: list[str], timeout_s: float, **popen) -> tuple[s
     with tempfile.TemporaryFile("w+") as log:   # a file, not a pipe: nothing blocks while we sample
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, **popen)
         seen: set[tuple[str, int]] = set()
+        tree = ProcessTree(proc.pid)
         deadline = time.monotonic() + timeout_s
         while proc.poll() is None:
             if time.monotonic() > deadline:
@@ -74,7 +102,7 @@ def run_watching_listeners(cmd: list[str], timeout_s: float, **popen) -> tuple[s
                 proc.wait()
                 log.seek(0)
                 raise AssertionError(f"hang guard: {cmd} still running after {timeout_s} s:\n{log.read()[-3000:]}")
-            seen |= listeners_of(process_tree(proc.pid))
+            seen |= listeners_of(tree.pids())
             time.sleep(0.05)
         log.seek(0)
         return subprocess.CompletedProcess(cmd, proc.returncode, log.read(), ""), seen

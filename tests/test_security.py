@@ -1,19 +1,19 @@
 """Nothing a one-host run opens listens beyond loopback ([Note: who may reach a run's stores] in
 loop/listen.py, docs/security.md): checked on the live process tree of each way of starting one,
-and on the pieces that bind. The same from another host (a network namespace) is in
-test_infra_multihost.py."""
+and on the pieces that bind; a multi-node start without a rendezvous id is refused. The same from
+another host (a network namespace) is in test_infra_multihost.py."""
 
 from __future__ import annotations
 
 import ipaddress
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from shardlab.loop import listen
+from tests.cli_batch import Command, run_commands
 from tests.net_listeners import listeners_of, run_watching_listeners
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,18 +80,26 @@ def test_a_name_that_resolves_to_loopback_is_not_written_as_loopback():
     assert not listen.is_loopback_name("node-1.example")
 
 
-def test_an_elastic_agent_needs_a_rendezvous_id(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "shardlab", "train", CONFIG, *TRAIN_ARGS, "--nproc", "1",
-                          "--nnodes", "1:2", f"output.dir={tmp_path}"], capture_output=True, text=True,
-                         timeout=HANG_GUARD_S, cwd=ROOT)
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory) -> dict:
+    """The two refusals below, each a process of its own forked from one interpreter that imported
+    torch once (tests/cli_batch.py); the output directory the first must not create."""
+    out = tmp_path_factory.mktemp("refused")
+    agent, torchrun = run_commands([
+        Command(["train", CONFIG, *TRAIN_ARGS, "--nproc", "1", "--nnodes", "1:2", f"output.dir={out}"], cwd=ROOT),
+        Command(["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1",
+                 "-m", "shardlab", "train", CONFIG], module="shardlab.torchrun", cwd=ROOT)], timeout_s=HANG_GUARD_S)
+    return {"out": out, "agent": agent, "torchrun": torchrun}
+
+
+def test_an_elastic_agent_needs_a_rendezvous_id(refusals):
+    out = refusals["agent"]
     assert out.returncode == 2
     assert out.stderr.startswith("error: --nnodes 1:2 needs --rdzv-id"), out.stderr
-    assert not (tmp_path).joinpath("gpt-fsdp").exists()
+    assert not refusals["out"].joinpath("gpt-fsdp").exists()
 
 
-def test_torchrun_multi_node_without_an_id_is_refused():
-    out = subprocess.run([sys.executable, "-m", "shardlab.torchrun", "--nnodes", "2", "--nproc-per-node", "1",
-                          "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1", "-m", "shardlab", "train",
-                          CONFIG], capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=ROOT)
+def test_torchrun_multi_node_without_an_id_is_refused(refusals):
+    out = refusals["torchrun"]
     assert out.returncode != 0
     assert "needs --rdzv-id" in out.stderr and "Traceback" not in out.stderr, out.stderr
