@@ -3,7 +3,8 @@ preempted.json and exit code 75, and resuming ends bitwise equal to an uninterru
 
 - the CLI: `shardlab train --nproc 2` gets SIGTERM mid-run (exit 75), the resumed run runs under
   `python -m shardlab.torchrun` and gets SIGUSR1 (exit 75), the third start finishes; losses
-  and final parameters and optimizer state equal an uninterrupted run's, bit for bit;
+  and final parameters and optimizer state equal an uninterrupted run's (the same config, trained
+  by spawned workers), bit for bit;
 - in one 2-rank spawn: a signal (and a second one) during a periodic save, and two more signals
   during the preemption save itself: each save finishes and nothing is torn;
 - the grace period running out (SIGKILL) in the middle of a preemption save leaves the previous
@@ -92,26 +93,25 @@ def _check_preempted(run_dir: Path, sig_name: str, log: Path) -> dict:
     return record
 
 
-@pytest.mark.slow  # four 2-worker starts: 60-150 s on a shared 2-core machine
+def _straight(rank: int, world: int, out: str) -> None:
+    """The uninterrupted reference: the CLI runs' config through the training loop at the same world
+    size (fsdp is exact across world sizes only up to reordering), in spawned workers. What the CLI
+    test proves is the interrupted runs' way through the launchers; the reference only has to train
+    the same config (build_run seeds everything from it), and a spawn costs less than a launch."""
+    T.train(load_config(None, [*CLI_OVERRIDES, f"output.dir={out}", "output.run_name=straight"]),
+            runtime(rank, world, "fsdp"))
+
+
+@pytest.mark.slow  # three 2-worker launches and a 2-rank spawn: 60-150 s on a shared 2-core machine
 @pytest.mark.timeout(4 * HANG_GUARD_S)   # the suite's pytest-timeout, 300 s, would be a speed budget here
 def test_sigterm_then_sigusr1_resume_bitwise_equal(tmp_path):
     t_start = time.monotonic()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # the uninterrupted reference runs beside the first interrupted run (start-up dominates both)
-    straight_log = open(tmp_path / "straight.log", "w")
-    straight = subprocess.Popen(_launcher(tmp_path, "straight"), stdout=straight_log, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
-    try:
-        run_dir = tmp_path / "preempted"
-        # 1. SIGTERM to `shardlab train --nproc 2`
-        rc, exit_s = _signal_and_wait(_launcher(tmp_path, "preempted"), tmp_path / "term.log", run_dir, 5,
-                                      signal.SIGTERM)
-        assert straight.wait(timeout=HANG_GUARD_S) == 0, (tmp_path / "straight.log").read_text()[-3000:]
-    finally:
-        if straight.poll() is None:
-            os.killpg(straight.pid, signal.SIGKILL)
-            straight.wait()
-        straight_log.close()
+    run_workers(2, _straight, str(tmp_path), timeout_s=HANG_GUARD_S)
+    run_dir = tmp_path / "preempted"
+    # 1. SIGTERM to `shardlab train --nproc 2`
+    rc, exit_s = _signal_and_wait(_launcher(tmp_path, "preempted"), tmp_path / "term.log", run_dir, 5,
+                                  signal.SIGTERM)
     assert rc == preemption.PREEMPTED_EXIT_CODE, (tmp_path / "term.log").read_text()[-3000:]
     first = _check_preempted(run_dir, "SIGTERM", tmp_path / "term.log")
     assert not (run_dir / "metrics.json").exists()
