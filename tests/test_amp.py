@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import shardlab
-from shardlab.loop.amp import autocast, make_loss_scaler
+from shardlab.loop.loss import autocast, make_loss_scaler
 from shardlab.testing import run_workers
 
 TINY = 1e-7  # loss factor: gradients ~1e-8, below fp16's smallest subnormal (6e-8)

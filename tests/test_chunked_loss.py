@@ -102,7 +102,7 @@ def test_low_precision_is_as_precise_as_the_full_loss(low):
     """Under autocast the chunked loss computes as the full loss does (matmuls in the low dtype, softmax
     and loss in float32): against float64, its loss and gradients are off by at most twice what the full
     loss's are."""
-    from shardlab.loop.amp import autocast
+    from shardlab.loop.loss import autocast
 
     x, y = batch(1, False)
     ref = _loss_and_grads(build("gpt"), x, y)

@@ -9,7 +9,7 @@ from shardlab.config import load_config
 from shardlab.data import build_datasets, collate
 from shardlab.data.cifar import CIFAR10, load_batch, write_fake_cifar
 from shardlab.data.corpus import build_corpus_text
-from shardlab.data.sampler import GlobalBatchSampler
+from shardlab.data.loader import GlobalBatchSampler
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -101,7 +101,7 @@ def test_cifar_loader_refuses_arbitrary_pickles(tmp_path):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 17, 64, 1000, 4097, 65_537])
 def test_the_permutation_is_a_bijection_without_a_table(n):
-    from shardlab.data.sampler import FeistelPermutation
+    from shardlab.data.loader import FeistelPermutation
 
     perm = FeistelPermutation(n, key=7)(torch.arange(n))
     assert sorted(perm.tolist()) == list(range(n))

@@ -92,7 +92,7 @@ ALLOWED = {
     "malloc_trim": "a glibc function",
     "PR_SET_PDEATHSIG": "a Linux prctl option (data/prepare.py sets it through ctypes)",
     "_darcs": "a version-control folder that prepare skips",
-    "Feistel": "notation: the keyed permutation of data/sampler.py",
+    "Feistel": "notation: the keyed permutation of data/loader.py",
     "shardlab.forward": "a profiler range name", "shardlab.backward": "a profiler range name",
     "shardlab.optimizer": "a profiler range name",
     "flat_shard_frozen": "the parameter name fsdp_layout.py composes for a frozen group",

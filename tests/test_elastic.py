@@ -1,10 +1,10 @@
-"""Elastic training: the batch layout at any world size (data/layout.py), the node range (loop/elastic.py) checked
+"""Elastic training: the batch layout at any world size (data/loader.py), the node range (loop/elastic.py) checked
 before any worker starts."""
 
 import pytest
 
 from shardlab import cli
-from shardlab.data.layout import layout_for
+from shardlab.data.loader import layout_for
 from shardlab.errors import ConfigError
 from shardlab.loop.elastic import parse_nnodes
 from tests.test_config import no_workers  # noqa: F401 - the fixture

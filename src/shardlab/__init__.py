@@ -23,6 +23,8 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from shardlab.version import __version__  # a leaf (version.py): the layers below read it there
+
 if TYPE_CHECKING:
     import contextlib
 
@@ -31,7 +33,6 @@ if TYPE_CHECKING:
 
     from shardlab.engines import STRATEGIES, MixedPrecision, engine_of, parallelize  # noqa: F401
 
-__version__ = "0.1.0"
 __all__ = ["parallelize", "no_sync", "clip_grad_norm_", "full_state_dict", "load_full_state_dict",
            "engine_of", "MixedPrecision", "STRATEGIES", "fit", "register_model", "register_data", "FitResult",
            "__version__"]

@@ -32,7 +32,7 @@ from shardlab.config_sections import (
     TrainConfig,
 )
 from shardlab.data import DATA_SOURCES
-from shardlab.data.layout import layout_for
+from shardlab.data.loader import layout_for
 from shardlab.engines import STRATEGIES, engine_class
 from shardlab.engines.api import CPUOffload, MixedPrecision
 from shardlab.engines.collectives import resolve_shard_size
@@ -198,4 +198,4 @@ def validate_for_world(cfg: Config, world_size: int) -> None:
             resolve_shard_size(cfg.parallel.shard_size, world_size)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    layout_for(t.global_batch_size, t.micro_batch_size, world_size)  # the rule: data/layout.py
+    layout_for(t.global_batch_size, t.micro_batch_size, world_size)  # the rule: data/loader.py

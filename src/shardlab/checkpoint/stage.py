@@ -1,6 +1,6 @@
 """How a rank's state is copied for a save: `StageCopy` (the checkpoint manager's copy; for
 `checkpoint.async=true` a staged one). What each save costs is measured by the loop
-(loop/checkpoint_cost.py)."""
+(loop/run.py's `CheckpointCost`)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import torch
 
 from shardlab.data import cifar, sft, synthetic, tokens
 from shardlab.data.datasets import Datasets
-from shardlab.data.sampler import GlobalBatchSampler
+from shardlab.data.loader import GlobalBatchSampler
 from shardlab.data.source import DataSource
 
 __all__ = ["GlobalBatchSampler", "Datasets", "DataSource", "DATA_SOURCES", "PREPARED_SOURCES", "data_source",

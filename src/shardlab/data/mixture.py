@@ -17,7 +17,7 @@ steps (what the run summary reports) without counting anything.
 
 Within a corpus, its samples are taken in the order of its own step-independent stream: position
 p of corpus j is sample Feistel_{seed, j, p // n_j}(p mod n_j) (the keyed permutation of
-sampler.py, a new one each epoch of that corpus), so a small corpus repeats (a new epoch) while a
+loader.py, a new one each epoch of that corpus), so a small corpus repeats (a new epoch) while a
 large one is still in its first. The G samples of a step are then shuffled by a permutation keyed
 by (seed, step), so each rank's slice holds the corpora in proportion on average. Nothing depends
 on the world size: rank r of N takes the r-th slice of the same G indices, as with
@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardlab.data.sampler import FeistelPermutation
+from shardlab.data.loader import FeistelPermutation
 from shardlab.errors import ConfigError
 
 

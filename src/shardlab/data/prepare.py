@@ -64,6 +64,7 @@ from shardlab.data.shards import (
 from shardlab.data.text import Tokenizer, copy_tokenizer_files
 from shardlab.data.units import plan_units, unit_target, unit_tasks
 from shardlab.data.workers import Workers, doing, init_worker
+from shardlab.version import __version__
 
 DEFAULT_VAL_FRACTION = 0.05  # data.val_fraction's default (config.DataConfig): the two agree
 def _task(job: Job, task: tuple[str, Any]) -> tuple[str, Any]:
@@ -290,9 +291,7 @@ def _collect(job: Job, tok: Tokenizer, tasks: Iterator[tuple[str, Any]], total: 
     if splits["train"]["tokens"] == 0:
         raise DataError("the inputs hold no text (an empty corpus)" if c.counts["documents"] == 0 else
                         "every document went to the validation split; lower --val-fraction or give more documents")
-    import shardlab
-
-    return {"format": FORMAT, "version": FORMAT_VERSION, "shardlab_version": shardlab.__version__,
+    return {"format": FORMAT, "version": FORMAT_VERSION, "shardlab_version": __version__,
             "tokenizer": tok.identity(), "dtype": np.dtype(job.dtype).name, "byte_order": "little",
             "counts": c.counts, "splits": splits, "input_sha256": [c.hashes[i] for i in range(len(c.hashes))]}
 

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from shardlab.data.datasets import Datasets
-from shardlab.data.sampler import require_one_global_batch
+from shardlab.data.loader import require_one_global_batch
 from shardlab.data.sft_examples import SFTDataError, builtin_examples, read_with_hash
 from shardlab.data.source import DataSource
 from shardlab.errors import ConfigError

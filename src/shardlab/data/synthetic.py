@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from shardlab.data.datasets import Datasets
-from shardlab.data.sampler import require_one_global_batch
+from shardlab.data.loader import require_one_global_batch
 from shardlab.data.source import DataSource
 from shardlab.models import model_spec
 

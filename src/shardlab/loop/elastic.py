@@ -1,6 +1,6 @@
 """Elastic training (docs/elastic.md): the node range of `--nnodes MIN:MAX`, checked at every
 world size before any worker starts, and the membership line of a group that lost or gained a
-node. The batch layout at the new world size is data/layout.py's rule.
+node. The batch layout at the new world size is data/loader.py's rule.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardlab.atomic import read_json
-from shardlab.data.layout import Layout
+from shardlab.data.loader import Layout
 from shardlab.errors import ConfigError
 
 # [Note: the last call]
@@ -58,7 +58,7 @@ def parse_nnodes(text: str) -> tuple[int, int]:
 
 
 def check_node_range(check: Callable[[int], None], nproc: int, lo: int, hi: int) -> None:
-    """Run `check(world size)` (config.validate_for_world: the layout rule, data/layout.py, among its checks) at
+    """Run `check(world size)` (config.validate_for_world: the layout rule, data/loader.py, among its checks) at
     every world size an elastic launch of `nproc` workers per node may reach, before any worker
     starts; a ConfigError names the first node count that fails."""
     for nodes in range(lo, hi + 1):

@@ -11,8 +11,7 @@ from torch import nn
 from shardlab.config import TrainConfig
 from shardlab.data import collate
 from shardlab.engines import collectives
-from shardlab.loop.amp import autocast
-from shardlab.loop.loss import count_targets
+from shardlab.loop.loss import autocast, count_targets
 from shardlab.loop.runtime import Runtime
 
 

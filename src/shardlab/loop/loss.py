@@ -1,5 +1,6 @@
-"""Token-weighted loss: the loss of a step is the mean over every target token of its global
-batch, whatever the world size, the micro batch size and the engine.
+"""The loss of a step and the precision it is computed in. The loss is token-weighted: the mean
+over every target token of its global batch, whatever the world size, the micro batch size and
+the engine. The precision is train.precision's: autocast, and for fp16 a loss scaler.
 
 [Note: token-weighted loss]
 A model's forward returns the mean loss over its micro batch's targets (the targets that are
@@ -29,10 +30,30 @@ as `loss * numerator / denominator`, so that case still computes `loss / k`, bit
 A micro batch with no target at all (only hand-made data has one: SFT preparation drops rows
 without a target) has a NaN mean; it contributes zero loss and zero gradient, and still runs its
 backward, since the engines communicate in backward.
+
+Mixed precision: the autocast context and the fp16 loss scaler. bf16 has fp32's exponent range,
+so it needs no scaling. fp16 has 5 exponent bits: gradients below ~6e-8 flush to zero and the
+update silently vanishes (the common case for a language model's small gradients). A dynamic
+loss scaler multiplies the loss by S (default 2**16) before backward, divides the gradients by S
+after it, and skips the step when a gradient overflowed, halving S; after `growth_interval` good
+steps in a row it doubles S again.
+
+[Note: one verdict for all ranks]
+With sharded gradients (fsdp, zero3, torch-fsdp) each rank sees only its own slice, so one
+rank may see an inf that the others do not. If ranks disagreed, some would step and some
+would not, and the replicas would drift apart for ever. torch's `ShardedGradScaler` sums
+the found-inf flag over the process group (one tiny all-reduce) before deciding; we use it
+for every distributed engine, replicated ones included (there it costs one scalar). A rank that
+holds no trainable gradient (a zero3 rank owning only frozen tensors) takes part too: torch's
+`ShardedGradScaler._unscale_grads_` creates a zero flag on the scale's device when a rank has
+no gradient (read in torch 2.13's source; the same code is in releases since at least 2.3, and
+shardlab requires >= 2.6), so such a rank joins the all-reduce instead of leaving the others
+waiting. tests/test_amp.py runs that case (zero3, one rank owning only frozen weights).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -83,3 +104,28 @@ def mean_over_ranks(value: torch.Tensor, world_size: int, distributed: bool) -> 
         collectives.all_reduce(value)  # through collectives: in the hang doctor's record
         value = value / world_size
     return value
+
+
+# -- the precision: autocast and the fp16 loss scaler ------------------------------------------------
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """train.precision as a context: fp32 runs as written, bf16/fp16 under torch.autocast."""
+    if precision in AUTOCAST_DTYPES:
+        return torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision])
+    return contextlib.nullcontext()
+
+
+def make_loss_scaler(fp16: bool, device: torch.device, distributed: bool, *, init_scale: float,
+                     growth_interval: int) -> torch.amp.GradScaler | None:
+    """The scaler for an fp16 run (None otherwise): agreeing across ranks when distributed."""
+    if not fp16:
+        return None
+    if distributed:
+        # deferred: torch.distributed.fsdp (and DTensor under it) costs a worker ~0.5 CPU-s to
+        # import, and only a distributed fp16 run needs it
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device=device.type, init_scale=init_scale, growth_interval=growth_interval)
+    return torch.amp.GradScaler(device.type, init_scale=init_scale, growth_interval=growth_interval)

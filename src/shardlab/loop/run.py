@@ -1,8 +1,31 @@
 """What one worker trains with, built once (`build_run`) and then driven step by step by the loop
 (train.py): the model behind its engine, the optimizer, the LR schedule, the loss scaler, the data
 and its step-indexed sampler, the checkpoint manager and the state a resume restores (`Run`,
-`TrainState`); where the run lives (`run_dir`, `default_run_name`), what it writes and says before
-its first step (`write_start`, `announce`), and the runtime a worker starts it in.
+`TrainState`); its saves and what each one costs (`CheckpointCost`); where the run lives
+(`run_dir`, `default_run_name`), what it writes and says before its first step (`write_start`),
+and the runtime a worker starts it in.
+
+What each checkpoint costs, on the record: when a save is due, how long training was held up by
+it, how long the write took, how many bytes at what speed. One line per save (rank 0), once the
+checkpoint is committed:
+  shardlab: checkpoint step 8: 12.3 MiB, training held up 0.04 s, written in 0.31 s (0.04 GB/s)
+and the same figures in metrics.json (`checkpoint_saves`, `checkpoint_blocking_s`,
+`checkpoint_write_s`) with totals and their share of the wall clock in the run's summary.
+
+[Note: held up versus written]
+"Held up" is the time the training loop spent inside the save call on rank 0: for a
+synchronous save the whole save (DCP's write, hashing, commit); for `checkpoint.async=true`
+only the copy of the state (staging) and DCP's planning, the write and commit running in the
+background. "Written" is from the call to the commit (the manifest's save_seconds, measured
+by the checkpoint manager), so for an async save it includes the steps that trained meanwhile.
+Bytes are the committed files' sizes as the manifest lists them; GB/s is bytes / written.
+Rank 0's clock stands for all: the ranks leave a save together (its last act is a collective
+agreement), so their held-up times differ by scheduling noise only.
+
+`checkpoint.every_seconds` saves when that many seconds passed since the last save (or the
+start), besides `every_steps`. Clocks differ per rank and every rank must save together, so
+rank 0's clock decides and one tiny broadcast per step carries its answer (only when
+every_seconds is set).
 """
 
 from __future__ import annotations
@@ -14,6 +37,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,15 +58,13 @@ from shardlab.config import (
     validate_for_world,
 )
 from shardlab.data import GlobalBatchSampler, build_datasets, make_sampler
-from shardlab.data.layout import Layout, layout_for
-from shardlab.data.loader import StepBatches
+from shardlab.data.loader import Layout, StepBatches, layout_for
 from shardlab.data.text import copy_tokenizer_files
 from shardlab.doctor import worker as doctor
 from shardlab.engines import Engine, engine_class, engine_of
 from shardlab.loop import elastic
-from shardlab.loop.amp import make_loss_scaler
-from shardlab.loop.checkpoint_cost import CheckpointCost
 from shardlab.loop.evaluate import Evaluation, evaluate_sources
+from shardlab.loop.loss import make_loss_scaler
 from shardlab.loop.runtime import Runtime, all_gather_object, hostname, init_runtime, seed_everything
 from shardlab.loop.schedule import make_optimizer, make_schedule, schedule_note
 from shardlab.models import build_model, count_parameters
@@ -96,8 +118,8 @@ class Run:
     num_trainable: int                # parameters with requires_grad (LoRA: the adapters)
     resumed_from: str | None = None   # the checkpoint this run resumed from
     batches: StepBatches | None = None  # this rank's micro batches, step by step (data/loader.py)
-    cost: CheckpointCost | None = None  # when saves are due and what each cost (loop/checkpoint_cost.py)
-    layout: Layout | None = None      # micro batch and accumulation at this world size (data/layout.py)
+    cost: CheckpointCost | None = None  # when saves are due and what each cost (`CheckpointCost`, below)
+    layout: Layout | None = None      # micro batch and accumulation at this world size (data/loader.py)
     change: elastic.Change | None = None  # an elastic group's change since the last start (its line: StepLogger)
     finished: Finished | None = None  # the run had reached its last step: its metrics.json, kept as it is
 
@@ -113,7 +135,7 @@ class Run:
 
     def save_if_due(self, final: bool = False) -> None:
         """The checkpoint due at this step (checkpoint.every_steps, every_seconds), or with final the
-        last one; each save timed and its line printed once committed (loop/checkpoint_cost.py)."""
+        last one; each save timed and its line printed once committed (`CheckpointCost`, below)."""
         if self.manager is None:
             return
         with self._saving() as m:
@@ -159,6 +181,75 @@ class Run:
             export_at_end(self)
 
 
+# -- what each save costs --------------------------------------------------------------------------
+class CheckpointCost:
+    """Decides when `every_seconds` makes a save due (`every_steps` is the manager's rule) and records what each save cost."""
+
+    def __init__(self, root: str, rt: Any, every_seconds: float | None = None):
+        self.root, self.rt, self.every_seconds = root, rt, every_seconds
+        self.last_time = time.monotonic()
+        self.saves: list[dict[str, Any]] = []        # committed saves, as metrics.json lists them
+        self._held: dict[int, float] = {}           # step -> seconds held up, until its commit is seen
+
+    def seconds_due(self) -> bool:
+        """checkpoint.every_seconds passed since the last save (or the start), by rank 0's clock. Every
+        rank calls it at the same step boundaries (a collective when every_seconds is set)."""
+        if not self.every_seconds:
+            return False
+        flag = torch.tensor([float(time.monotonic() - self.last_time >= self.every_seconds)])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(flag, 0)  # rank 0's clock decides (see the module's docstring)
+        return bool(flag.item())
+
+    def timed(self, step: int, save) -> Any:
+        """Run `save()` (the manager's), recording how long it held training up."""
+        t0 = time.perf_counter()
+        out = save()
+        self._held[step] = time.perf_counter() - t0
+        self.last_time = time.monotonic()
+        self.report()
+        return out
+
+    def report(self) -> None:
+        """Rank 0: a line and a record for each save committed since the last call (an async one
+        commits in the background: it shows at a later step boundary or at the end)."""
+        from shardlab.checkpoint.format import (  # deferred: shardlab.checkpoint imports torch.distributed.checkpoint
+            MANIFEST,
+            step_dir_name,
+        )
+
+        for step in sorted(self._held):
+            path = os.path.join(self.root, step_dir_name(step), MANIFEST)
+            if not os.path.exists(path):
+                continue
+            held = self._held.pop(step)
+            if not self.rt.is_main:
+                continue
+            with open(path) as f:
+                manifest = json.load(f)
+            size = sum(manifest.get("files", {}).values())
+            write = float(manifest.get("save_seconds") or held)
+            record = {"step": step, "bytes": size, "blocking_s": held, "write_s": write,
+                      "gb_s": size / write / 1e9 if write > 0 else None}
+            self.saves.append(record)
+            print(save_line(record), flush=True)
+
+    def summary(self, wall_s: float) -> dict[str, Any]:
+        """metrics.json's checkpoint figures (rank 0's)."""
+        blocking = [s["blocking_s"] for s in self.saves]
+        write = [s["write_s"] for s in self.saves]
+        return {"checkpoint_saves": self.saves, "checkpoint_blocking_s": blocking, "checkpoint_write_s": write,
+                "checkpoint_blocking_total_s": sum(blocking), "checkpoint_write_total_s": sum(write),
+                "checkpoint_blocking_fraction": sum(blocking) / wall_s if wall_s > 0 else None}
+
+
+def save_line(r: dict[str, Any]) -> str:
+    """A committed save's line (the module's docstring shows one)."""
+    speed = f"{r['gb_s']:.2f} GB/s" if r["gb_s"] is not None else "-"
+    return (f"shardlab: checkpoint step {r['step']}: {r['bytes'] / 2**20:.1f} MiB, training held up "
+            f"{r['blocking_s']:.2f} s, written in {r['write_s']:.2f} s ({speed})")
+
+
 # -- building the run -------------------------------------------------------------------------------
 def build_run(cfg: Config, rt: Runtime, *, data: Any = None,
               adapt_model: Callable[[nn.Module], nn.Module] | None = None) -> Run:
@@ -168,6 +259,13 @@ def build_run(cfg: Config, rt: Runtime, *, data: Any = None,
     validate_for_world(cfg, rt.world_size)
     t, p = cfg.train, cfg.parallel
     data = data if data is not None else build_datasets(cfg)
+    # this rank's batches, step by step (data/loader.py): the sampler, the layout at this world size, the loader
+    sampler = make_sampler(data, t.global_batch_size, cfg.seed, cfg.data.shuffle)
+    layout = layout_for(t.global_batch_size, t.micro_batch_size, rt.world_size)
+    if layout.lowered and rt.is_main:
+        print(layout.note(t.global_batch_size), flush=True)
+    batches = StepBatches(data.train, sampler, rt.rank, rt.world_size, layout.micro, t.steps, rt.device,
+                          cfg.data.num_workers)
     # Sharded engines materialize only their shard from the meta device; the others materialize whole.
     model = build_model(cfg.model, seed=cfg.seed, vocab_size=data.vocab_size, device="meta", loss=t.loss)
     if cfg.model.sync_batchnorm and engine_class(p.strategy).distributed:
@@ -196,12 +294,6 @@ def build_run(cfg: Config, rt: Runtime, *, data: Any = None,
     if scaler is not None and state.loss_scaler is not None:
         scaler.load_state_dict(state.loss_scaler)
     _check_same_corpus(state, data.manifest_sha256, manager)
-    sampler = make_sampler(data, t.global_batch_size, cfg.seed, cfg.data.shuffle)
-    layout = layout_for(t.global_batch_size, t.micro_batch_size, rt.world_size)  # data/layout.py: any world size
-    if layout.lowered and rt.is_main:
-        print(layout.note(t.global_batch_size), flush=True)
-    batches = StepBatches(data.train, sampler, rt.rank, rt.world_size, layout.micro, t.steps, rt.device,
-                          cfg.data.num_workers)
     return Run(cfg, rt, out_dir, data, model, engine, opt, sched, scaler, sampler, manager, state,
                layout.accumulation, n_params, n_trainable, resumed_from, batches, cost, layout)
 
@@ -250,20 +342,20 @@ def start_run(cfg: Config, rt: Runtime) -> Run:
                      strategy=cfg.parallel.strategy, timeout_s=cfg.parallel.timeout_s)
     run = build_run(cfg, rt)
     doctor.run_built(run.engine)  # phase "loop" from here
-    run.finished = finished_record(run)
+    at_end = run.state.step >= cfg.train.steps  # the same on every rank: one checkpoint
+    metrics = read_json(os.path.join(run.out_dir, "metrics.json")) if at_end and rt.is_main else None
+    run.finished = finished_record(run, metrics) if at_end else None
     if run.finished is None:  # a finished run's run_args.json and elastic members stay as they were
         write_start(run)
     return run
 
 
-def finished_record(run: Run) -> Finished | None:
+def finished_record(run: Run, metrics: Any) -> Finished | None:
     """The run's metrics.json when this group resumed at (or past) train.steps and that file
     records the step: nothing to train, nothing to rewrite ([Note: records stay true] in
-    run_summary.py). Rank 0 reads it; every rank returns rank 0's answer."""
-    if run.state.step < run.cfg.train.steps:  # the same on every rank: one checkpoint
-        return None
-    mine = read_json(os.path.join(run.out_dir, "metrics.json")) if run.rt.is_main else None
-    mine = mine if isinstance(mine, dict) and mine.get("steps") == run.state.step else None
+    run_summary.py). `metrics`: the file as rank 0 read it (None on the other ranks); every rank
+    returns rank 0's answer."""
+    mine = metrics if isinstance(metrics, dict) and metrics.get("steps") == run.state.step else None
     found = all_gather_object(mine, run.rt)[0]
     return Finished(found) if found is not None else None
 

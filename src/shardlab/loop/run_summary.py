@@ -134,7 +134,7 @@ def _gathered(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
 def _optional(run: Any, steps_run: int, wall: float) -> dict[str, Any]:
     """The keys only some runs have: checkpoint costs, the fp16 loss scale, a mixture's corpora."""
     out: dict[str, Any] = {}
-    if run.cost is not None:  # every checkpoint's cost, rank 0's record (loop/checkpoint_cost.py)
+    if run.cost is not None:  # every checkpoint's cost, rank 0's record (loop/run.py's `CheckpointCost`)
         out.update(run.cost.summary(wall))
     if run.scaler is not None:
         out["loss_scale"] = run.scaler.get_scale()

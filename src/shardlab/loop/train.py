@@ -28,12 +28,10 @@ from shardlab.config import Config
 from shardlab.doctor import RECORDER
 from shardlab.doctor import worker as doctor
 from shardlab.loop import elastic
-from shardlab.loop.amp import autocast
-from shardlab.loop.loss import mean_over_ranks, token_weights
+from shardlab.loop.loss import autocast, mean_over_ranks, token_weights
 from shardlab.loop.measurements import RunMeasurements, quiet_library_bars
 from shardlab.loop.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionGuard
 from shardlab.loop.run import Finished, Run, default_run_name, run_dir, start_run, start_runtime
-from shardlab.loop.run_contract import finished_line
 from shardlab.loop.run_summary import print_summary
 from shardlab.loop.runtime import Runtime, shutdown
 
@@ -81,7 +79,7 @@ def train_step(run: Run, tracker: memory.LiveMemoryTracker | None = None,
         skipped = False
         if scaler is not None:
             scale = scaler.get_scale()
-            scaler.step(opt)      # skipped when any rank found an inf/nan (one verdict: shardlab.loop.amp)
+            scaler.step(opt)      # skipped when any rank found an inf/nan ([Note: one verdict for all ranks] in loss.py)
             scaler.update()
             skipped = scaler.get_scale() < scale
         else:
@@ -104,6 +102,10 @@ def _train(cfg: Config, rt: Runtime, guard: PreemptionGuard) -> dict[str, Any]:
     run = start_run(cfg, rt)
     if run.finished is not None:  # it had reached its last step: nothing trained, nothing rewritten
         if rt.is_main:  # under shardlab's launcher the parent said it before any worker started (run_contract.py)
+            # deferred: run_contract.py imports shardlab.checkpoint, and with it torch.distributed.checkpoint
+            # (DTensor, FSDP: ~0.5 CPU-s), which a worker that saves nothing never needs
+            from shardlab.loop.run_contract import finished_line
+
             print(finished_line(run.out_dir, run.state.step, cfg.train.steps, launcher=False), flush=True)
         return run.finished
     measure.watch(run, cfg.train, cfg.output)

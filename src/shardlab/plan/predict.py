@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardlab.config import Config, ConfigError, ParallelConfig, strategies_taking, validate_for_world
-from shardlab.data.layout import layout_for
+from shardlab.data.loader import layout_for
 from shardlab.engines import STRATEGIES, engine_class
 from shardlab.memory import PARTS
 from shardlab.plan import probe as P
@@ -87,7 +87,7 @@ SHARDED_ACCUMULATION = "parallel.accumulate=sharded"
 
 
 def laid_out(cfg: Config, nproc: int) -> Config:
-    """The config as it trains at `nproc` ranks: where the layout rule (data/layout.py) lowers the
+    """The config as it trains at `nproc` ranks: where the layout rule (data/loader.py) lowers the
     micro batch, a copy with the lowered one, so that plan probes, counts and times the micro batch
     and accumulation the run will have. ConfigError where no layout exists at `nproc`."""
     t = cfg.train

@@ -244,7 +244,7 @@ def _probe_once(cfg: Config, rt, fake: bool) -> dict:
 
 
 def _forward_peak(run, rt, fake: bool) -> dict:
-    from shardlab.loop.amp import autocast  # deferred: torch.distributed.fsdp costs 0.7 s to import
+    from shardlab.loop.loss import autocast  # deferred: only this forward needs the loop's precision
 
     t = run.cfg.train
     with unset_fake_temporarily():

@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from shardlab.config import Config, ConfigError, load_config
-from shardlab.data.layout import layout_for
+from shardlab.data.loader import layout_for
 from shardlab.engines import STRATEGIES, engine_class
 from shardlab.plan.allocator import reserved
 from shardlab.plan.catalogue import GPU, GPUS, INTERCONNECTS, default_link, usable_bytes

@@ -79,7 +79,7 @@ def compute_dtype(plan, initial_state: dict) -> torch.dtype:
     """The least precise dtype the step computes in: the parameters', the engine's mixed precision,
     autocast's (in float64 runs autocast leaves float64 alone and mixed precision runs as fp64)."""
     from shardlab.engines.api import DTYPES
-    from shardlab.loop.amp import AUTOCAST_DTYPES
+    from shardlab.loop.loss import AUTOCAST_DTYPES
 
     dtypes = [v.dtype for v in initial_state.values() if v.is_floating_point()]
     if plan.dtype != "float64":
