@@ -41,6 +41,14 @@ def slurm(tmp_path_factory):
         subprocess.run(["bash", str(CLUSTER), "down", str(state)], timeout=60)
 
 
+def _render(*args: object) -> None:
+    """`shardlab render slurm ARGS...`, in this process (rendering starts nothing): what these tests
+    run on the real Slurm is the job it writes; the command itself is tests/test_deploy_render.py's."""
+    from shardlab import cli
+
+    assert cli.main(["render", "slurm", *map(str, args)]) == 0
+
+
 def job_state(env: dict, job_id: str) -> str:
     out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, env=env, timeout=30).stdout
     for field in out.split():
@@ -52,15 +60,12 @@ def job_state(env: dict, job_id: str) -> str:
 def test_rendered_sbatch_runs_two_agents(slurm, tmp_path):
     out = tmp_path / "deploy"
     runs = tmp_path / "runs"
-    render = subprocess.run(
-        [sys.executable, "-m", "shardlab", "render", "slurm", str(ROOT / "configs" / "gpt-tiny.yaml"),
-         "model.preset=gpt-nano", "data.seq_len=32", "train.steps=4", "output.progress=false",
-         f"output.dir={runs}", "output.run_name=slurm-run",
-         "--nodes", "2", "--min-nodes", "1", "--gpus-per-node", "0", "--cpus-per-task", "1", "--max-restarts", "1",
-         "--python", sys.executable, "--socket-ifname", "lo", "--rdzv-port", "29631",
-         "--time", "00:05:00", "--out", str(out)],
-        capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert render.returncode == 0, render.stderr
+    _render(str(ROOT / "configs" / "gpt-tiny.yaml"),
+            "model.preset=gpt-nano", "data.seq_len=32", "train.steps=4", "output.progress=false",
+            f"output.dir={runs}", "output.run_name=slurm-run",
+            "--nodes", "2", "--min-nodes", "1", "--gpus-per-node", "0", "--cpus-per-task", "1", "--max-restarts", "1",
+            "--python", sys.executable, "--socket-ifname", "lo", "--rdzv-port", "29631",
+            "--time", "00:05:00", "--out", str(out))
     sbatch = (out / "shardlab.sbatch").read_text()
     assert "#SBATCH --no-kill" in sbatch and 'srun --no-kill' in sbatch and '--nnodes="1:$NUM_AGENTS"' in sbatch
     job_id = _submit(out, slurm)   # one host plays both nodes: 2 tasks, one torchrun agent each (1 worker)
@@ -88,7 +93,7 @@ def _wait_state(env: dict, job_id: str, done, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     state = job_state(env, job_id)
     while time.monotonic() < deadline and not done(state):
-        time.sleep(0.5)
+        time.sleep(1)   # each look is an scontrol process and an RPC to slurmctld
         state = job_state(env, job_id)
     return state
 
@@ -119,14 +124,11 @@ def test_preempted_job_saves_requeues_resumes(slurm, tmp_path):
     common = ["model.preset=gpt-nano", "data.source=synthetic", "data.seq_len=32", "data.synthetic_samples=512",
               "train.steps=60", "train.global_batch_size=8", "train.micro_batch_size=2", "train.eval_batches=1",
               "checkpoint.every_steps=5", "output.progress=false", "output.tensorboard=false", f"output.dir={runs}"]
-    render = subprocess.run(
-        [sys.executable, "-m", "shardlab", "render", "slurm", str(ROOT / "configs" / "gpt-tiny.yaml"), *common,
-         "output.run_name=preempted", "preemption.grace_s=60",
-         "--nodes", "2", "--gpus-per-node", "0", "--cpus-per-task", "1", "--max-restarts", "1",
-         "--python", sys.executable, "--socket-ifname", "lo", "--rdzv-port", "29632",
-         "--time", "00:10:00", "--out", str(out)],
-        capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert render.returncode == 0, render.stderr
+    _render(str(ROOT / "configs" / "gpt-tiny.yaml"), *common,
+            "output.run_name=preempted", "preemption.grace_s=60",
+            "--nodes", "2", "--gpus-per-node", "0", "--cpus-per-task", "1", "--max-restarts", "1",
+            "--python", sys.executable, "--socket-ifname", "lo", "--rdzv-port", "29632",
+            "--time", "00:10:00", "--out", str(out))
     assert "#SBATCH --signal=B:USR1@60" in (out / "shardlab.sbatch").read_text()
     # the uninterrupted reference: the same config at the same world size (fsdp is exact across
     # world sizes only up to reordering), beside the Slurm job
@@ -213,17 +215,14 @@ def test_elastic_job_loses_an_agent_and_finishes(slurm, tmp_path):
     trains every step; srun then reports the lost task's status, and the script's outcome check makes the
     job COMPLETED because the run finished."""
     out, runs, port = tmp_path / "deploy", tmp_path / "runs", 29633
-    render = subprocess.run(
-        [sys.executable, "-m", "shardlab", "render", "slurm", str(ROOT / "configs" / "gpt-tiny.yaml"),
-         "model.preset=gpt-nano", "data.source=synthetic", "data.seq_len=32", "train.steps=60",
-         "train.global_batch_size=4", "train.micro_batch_size=2", "checkpoint.every_steps=2",
-         "parallel.strategy=ddp", "parallel.timeout_s=60", "output.progress=false", "output.tensorboard=false",
-         f"output.dir={runs}", "output.run_name=elastic", "preemption.enabled=false",
-         "--nodes", "2", "--min-nodes", "1", "--gpus-per-node", "0", "--cpus-per-task", "1", "--max-restarts", "1",
-         "--python", sys.executable, "--socket-ifname", "lo", "--rdzv-port", str(port),
-         "--time", "00:05:00", "--out", str(out)],
-        capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert render.returncode == 0, render.stderr
+    _render(str(ROOT / "configs" / "gpt-tiny.yaml"),
+            "model.preset=gpt-nano", "data.source=synthetic", "data.seq_len=32", "train.steps=60",
+            "train.global_batch_size=4", "train.micro_batch_size=2", "checkpoint.every_steps=2",
+            "parallel.strategy=ddp", "parallel.timeout_s=60", "output.progress=false", "output.tensorboard=false",
+            f"output.dir={runs}", "output.run_name=elastic", "preemption.enabled=false",
+            "--nodes", "2", "--min-nodes", "1", "--gpus-per-node", "0", "--cpus-per-task", "1", "--max-restarts", "1",
+            "--python", sys.executable, "--socket-ifname", "lo", "--rdzv-port", str(port),
+            "--time", "00:05:00", "--out", str(out))
     # [Note: the last call] in loop/elastic.py: the lost agent dropped after 3 x 1 s, not 3 x 5 s
     job_id = _submit(out, {**slurm, "SHARDLAB_LAST_CALL_S": "2", "SHARDLAB_KEEP_ALIVE_S": "1"})
     try:
