@@ -344,11 +344,18 @@ def launched(tmp_path_factory, monkeypatch_module):
             "trackers": trackers}
 
 
+_REPORTS: dict[Path, str] = {}
+
+
 def _report(run_dir: Path) -> str:
+    """`shardlab report RUN_DIR`'s page, drawn once per run for the module: several tests read the
+    same run's report, and each drawing is seconds of matplotlib."""
     from shardlab.cli import main
 
-    assert main(["report", str(run_dir)]) == 0
-    return (run_dir / "report.html").read_text()
+    if run_dir not in _REPORTS:
+        assert main(["report", str(run_dir)]) == 0
+        _REPORTS[run_dir] = (run_dir / "report.html").read_text()
+    return _REPORTS[run_dir]
 
 
 def test_report_of_a_run_shows_its_attempt(launched):
