@@ -85,3 +85,21 @@ def test_the_census_sees_each_kind_of_operation():
     machine = cpu_machine(1)
     parts = operation_seconds(census.census, machine)
     assert all(v >= 0 for v in parts.values()) and parts["matmul"] > 0 and parts["host"] > 0
+    # a memory-bound kernel is recorded with its arguments, and --gpu cpu replays it at them (a CPU's
+    # GELU or layer norm is bound by arithmetic, not bytes): its rate is measured, in bytes/s
+    lookup = next(key for key, _ in lookups)
+    assert lookup[1] == "aten.embedding.default" and lookup[3][0][0] == ("T", (1000, 16), "fp32")
+    assert machine.rate(*lookup[:4], lookup[5]) > 0
+
+
+def test_cpu_host_work_is_measured_on_the_engines_own_step():
+    """--gpu cpu's host part (plan/cpu.py, [Note: the host's work, measured]): the engine's own step at a
+    negligible width on a fake group of the real world size, in CPU seconds; a model it cannot narrow
+    falls back to one operator's dispatch per operator (None)."""
+    from shardlab.plan.cpu import _HostSteps
+
+    cfg = load_config("configs/gpt-tiny.yaml", ["model.preset=gpt-nano", "data.seq_len=32"])
+    host = _HostSteps(2)
+    assert 0 < host(cfg, "fsdp") < 5.0 and host.cache == {"fsdp": host(cfg, "fsdp")}
+    cfg.model.name = "resnet"
+    assert host(cfg, "ddp") is None

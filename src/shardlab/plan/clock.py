@@ -14,12 +14,17 @@ A step's compute is the sum of its operations' times, each by what bounds it:
   kernel PyTorch's SDPA runs in bf16/fp16, reaches 50-73 % of an A100's peak (Dao, "FlashAttention-2",
   arXiv:2307.08691) and about 35 % of an H100's (Shah et al., "FlashAttention-3", arXiv:2407.08608);
 - everything else that moves data (elementwise, norms, softmax, casts, the optimizer's foreach
-  kernels): its bytes at the memory bandwidth;
+  kernels): its bytes at the memory bandwidth (on a CPU, where GELU, layer norm or a division are
+  bound by arithmetic more than by bytes, each kernel is replayed at its arguments and timed);
 - every dispatched operator, views included, costs the host `host_op_s` (eager PyTorch launches
   one kernel per operator): a GPU's kernels run behind the host, so the compute is the larger of the
   device's sum and the host's, which is what makes a tiny model on a big GPU host-bound.
 On this machine (`--gpu cpu`, plan/cpu.py) every figure is measured here instead: each matmul shape of
-the step timed as it is, attention timed at its shape, bandwidth and the per-operator cost measured.
+the step timed as it is, attention timed at its shape, bandwidth measured, and the host's whole work
+(every operator's dispatch and the Python between them: the modules, the engine's hooks and per-parameter
+bookkeeping, each collective's launch, the optimizer's per-tensor loop, autograd's graph) measured on the
+engine's own step at a negligible width ([Note: the host's work, measured] in plan/cpu.py), where a
+count of operators at one operator's cost would miss the Python the sharded engines run between them.
 Communication is the link model over the engine's collectives (plan/traffic.py). On a GPU the
 collectives run beside compute on their own stream, except the first gather of a step (nothing to
 compute before it) and the last reduce (nothing left to compute after it): step = exposed + max(compute,
@@ -53,8 +58,9 @@ ATTENTION_SOURCE = {"A100-40": "FlashAttention-2 paper (arXiv:2307.08691): 50-73
 class Machine:
     """What the clock knows of one rank's device: the matmul ceiling per dtype, memory bandwidth, the
     host's cost per operator, how attention runs; `sources` says where each came from, `assumed` which
-    of them nobody measured. `rate`: (kind, op, dtype, shape, flops) -> FLOP/s measured for that operation
-    (this machine), else None (a GPU: ceilings and roofline)."""
+    of them nobody measured. `rate`: (kind, op, dtype, shape, work) -> work per second measured for that
+    operation (this machine): FLOP/s for matmul and attention (work: its FLOPs), bytes/s for the others
+    (work: its bytes); None: not measured (a GPU: ceilings and roofline)."""
     name: str
     ceilings: dict[str, float]
     memory_bandwidth: float
@@ -65,6 +71,8 @@ class Machine:
     assumed: set[str] = field(default_factory=set)
     rate: Callable[..., float | None] | None = None
     slowdown: float = 1.0                # more ranks than cores (a CPU): each takes ranks / cores as long
+    #: (config, engine) -> seconds of the host's work per step, measured (this machine), else None
+    host_step: Callable[..., float | None] | None = None
 
     def ceiling(self, dtype: str) -> float:
         return self.ceilings.get(dtype) or self.ceilings["fp32"]
@@ -100,9 +108,10 @@ def gpu_machine(gpu: GPU) -> Machine:
     return Machine(gpu.name, ceilings, gpu.memory_bandwidth, GPU_HOST_OP_S, of_ceiling, True, sources, assumed)
 
 
-def operation_seconds(census: Census, m: Machine) -> dict[str, float]:
+def operation_seconds(census: Census, m: Machine, cfg=None, engine: str | None = None) -> dict[str, float]:
     """Seconds of one rank's step by kind of operation: matmul, attention, memory, optimizer (device
-    time) and host (dispatch), before the host and device are overlapped (`compute_seconds`)."""
+    time) and host (dispatch, and on a machine that measures it the Python between operators: `cfg` and
+    `engine` say whose step), before the host and device are overlapped (`compute_seconds`)."""
     out = dict.fromkeys(("matmul", "attention", "memory", "optimizer", "host"), 0.0)
     for (kind, op, dtype, shape, flops, moved), calls in census.items():
         out["host"] += calls * m.host_op_s * m.slowdown
@@ -116,9 +125,13 @@ def operation_seconds(census: Census, m: Machine) -> dict[str, float]:
             else:
                 ceiling = m.ceiling(dtype) * (m.attention_share if kind == "attention" else 1.0)
                 seconds = max(flops / ceiling, by_bytes)
-        else:
-            seconds = by_bytes
+        else:  # bytes/s this kernel reaches where the machine replays it (a CPU), else the bandwidth
+            measured = m.rate(kind, op, dtype, shape, moved) if m.rate and shape and moved else None
+            seconds = moved / measured if measured else by_bytes
         out[kind] += calls * seconds * m.slowdown
+    measured = m.host_step(cfg, engine) if m.host_step and cfg is not None and engine else None
+    if measured is not None:
+        out["host"] = measured * m.slowdown
     return out
 
 

@@ -5,14 +5,17 @@ dispatching one operator, and the loopback link (`INTERCONNECTS["loopback"]`, fi
 (OMP_NUM_THREADS where set, else cores // ranks, at least 1: loop/launcher.py); more ranks than cores
 share them.
 
-Measured when plan runs (a second or two for a small model), on whatever else the cores are doing: each
-figure is a mean over many calls, so a busy machine plans a slower step, as it would run one.
+Measured when plan runs (a second or two for a small model): each figure is a mean over many calls, in
+the thread's CPU time where a rank runs one thread, so that plan predicts the step of an idle machine
+however busy it is when plan runs (a busy machine's run is slower by its share of the cores).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import statistics
+import tempfile
 import time
 
 import torch
@@ -27,6 +30,9 @@ from shardlab.plan.clock import Machine
 MEASURE_S = 0.05
 #: An operation of more FLOPs than this is not timed (a large model planned on this CPU): the ceiling prices it.
 LARGEST_TIMED_FLOPS = 2e10
+#: A memory-bound kernel is replayed for this long (there are many), and not beyond this many bytes.
+KERNEL_MEASURE_S = 0.01
+LARGEST_TIMED_BYTES = 2e9
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
 
@@ -48,16 +54,23 @@ def _threads(n: int):
         torch.set_num_threads(before)
 
 
-def _mean_call(fn) -> float:
-    """Seconds per call, the mean over MEASURE_S (at least 3 calls) after a first call that sets up its
-    kernel: a mean, not the best call, so that the share of the cores a busy machine leaves is in it, as it
-    is in the run's own steps."""
+def _clock():
+    """The calling thread's CPU time where it computes alone (one thread: other processes on the cores do
+    not stretch it, so plan predicts the step an idle machine runs: [Note: the host's work, measured]),
+    else wall time (intra-op threads: their CPU time adds up beyond the wall's)."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
+def _mean_call(fn, measure_s: float = MEASURE_S) -> float:
+    """Seconds per call, the mean over `measure_s` (at least 3 calls) after a first call that sets up its
+    kernel (`_clock`'s seconds)."""
     fn()
-    start, calls = time.perf_counter(), 0
-    while calls < 3 or time.perf_counter() - start < MEASURE_S:
+    clock = _clock()
+    start, calls = clock(), 0
+    while calls < 3 or clock() - start < measure_s:
         fn()
         calls += 1
-    return (time.perf_counter() - start) / calls
+    return (clock() - start) / calls
 
 
 def _bandwidth() -> float:
@@ -70,6 +83,18 @@ def _host_op_seconds() -> float:
     """One tiny operator's dispatch: what each operator of a step costs beyond its data."""
     x = torch.ones(1)
     return _mean_call(lambda: [torch.add(x, x) for _ in range(100)]) / 100
+
+
+def _build(spec):
+    """A value of `arg_spec` made real: a tensor of its shape and dtype, the rest as it is."""
+    if isinstance(spec, tuple) and len(spec) == 3 and spec[0] == "T":
+        dtype = _DTYPES.get(spec[2]) or getattr(torch, spec[2])
+        return torch.randn(spec[1], dtype=dtype) if dtype.is_floating_point else torch.zeros(spec[1], dtype=dtype)
+    if isinstance(spec, tuple) and len(spec) == 2 and spec[0] == "D":
+        return _DTYPES.get(spec[1]) or getattr(torch, spec[1])
+    if isinstance(spec, tuple):
+        return [_build(v) for v in spec]
+    return spec
 
 
 class _Rates:
@@ -85,6 +110,8 @@ class _Rates:
         return self.cache[key]
 
     def _measure(self, kind, op, dtype, shape, flops) -> float | None:
+        if kind in ("memory", "optimizer"):
+            return self._kernel(op, shape, flops)
         if dtype is None or not flops or flops > LARGEST_TIMED_FLOPS:
             return None
         t = [torch.randn(s, dtype=dtype) for s in shape]
@@ -97,6 +124,20 @@ class _Rates:
             with _threads(self.threads):
                 return flops / _mean_call(call)
         return self._attention(op, t, flops)
+
+    def _kernel(self, op: str, spec: tuple, moved: float) -> float | None:
+        """Bytes/s of a memory-bound kernel replayed at its arguments (plan/ops.py, `arg_spec`): random
+        floats, zeros for integer tensors (valid indices). None where it cannot be replayed."""
+        if moved > LARGEST_TIMED_BYTES:
+            return None
+        try:
+            namespace, name, overload = op.split(".")
+            func = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+            args, kwargs = _build(spec[0]), {k: _build(v) for k, v in spec[1]}
+            with _threads(self.threads):
+                return moved / _mean_call(lambda: func(*args, **kwargs), KERNEL_MEASURE_S)
+        except Exception:  # an argument the spec cannot rebuild (a value the kernel checks): its bytes price it
+            return None
 
     def _attention(self, op: str, t: list[torch.Tensor], flops: float) -> float | None:
         """The forward's or the backward's rate at this shape (causal, as the models run it)."""
@@ -113,6 +154,83 @@ class _Rates:
         return fwd / forward
 
 
+# [Note: the host's work, measured]
+# On a CPU the host is the device, so everything the host does in a step adds to it: each operator's
+# dispatch, and the Python between operators (the modules' calls, the engine's hooks and per-parameter
+# bookkeeping, each collective's launch, the optimizer's per-tensor loop, autograd building and walking
+# its graph). One operator's dispatch times the number of operators misses most of the second: the
+# sharded engines do 1.4-2.7 times ddp's host work on gpt-tiny (measured so, 2026-11-28) with about as
+# many operators. So `--gpu cpu` measures it on the engine's own step: the config as it is (depth, heads, vocabulary,
+# micro batches, checkpointing, the engine and its options, a fake group of the real world size, as
+# plan's probes run it) at a width of `_HOST_HEAD_DIM` per head and `_HOST_SEQ` tokens, where the
+# arithmetic is negligible and every call the step makes remains, each costing what it costs here. The
+# median step in the thread's CPU time is the host's work; the matmuls, attention and memory-bound
+# kernels of the real width are priced on top of it as before. Collectives return at once on the fake
+# group: the link model prices them. Only GPT models can be narrowed by a key (`model.n_embd`); others
+# fall back to one operator's dispatch per operator.
+_HOST_HEAD_DIM, _HOST_SEQ, _HOST_STEPS = 2, 8, 5
+
+
+class _HostSteps:
+    """(config, engine) -> seconds of the host's work in one step ([Note: the host's work, measured])."""
+
+    def __init__(self, world: int):
+        self.world, self.cache = world, {}
+
+    def __call__(self, cfg, engine: str) -> float | None:
+        if cfg.model.name != "gpt":
+            return None
+        if engine not in self.cache:
+            self.cache[engine] = self._measure(cfg, engine)
+        return self.cache[engine]
+
+    def _narrow(self, cfg, engine: str, tmp: str):
+        from shardlab.config import config_from_dict
+        from shardlab.models.gpt import GPT_PRESETS
+        from shardlab.plan.probe import probe_config
+
+        t = cfg.train
+        accumulation = max(1, t.global_batch_size // (t.micro_batch_size * self.world))
+        raw = probe_config(cfg, None, t.micro_batch_size, _HOST_SEQ, self.world, 3 + _HOST_STEPS, accumulation,
+                           tmp).to_dict()
+        heads = raw["model"].get("n_head") or GPT_PRESETS[raw["model"]["preset"]].n_head
+        raw["model"]["n_embd"] = heads * _HOST_HEAD_DIM
+        raw["parallel"]["strategy"] = engine
+        raw["output"]["dir"] = tmp
+        return config_from_dict(raw)
+
+    def _measure(self, cfg, engine: str) -> float | None:
+        import torch.distributed as dist
+
+        from shardlab.engines import engine_class
+        from shardlab.loop.run import build_run
+        from shardlab.loop.runtime import Runtime
+        from shardlab.loop.train import train_step
+        from shardlab.plan.model import init_fake_group
+
+        if dist.is_initialized():
+            return None
+        fake = engine_class(engine).fake_group_probe
+        with tempfile.TemporaryDirectory(prefix="shardlab-host-") as tmp, _threads(1):
+            if fake:
+                init_fake_group(0, self.world)
+            else:  # PyTorch DDP's hook needs a real group: one rank (its host work does not depend on N)
+                dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", 1), rank=0, world_size=1)
+            try:
+                rt = Runtime(0, 0, self.world if fake else 1, torch.device("cpu"), "fake" if fake else "gloo")
+                run = build_run(self._narrow(cfg, engine, tmp), rt)
+                run.model.train()
+                steps = []
+                for _ in range(3 + _HOST_STEPS):  # the first steps create the optimizer's state
+                    start = time.thread_time()
+                    train_step(run)
+                    run.state.step += 1
+                    steps.append(time.thread_time() - start)
+                return statistics.median(steps[3:])
+            finally:
+                dist.destroy_process_group()
+
+
 def cpu_machine(world: int) -> Machine:
     """This machine for one of `world` ranks (module docstring)."""
     threads = threads_per_rank(world)
@@ -123,11 +241,13 @@ def cpu_machine(world: int) -> Machine:
     sources = {"matmul": f"each shape timed here at {threads} thread(s); others at the measured peak "
                          f"{peak / 1e9:.1f} GFLOP/s ({peak_source})",
                "attention": "each shape timed here (causal SDPA, forward and backward)",
-               "memory": f"measured here: {bandwidth / 1e9:.1f} GB/s (4 MiB float32 add)",
-               "optimizer": f"measured here: {bandwidth / 1e9:.1f} GB/s (4 MiB float32 add)",
-               "host": f"measured here: {host * 1e6:.1f} us per operator"}
+               "memory": f"each kernel replayed here at its arguments; others at {bandwidth / 1e9:.1f} GB/s "
+                         "(4 MiB float32 add)",
+               "optimizer": "each kernel replayed here at its arguments",
+               "host": "the engine's own step measured here at a negligible width (GPT models; others: "
+                       f"{host * 1e6:.1f} us per operator, measured here)"}
     return Machine("cpu", {"fp32": peak}, bandwidth, host, 1.0, False, sources, set(), _Rates(threads),
-                   slowdown=max(1.0, world / cores))
+                   slowdown=max(1.0, world / cores), host_step=_HostSteps(world))
 
 
 def cpu_gpu() -> GPU:

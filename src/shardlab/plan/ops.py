@@ -12,8 +12,10 @@ A record is (kind, op, dtype, shape, FLOPs of one call, bytes one call reads and
 - "view": operators whose outputs alias an input (views, reshapes), return no tensor (prim::device, size
   queries) or allocate without writing (empty): no data moves, a dispatch still costs;
 - collectives (c10d) are not recorded: the link model prices them (plan/traffic.py).
-Memory and optimizer kernels are aggregated by dtype (their time is bytes over bandwidth, so their
-shapes do not matter), matmuls and attention by shape.
+Matmuls and attention are recorded by their operands' shapes; memory and optimizer kernels by their
+operator and arguments (`arg_spec`: each tensor's shape and dtype, the other values as they are), so
+that a machine that times them (`--gpu cpu`: a CPU's GELU or layer norm is bound by arithmetic, not
+by its bytes) can replay each as it ran; a GPU prices them by their bytes.
 """
 
 from __future__ import annotations
@@ -50,6 +52,27 @@ def _is_view(func) -> bool:
     """Every output aliases an input without writing it (a view, a reshape of contiguous memory)."""
     returns = func._schema.returns
     return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def _spec(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), dtype_name(value.dtype))
+    if isinstance(value, (list, tuple)):
+        return tuple(_spec(v) for v in value)
+    if isinstance(value, torch.dtype):
+        return ("D", dtype_name(value))
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(type(value).__name__)
+
+
+def arg_spec(args: tuple, kwargs: dict) -> tuple:
+    """An operator's arguments as hashable data to replay it (plan/cpu.py): () where one cannot be told
+    (a device, a layout, a generator), whose kernel is then priced by its bytes."""
+    try:
+        return (_spec(args), tuple((k, _spec(v)) for k, v in sorted(kwargs.items()) if k != "device"))
+    except TypeError:
+        return ()
 
 
 def kind_of(func) -> str | None:
@@ -109,11 +132,15 @@ class OpCensus(CountFlops):
         else:
             moved = sum(t.numel() * t.element_size() for t in inputs + outputs)
         shape: tuple = ()
+        op = func._overloadpacket.__name__
         if kind in ("matmul", "attention"):  # the operands (a backward's first input is the output's gradient)
             first = 1 if kind == "attention" and func._overloadpacket.__name__.endswith("backward") else 0
             shape = tuple(tuple(t.shape) for t in inputs[first:first + 3])
-        key = (kind, func._overloadpacket.__name__ if kind in ("matmul", "attention") else "",
-               dtype, shape, self.flops - before, moved)
+        elif kind in ("memory", "optimizer"):
+            op, shape = str(func), arg_spec(args, kwargs)
+        else:
+            op = ""
+        key = (kind, op, dtype, shape, self.flops - before, moved)
         self.census[key] = self.census.get(key, 0) + 1
         return out
 

@@ -109,7 +109,7 @@ def step_time(cfg: Config, engine: str, world: int, link: Link, gpu: GPU | None,
     tokens_rank = t.global_batch_size // world * tokens_per_sample
     m = machine or gpu_machine(gpu)
     if census:
-        parts = operation_seconds(census, m)
+        parts = operation_seconds(census, m, cfg, engine)
         flops = sum(f * calls for (_k, _o, _d, _s, f, _b), calls in census.items())
         source = f"the probed step's operations at {m.name}'s rates"
     else:
