@@ -46,6 +46,9 @@ def test_each_kind_of_operation_has_its_own_rate():
     assert parts["memory"] == pytest.approx(3e9 / 3.35e12)
     assert parts["host"] == pytest.approx(1004 * 5e-6)
     assert compute_seconds(parts, h100) == pytest.approx(parts["matmul"] + parts["attention"] + parts["memory"])
+    # torchtitan's H100 (96 GB HBM2e, 2.4 TB/s, 500 W): the same kernels, its own bandwidth
+    grand_teton = operation_seconds({square: 1, attention: 1, add: 1}, gpu_machine(GPUS["H100-96"]))
+    assert grand_teton["memory"] == pytest.approx(3e9 / 2.4e12) and grand_teton["attention"] == parts["attention"]
     # fp32 on an A100 runs on its CUDA cores (19.5), not tf32 or the tensor cores
     a100 = gpu_machine(GPUS["A100-80"])
     fp32 = ("matmul", "mm", "fp32", ((n, n), (n, n)), 2 * n**3, 3 * n * n * 4)

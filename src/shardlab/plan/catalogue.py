@@ -89,6 +89,13 @@ GPUS: dict[str, GPU] = {
                 "989.5 TFLOPS dense (989 kept: 0.05 % apart), bfloat16 supported; NVIDIA H100 SXM data sheet: "
                 "FP32 67, TF32 494.5 dense, 3.35 TB/s",
                 intra_node="nvlink4", achievable_half=(794.5e12, f"{_MAMF}: H100 SXM")),
+    # torchtitan's H100 benchmark card (Meta's Grand Teton): their benchmarks/llama3_h100_202412_torchtitan.md
+    "H100-96": GPU("H100-96", 96 * 10**9, True, {"fp32": 67e12, "tf32": 494.5e12, "fp16": 989e12, "bf16": 989e12},
+                   2.4e12,
+                   "torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton): H100 SXM with 96GB HBM2e "
+                   "'with 2.4 TB/sec peak memory bandwidth', 500W power limit; its peak FLOP/s 'between SXM and NVL' "
+                   "and not known: H100 SXM's kept (an upper bound)",
+                   intra_node="nvlink4", achievable_half=(794.5e12, f"{_MAMF}: H100 SXM (700 W; an upper bound)")),
     "H200": GPU("H200", 141 * 10**9, True, {"fp32": 67e12, "tf32": 494.5e12, "fp16": 989e12, "bf16": 989e12},
                 4.8e12,
                 f"{_GCP_GPUS}: A3 Ultra (H200 SXM) 141 GB HBM3e, NVLink Full Mesh @ 900 GBps, mixed "

@@ -47,10 +47,12 @@ GPU_HOST_OP_S = 5e-6
 #: Attention kernels' share of the dense peak, by GPU generation (bf16/fp16: FlashAttention-2 in SDPA).
 #: A100: the low end of FA-2's 50-73 % (its paper), the backward, 2.5 x the forward's FLOPs, being the
 #: slower; H100/H200: FA-2's ~35 % (the FA-3 paper); T4/L4: no figure found, A100's assumed.
-ATTENTION_SHARE = {"T4": 0.5, "L4": 0.5, "A100-40": 0.5, "A100-80": 0.5, "H100": 0.35, "H200": 0.35}
+ATTENTION_SHARE = {"T4": 0.5, "L4": 0.5, "A100-40": 0.5, "A100-80": 0.5, "H100": 0.35, "H100-96": 0.35,
+                   "H200": 0.35}
 ATTENTION_SOURCE = {"A100-40": "FlashAttention-2 paper (arXiv:2307.08691): 50-73 % of A100's peak",
                     "A100-80": "FlashAttention-2 paper (arXiv:2307.08691): 50-73 % of A100's peak",
                     "H100": "FlashAttention-3 paper (arXiv:2407.08608): FA-2 at ~35 % of H100's peak",
+                    "H100-96": "FlashAttention-3 paper (arXiv:2407.08608): FA-2 at ~35 % of H100's peak",
                     "H200": "FlashAttention-3 paper (arXiv:2407.08608): FA-2 at ~35 % of H100's peak"}
 
 
