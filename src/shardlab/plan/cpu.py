@@ -184,14 +184,14 @@ class _HostSteps:
             self.cache[engine] = self._measure(cfg, engine)
         return self.cache[engine]
 
-    def _narrow(self, cfg, engine: str, tmp: str):
+    def _narrow(self, cfg, engine: str, tmp: str, world: int):
         from shardlab.config import config_from_dict
         from shardlab.models.gpt import GPT_PRESETS
         from shardlab.plan.probe import probe_config
 
         t = cfg.train
         accumulation = max(1, t.global_batch_size // (t.micro_batch_size * self.world))
-        raw = probe_config(cfg, None, t.micro_batch_size, _HOST_SEQ, self.world, 3 + _HOST_STEPS, accumulation,
+        raw = probe_config(cfg, None, t.micro_batch_size, _HOST_SEQ, world, 3 + _HOST_STEPS, accumulation,
                            tmp).to_dict()
         heads = raw["model"].get("n_head") or GPT_PRESETS[raw["model"]["preset"]].n_head
         raw["model"]["n_embd"] = heads * _HOST_HEAD_DIM
@@ -217,8 +217,9 @@ class _HostSteps:
             else:  # PyTorch DDP's hook needs a real group: one rank (its host work does not depend on N)
                 dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store", 1), rank=0, world_size=1)
             try:
-                rt = Runtime(0, 0, self.world if fake else 1, torch.device("cpu"), "fake" if fake else "gloo")
-                run = build_run(self._narrow(cfg, engine, tmp), rt)
+                world = self.world if fake else 1   # the real run's micro batches per rank either way
+                rt = Runtime(0, 0, world, torch.device("cpu"), "fake" if fake else "gloo")
+                run = build_run(self._narrow(cfg, engine, tmp, world), rt)
                 run.model.train()
                 steps = []
                 for _ in range(3 + _HOST_STEPS):  # the first steps create the optimizer's state
