@@ -15,8 +15,8 @@ from shardlab.bench_cells import plan_cells, waited_comm
 from shardlab.bench_table import comm_bus_theory, speed_vs, summarize
 from shardlab.testing import run_workers
 
-# hang guards only, not speed budgets: the six cells of test_bench_runs_any_config_with_axes (each a
-# `shardlab train`) take about a minute idle, 154 s beside two CPU hogs, and went past a 300 s budget
+# hang guards only, not speed budgets: the six cells of config_bench (each a `shardlab train`; each
+# cell's own --timeout, 900 s, guards it) take about a minute idle, 154 s beside two CPU hogs, and went past a 300 s budget
 # in CI at load 9-12. A spawn's guard is also its ranks' collective timeout, so a rank that raises
 # keeps the other waiting that long: several minutes, not half an hour.
 HANG_GUARD_S = 1200
@@ -98,28 +98,53 @@ def test_waited_comm_is_the_median_of_the_measured_steps_and_names_unseen_waits(
     assert "| not recorded (no flight record: doctor.enabled=false) |" in to_markdown([row])
 
 
-@pytest.mark.slow
-def test_bench_runs_any_config_with_axes(tmp_path):
-    """A config (not a GPT preset) with overrides, two world sizes and the reshard axis: one
-    cell per engine, world size and setting the engine takes; every figure comes from a run."""
-    cfg = tmp_path / "mlp.yaml"
+@pytest.fixture(scope="module")
+def config_bench(tmp_path_factory):
+    """One `shardlab bench` over a config (not a GPT preset) with overrides, two world sizes and
+    the accumulate axis at k = 3 micro batches per rank: one cell per engine, world size and
+    setting the engine takes (ddp, which has no shard, one cell per world size). Called in this
+    process (`cli.main`): each cell is still its own `shardlab train`; the command's own process
+    start is test_bench_hsdp_cell_matches_theory_and_reports_comm_time's."""
+    from shardlab import cli
+
+    tmp = tmp_path_factory.mktemp("config-bench")
+    cfg = tmp / "mlp.yaml"
     cfg.write_text("model:\n  name: mlp\n  mlp_sizes: [16, 32, 4]\ndata:\n  source: synthetic\n"
                    "train:\n  optimizer: sgd\n  micro_batch_size: 4\n  global_batch_size: 8\n")
-    out = _bench(str(cfg), "data.synthetic_samples=256", "--strategies", "ddp,fsdp", "--nproc", "1,2", "--steps", "3",
-                 "--warmup", "1", "--reshard-after-forward", "true,false", "--out", str(tmp_path / "b"))
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    rows = json.loads((tmp_path / "b" / "bench.json").read_text())["rows"]
+    rc = cli.main(["bench", str(cfg), "data.synthetic_samples=256", "--strategies", "ddp,fsdp", "--nproc", "1,2",
+                   "--steps", "3", "--warmup", "1", "--micro-batches", str(ACCUMULATION), "--accumulate",
+                   "local,sharded", "--out", str(tmp / "b")])
+    assert rc == 0
+    return tmp / "b"
+
+
+ACCUMULATION = 3  # config_bench's micro batches per rank per step (k)
+
+
+@pytest.mark.slow
+def test_bench_runs_any_config_with_axes(config_bench):
+    """A config with overrides, two world sizes and an axis only one engine takes: every cell ran
+    and every figure comes from a run; the per-rank micro batch is the config's at every N."""
+    rows = json.loads((config_bench / "bench.json").read_text())["rows"]
     cells = {(r["strategy"], r["world_size"], r["variant"]) for r in rows}
     assert cells == {("ddp", 1, ""), ("ddp", 2, ""),
-                     *{("fsdp", n, f"reshard_after_forward={v}") for n in (1, 2) for v in ("true", "false")}}
+                     *{("fsdp", n, f"accumulate={v}") for n in (1, 2) for v in ("local", "sharded")}}
     for r in rows:
         assert r["step_time_median_s"] > 0 and r["step_time_p90_s"] >= r["step_time_median_s"]
         assert r["model_state_theory_bytes"] == 8 * r["num_parameters"] / (r["world_size"] if r["sharded"] else 1)
     by = {(r["strategy"], r["world_size"], r["variant"]): r for r in rows}
-    # weak scaling: the config's micro batch (4) per rank at every N
-    assert by[("ddp", 2, "")]["samples_per_s"] > 0
-    md = (tmp_path / "b" / "bench.md").read_text()
-    assert "config " in md and "reshard_after_forward=false" in md
+    # weak scaling: the config's micro batch (4) per rank at every N, k micro batches of it per step
+    for n in (1, 2):
+        assert by[("ddp", n, "")]["samples_per_s"] > 0
+        run_args = json.loads((config_bench / f"ddp-n{n}-r0" / "run_args.json").read_text())["config"]["train"]
+        assert (run_args["micro_batch_size"], run_args["global_batch_size"]) == (4, 4 * n * ACCUMULATION)
+    md = (config_bench / "bench.md").read_text()
+    assert "config " in md and "accumulate=sharded" in md
+    # another parallel.* axis the same way: ddp takes no reshard_after_forward, so it runs once
+    order, skipped = plan_cells(["ddp", "fsdp"], [1, 2], [{"reshard_after_forward": v} for v in ("true", "false")])
+    assert order == [(s, n, v) for n in (1, 2) for s, v in (("ddp", {}), ("fsdp", {"reshard_after_forward": "true"}),
+                                                             ("fsdp", {"reshard_after_forward": "false"}))]
+    assert not skipped
 
 
 def test_invalid_cells_are_skipped_with_their_reason():
@@ -233,18 +258,15 @@ def test_bench_hsdp_cell_matches_theory_and_reports_comm_time(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_sharded_accumulation_sends_k_times_the_reduce_scatter(tmp_path):
-    """fsdp at N = 2 with k = 3 micro batches per step, --accumulate local,sharded: the counted
-    (exact) reduce-scatter bytes per step under sharded are k times local's, the all-gathers the
-    same; ddp, which has no shard, is one cell whatever the axis says."""
+def test_bench_sharded_accumulation_sends_k_times_the_reduce_scatter(config_bench):
+    """fsdp at N = 2 with k = 3 micro batches per step, --accumulate local,sharded (config_bench's
+    run): the counted (exact) reduce-scatter bytes per step under sharded are k times local's, the
+    all-gathers the same; ddp, which has no shard, is one cell whatever the axis says."""
     order, _ = plan_cells(["ddp", "fsdp"], [2], [{"accumulate": "local"}, {"accumulate": "sharded"}])
     assert order == [("ddp", 2, {}), ("fsdp", 2, {"accumulate": "local"}), ("fsdp", 2, {"accumulate": "sharded"})]
-    k = 3
-    out = _bench("--strategies", "fsdp", "--nproc", "2", "--preset", "gpt-nano", "--seq-len", "16", "--micro-batch", "1",
-                 "--micro-batches", str(k), "--steps", "2", "--warmup", "1", "--accumulate", "local,sharded",
-                 "--out", str(tmp_path / "b"))
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    rows = {r["variant"]: r for r in json.loads((tmp_path / "b" / "bench.json").read_text())["rows"]}
+    k = ACCUMULATION
+    rows = {r["variant"]: r for r in json.loads((config_bench / "bench.json").read_text())["rows"]
+            if (r["strategy"], r["world_size"]) == ("fsdp", 2)}
     local, sharded = (rows[f"accumulate={m}"]["comm_bus_bytes_per_step_by_kind"] for m in ("local", "sharded"))
     assert local["reduce_scatter"] > 0 and sharded["reduce_scatter"] == k * local["reduce_scatter"], (local, sharded)
     assert sharded["all_gather"] == local["all_gather"]
