@@ -77,13 +77,14 @@ def test_two_worker_run_learns_and_reports(tmp_path, strategy, request):
 
 
 @pytest.mark.slow
-def test_same_seed_same_loss_curve_and_single_process(tmp_path, ddp_run):
-    """Determinism (the same command twice), and a 2-worker torch-ddp run equals one process on the
-    same global batches, clipping included."""
+def test_same_seed_same_loss_curve_and_single_process(tmp_path, ddp_run, spawned_runs):
+    """Determinism (the same config trained again: here in the module's 2-rank spawn, through the
+    loop the CLI's workers run, bitwise the CLI run's curve), and a 2-worker torch-ddp run equals one
+    process on the same global batches, clipping included."""
     a = ddp_run[0]
-    b, _, _ = _train(tmp_path, "b", "parallel.strategy=torch-ddp", *COMMON)
+    b = spawned_runs["torch-ddp-again"]
     s, _ = _train_here(tmp_path, "s", "parallel.strategy=single", *COMMON)
-    assert a["losses"] == b["losses"]
+    assert a["losses"] == b
     assert s["world_size"] == 1 and len(s["losses"]) == len(a["losses"]) == 12
     for x, y in zip(a["losses"], s["losses"]):
         assert x == pytest.approx(y, rel=1e-5)
@@ -112,9 +113,35 @@ REDUCE_KIND = {"ddp": "all_reduce", "zero3": "reduce", "fsdp": "reduce_scatter",
                "torch-ddp": "all_reduce", "torch-fsdp": "reduce_scatter"}
 
 
-def _accumulation_runs(rank: int, world: int, out_dir: str, common: list[str]) -> dict:
-    """Every engine at accumulation 1 and 4, trained in turn in one spawn (`shardlab.loop.train.train`,
-    the CLI's code path minus the launcher: one process start-up instead of ten)."""
+ACCUMULATION_COMMON = ["model.preset=gpt-nano", "data.seq_len=32", "train.steps=3", "train.global_batch_size=16",
+                       "output.tensorboard=false", "train.optimizer=sgd", "train.lr=0.1"]
+
+
+def _spawned_runs(rank: int, world: int, out_dir: str) -> dict:
+    """The module's 2-rank runs, in one spawn (`shardlab.loop.train.train`, the CLI's code path minus
+    the launcher: one process start-up instead of eleven): every engine at accumulation 1 and 4, and
+    the determinism test's second torch-ddp run."""
+    import torch
+
+    from shardlab.config import load_config
+    from shardlab.loop.runtime import Runtime
+    from shardlab.loop.train import train
+
+    again = load_config("configs/gpt-tiny.yaml", ["parallel.strategy=torch-ddp", *COMMON, f"output.dir={out_dir}",
+                                                  "output.run_name=torch-ddp-again", "output.progress=false"])
+    return {"accumulation": _accumulation_runs(rank, world, out_dir),
+            "torch-ddp-again": train(again, Runtime(rank, rank, world, torch.device("cpu"), "gloo"))["losses"]}
+
+
+@pytest.fixture(scope="module")
+def spawned_runs(tmp_path_factory):
+    from shardlab.testing import run_workers
+
+    return run_workers(2, _spawned_runs, str(tmp_path_factory.mktemp("spawned")), timeout_s=280)[0]
+
+
+def _accumulation_runs(rank: int, world: int, out_dir: str) -> dict:
+    """Every engine at accumulation 1 and 4, trained in turn."""
     import torch
 
     from shardlab.config import load_config
@@ -126,7 +153,8 @@ def _accumulation_runs(rank: int, world: int, out_dir: str, common: list[str]) -
         for mb in (8, 2):  # accumulation 1 and 4 on 2 ranks
             name = f"{strategy}-{mb}"
             cfg = load_config("configs/gpt-tiny.yaml", [f"parallel.strategy={strategy}", f"train.micro_batch_size={mb}",
-                                                        *common, f"output.dir={out_dir}", f"output.run_name={name}",
+                                                        *ACCUMULATION_COMMON, f"output.dir={out_dir}",
+                                                        f"output.run_name={name}",
                                                         "output.progress=false"])
             result = train(cfg, Runtime(rank, rank, world, torch.device("cpu"), "gloo"))
             with open(f"{out_dir}/{name}/run_args.json") as f:
@@ -137,16 +165,13 @@ def _accumulation_runs(rank: int, world: int, out_dir: str, common: list[str]) -
 
 
 @pytest.mark.slow
-def test_accumulation_communicates_once_per_step(tmp_path):
+def test_accumulation_communicates_once_per_step(tmp_path, spawned_runs):
     """With 4 micro batches per rank, the gradient reductions are those of 1 micro batch: the
     first three backward passes run inside no_sync and send nothing. PyTorch's engines are
     counted through DDP's communication hook and FSDP2's custom collectives (engines/native.py)."""
-    from shardlab.testing import run_workers
-
-    common = ["model.preset=gpt-nano", "data.seq_len=32", "train.steps=3", "train.global_batch_size=16",
-              "output.tensorboard=false", "train.optimizer=sgd", "train.lr=0.1"]
-    single, _ = _train_here(tmp_path, "single", "parallel.strategy=single", "train.micro_batch_size=16", *common)
-    runs = run_workers(2, _accumulation_runs, str(tmp_path), common, timeout_s=280)[0]
+    single, _ = _train_here(tmp_path, "single", "parallel.strategy=single", "train.micro_batch_size=16",
+                            *ACCUMULATION_COMMON)
+    runs = spawned_runs["accumulation"]
     for strategy, kind in REDUCE_KIND.items():
         for mb in (8, 2):
             run = runs[f"{strategy}-{mb}"]
