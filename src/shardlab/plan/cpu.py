@@ -160,9 +160,9 @@ class _Rates:
 # bookkeeping, each collective's launch, the optimizer's per-tensor loop, autograd building and walking
 # its graph). One operator's dispatch times the number of operators misses most of the second: the
 # sharded engines do 1.4-2.7 times ddp's host work on gpt-tiny (measured so, 2026-11-28) with about as
-# many operators. So `--gpu cpu` measures it on the engine's own step: the config as it is (depth, heads, vocabulary,
-# micro batches, checkpointing, the engine and its options, a fake group of the real world size, as
-# plan's probes run it) at a width of `_HOST_HEAD_DIM` per head and `_HOST_SEQ` tokens, where the
+# many operators. So `--gpu cpu` measures it on the engine's own step: the config as it is (depth,
+# heads, vocabulary, micro batches, checkpointing, the engine and its options, a fake group of the real
+# world size, as plan's probes run it) at a width of `_HOST_HEAD_DIM` per head and `_HOST_SEQ` tokens, where the
 # arithmetic is negligible and every call the step makes remains, each costing what it costs here. The
 # median step in the thread's CPU time is the host's work; the matmuls, attention and memory-bound
 # kernels of the real width are priced on top of it as before. Collectives return at once on the fake
