@@ -9,9 +9,9 @@ own small byte-level BPE tokenizer (trained here with `tokenizers`) with the sty
 render BOS, some not). Other checks reuse the directories: `write_family(name, dir)` gives what
 `model.hf_path` takes, and `FAMILIES[name].chat` says whether the template renders BOS.
 
-Hooks for the checks of the lead (not implemented here): verify at 3 ranks on a family's
-directory, and "the ids an SFT run trains on equal `apply_chat_template`'s": both start from
-`write_family(name, dir)` and the `Family` fields.
+The sweep's verify at 3 ranks and its "the ids an SFT run trains on equal `apply_chat_template`'s"
+start from `write_family(name, dir)` and the `Family` fields (`lora_targets`: which Linears verify's
+LoRA mode adapts).
 
 A family that fails a check for a reason shardlab cannot fix is left out with its one-line reason
 in SKIPPED (and docs/sft.md), never with a looser tolerance.
@@ -85,6 +85,9 @@ class Family:
     config: dict[str, Any] = field(default_factory=dict)  # the family's keys over COMMON
     chat: str = "chatml"                                    # a key of CHATS
     attention: tuple[str, ...] = ("eager", "sdpa")          # the implementations the sweep runs
+    # verify's LoRA mode adapts every Linear of the decoder ("all"), or shardlab's default targets
+    # ("default": a family where "all" would reach fused expert parameters, which is refused)
+    lora_targets: str = "all"
 
 
 NO_DROPOUT = dict(attention_dropout=0.0, hidden_dropout=0.0)
@@ -133,7 +136,9 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v3": Family("deepseek_v3", dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                               kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                                               v_head_dim=8, first_k_dense_replace=1, n_group=1, topk_group=1,
-                                              n_shared_experts=1), chat="plain"),
+                                              n_shared_experts=1), chat="plain",
+                          # down_proj, gate_proj and up_proj name Linears and fused experts alike (docs/sft.md)
+                          lora_targets="default"),
 }
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
 # family -> why it is not in the sweep (one line each; docs/sft.md lists them too)

@@ -21,6 +21,7 @@ training loads it (`build_model` on the meta device, materialized by an engine),
 
 from __future__ import annotations
 
+import gc
 from types import SimpleNamespace
 
 import pytest
@@ -309,24 +310,21 @@ def test_trained_ids_are_apply_chat_template_ids(dirs, name):
 
 # -- (4) verify at 3 ranks on every family: fsdp with LoRA, ddp full fine-tuning --------------------
 VERIFY_MODES = {"fsdp-lora": ("fsdp", 2), "ddp-full": ("ddp", 0)}
-# (4) costs about 8 s per family and mode at 3 ranks on 2 cores, in one file's worker: the families added
-# with issue 43 are verified in the sweep by one per MoE converter (Mixtral's, Qwen2-MoE's) with the router
-# loss on; qwen2_moe, olmoe, deepseek_v3 (attention-only LoRA), opt, gpt_bigcode and nemotron were EQUAL
-# by hand in both modes (2026-11-27, docs/sft.md), which would add about 60 s here
-BY_HAND = ("qwen2_moe", "olmoe", "deepseek_v3", "opt", "gpt_bigcode", "nemotron")
-VERIFIED = [n for n in NAMES if n not in BY_HAND]
-# One mode per family, alternating down the list (each mode on nine families, Mixtral's converter with
-# LoRA on fsdp and Qwen3-MoE's with full fine-tuning on ddp): both modes on every family doubled the
-# module's cost (97 s of the idle suite's 18 min 38 s, its largest fixture) for engines the rest of the
-# suite already proves on these models (tests/test_hf_models.py, tests/test_verify_hf.py)
-VERIFIED_MODE = {name: sorted(VERIFY_MODES)[i % 2] for i, name in enumerate(VERIFIED)}
+# One mode per family, alternating down the catalogue (each mode on twelve families, the MoE converters
+# on both: Mixtral's, Qwen3-MoE's and DeepSeek-V3's with LoRA on fsdp, Qwen2-MoE's and OLMoE's with full
+# fine-tuning on ddp, the router loss on). Both modes on every family doubled the module's cost for
+# engines the rest of the suite already proves on these models (tests/test_hf_models.py,
+# tests/test_verify_hf.py).
+VERIFIED_MODE = {name: sorted(VERIFY_MODES)[i % 2] for i, name in enumerate(NAMES)}
 
 
-def _verify_config(path: str, data: str, strategy: str, lora: int) -> dict:
+def _verify_config(name: str, path: str, data: str, strategy: str, lora: int) -> dict:
     from shardlab.models.hf import lora_layer_names
 
-    targets = sorted(n for n in lora_layer_names(section(path)) if n not in ("lm_head", "embed_out")
-                     and "embed" not in n) if lora else None
+    targets = None  # shardlab's default targets (hf_lora.default_targets)
+    if lora and FAMILIES[name].lora_targets == "all":
+        targets = sorted(n for n in lora_layer_names(section(path)) if n not in ("lm_head", "embed_out")
+                         and "embed" not in n)
     return {"model": {"name": "hf", "hf_path": path, "lora": {"rank": lora, "target_modules": targets}},
             "data": {"source": "sft", "path": data, "seq_len": 48, "packing": True, "val_fraction": 0.0},
             "train": {"global_batch_size": 12, "micro_batch_size": 2, "warmup_steps": 1, "optimizer": "sgd",
@@ -334,24 +332,19 @@ def _verify_config(path: str, data: str, strategy: str, lora: int) -> dict:
             "parallel": {"strategy": strategy}}
 
 
-def _verify_all(rank: int, world: int, cases: dict[str, dict], root: str) -> dict:
-    import argparse
-    import os
-
-    from shardlab.config import config_from_dict
+def _verify_all(rank: int, world: int, plans: dict) -> dict:
     from shardlab.loop.runtime import Runtime
-    from shardlab.verify.command import make_plan
     from shardlab.verify.compare import compare
     from shardlab.verify.runs import verify_worker
 
     rt = Runtime(rank, rank, world, torch.device("cpu"), "gloo")
     out = {}
-    for key, raw in cases.items():  # one step: forward, backward, clip and step once each
-        args = argparse.Namespace(nproc=world, steps=1, against="single", dtype="float64", layers=None,
-                                  keep_dropout=False)
-        workdir = os.path.join(root, key)
-        os.makedirs(workdir, exist_ok=True)
-        report = verify_worker(rt, make_plan(config_from_dict(raw), args, workdir), compare)
+    for key, plan in plans.items():  # one step: forward, backward, clip and step once each
+        # What is alive now (torch, transformers, the families' modules) lives until the worker ends:
+        # frozen, it is not walked again by each run's gc.collect (verify/runs.py), 0.2 s per call on
+        # this heap, five calls per case over the three ranks: half of a case's CPU (2026-11-28)
+        gc.freeze()
+        report = verify_worker(rt, plan, compare)
         if report is not None:
             out[key] = (report.equal, report.first, report.cause, report.noise_floor,
                         max(row.worst.error for row in report.rows), report.tolerance.dtype_name)
@@ -360,7 +353,13 @@ def _verify_all(rank: int, world: int, cases: dict[str, dict], root: str) -> dic
 
 @pytest.fixture(scope="module")
 def verified(dirs, tmp_path_factory, monkeypatch_module):
+    """Every family's verify plan made here, as `shardlab verify --nproc 3 --steps 1` makes it before
+    its workers (once, not once per rank), then run by three workers in one spawn."""
+    import argparse
     import json
+
+    from shardlab.config import config_from_dict
+    from shardlab.verify.command import make_plan
 
     root = tmp_path_factory.mktemp("verify-families")
     monkeypatch_module.setenv("SHARDLAB_CACHE", str(root / "cache"))
@@ -368,9 +367,14 @@ def verified(dirs, tmp_path_factory, monkeypatch_module):
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Add {i} and {i % 5}"},
                                                      {"role": "assistant", "content": f"It is {i + i % 5}."}]})
                             + "\n" for i in range(48)))
-    cases = {f"{name}/{mode}": _verify_config(dirs[name], str(data), *VERIFY_MODES[mode])
-             for name, mode in VERIFIED_MODE.items()}
-    return run_workers(3, _verify_all, cases, str(root), timeout_s=600)[0]
+    args = argparse.Namespace(nproc=3, steps=1, against="single", dtype="float64", layers=None, keep_dropout=False)
+    plans = {}
+    for name, mode in VERIFIED_MODE.items():
+        raw = _verify_config(name, dirs[name], str(data), *VERIFY_MODES[mode])
+        workdir = root / name / mode
+        workdir.mkdir(parents=True)
+        plans[f"{name}/{mode}"] = make_plan(config_from_dict(raw), args, str(workdir))
+    return run_workers(3, _verify_all, plans, timeout_s=900)[0]
 
 
 @pytest.mark.slow
