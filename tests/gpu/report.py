@@ -1,6 +1,7 @@
 """The GPU check's report. Each check adds a section (what ran, the figures, pass or fail) as it
 goes, before asserting, so a failing check is reported too; at the end of the session the report
-is written, dated, to docs/gpu-check/<date>-<device>.md and linked from docs/benchmarks.md.
+is written, dated, to docs/gpu-check/<date>-<device>.md and linked from docs/benchmarks.md (and
+after each section where `docs` is set, so a run cut off keeps what it finished).
 Both files are written to a temporary file and renamed: a crash never leaves half a report."""
 
 from __future__ import annotations
@@ -28,9 +29,14 @@ class Report:
     environment: list[str]            # torch, CUDA, driver, NCCL versions; the command
     date: str = field(default_factory=lambda: time.strftime("%Y-%m-%d"))
     sections: list[Section] = field(default_factory=list)
+    #: where each add() writes the report at once (None: only write() does): a run cut off by its
+    #: lease or a hang still leaves every section it finished
+    docs: Path | None = None
 
     def add(self, title: str, lines: list[str], passed: bool | None) -> None:
         self.sections.append(Section(title, list(lines), passed))
+        if self.docs is not None:
+            self.write(self.docs)
 
     @property
     def slug(self) -> str:
