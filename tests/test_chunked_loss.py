@@ -97,6 +97,24 @@ def test_own_chunked_function_in_float64_with_bias_scale_and_ignored_rows():
         torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12 * e.abs().max().item())
 
 
+@pytest.mark.parametrize("torch_op", [True, False], ids=["torch-op", "older-torch"])
+def test_chunked_loss_in_float64_on_either_path(torch_op, monkeypatch):
+    """float32/float64 use torch's F.linear_cross_entropy where torch has it (2.13) and `_ChunkedCE` on
+    an older torch (a GPU image's build): both give the full loss and its gradients."""
+    if torch_op and not lm_loss.TORCH_CHUNKED_CE:
+        pytest.skip("this torch has no F.linear_cross_entropy")
+    monkeypatch.setattr(lm_loss, "TORCH_CHUNKED_CE", torch_op)
+    g = torch.Generator().manual_seed(1)
+    h, w = (torch.randn(*s, dtype=torch.float64, generator=g).requires_grad_() for s in ((40, 24), (53, 24)))
+    y = torch.randint(0, 53, (40,), generator=g)
+    y[::4] = lm_loss.IGNORE_INDEX
+    want = lm_loss.full_loss(h @ w.T, y)
+    got = lm_loss.chunked_loss(h, w, y)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    for a, e in zip(torch.autograd.grad(got, (h, w)), torch.autograd.grad(want, (h, w))):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12 * e.abs().max().item())
+
+
 @pytest.mark.parametrize("low", ["bf16", "fp16"])
 def test_low_precision_is_as_precise_as_the_full_loss(low):
     """Under autocast the chunked loss computes as the full loss does (matmuls in the low dtype, softmax

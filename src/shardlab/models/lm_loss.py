@@ -12,7 +12,8 @@ chunked loss gives the same loss and gradients (float64: 1e-10 relative, tests/t
 holding one chunk of logits at a time, of as many bytes as the hidden states (at least 32 MiB of
 float32): `chunk_elements`.
 
-- float32 and float64 hidden states: torch's own `F.linear_cross_entropy` with
+- float32 and float64 hidden states: torch's own `F.linear_cross_entropy` (torch >= 2.13; before it,
+  `_ChunkedCE` below, as for low precision) with
   `LinearCrossEntropyOptions` (its chunked path), reduction "sum" divided by the target count here
   (its "mean" divides by a count of zero in the gradient too: a micro batch without targets would
   send NaN gradients, where the loop's weighting expects zeros, loss.py). It computes the
@@ -59,6 +60,10 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 #: run well (each chunk of torch's op adds into the whole weight gradient: on this VM's CPU, 2,048 tokens of
 #: width 256 and a 32,000 vocabulary, 32-row chunks ran the head 1.15x as long as the full loss, 256-row 0.8x)
 MIN_CHUNK_ELEMENTS = 2**23
+#: torch's own chunked cross-entropy (F.linear_cross_entropy, torch 2.13): an older torch (the range
+#: pyproject allows; a GPU image's build) computes float32/float64 by `_ChunkedCE` too, which gives the
+#: same loss and gradients (tests/test_chunked_loss.py runs both)
+TORCH_CHUNKED_CE = hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions")
 
 
 def choose_loss(requested: str, vocab: int, width: int, problem: str | None) -> tuple[str, str | None]:
@@ -99,7 +104,7 @@ def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
     [Note: the chunked loss]. NaN when no target counts, as the full loss."""
     h, y = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
     h, weight, bias = _as_autocast_would(h, weight, bias)
-    if h.dtype in LOW_PRECISION:
+    if h.dtype in LOW_PRECISION or not TORCH_CHUNKED_CE:
         total = _ChunkedCE.apply(h, weight, bias, y, scale)
     else:
         if scale != 1.0:  # (h W^T + b) s = (s h) W^T + s b

@@ -96,7 +96,10 @@ def _chunked_loss_formula() -> None:
     """torch's chunked cross-entropy (the chunked loss in float32/float64, models/lm_loss.py) is one
     custom operator whose matmuls run inside it: the logits' 2 x tokens x vocabulary x width, and the
     same again for each gradient it computes in its forward (the input's, the weight's)."""
-    import torch.nn.modules.linear_cross_entropy  # noqa: F401  (registers the operator)
+    try:
+        import torch.nn.modules.linear_cross_entropy  # noqa: F401  (registers the operator)
+    except ImportError:  # torch < 2.13: no such operator, the chunked loss is shardlab's own (models/lm_loss.py)
+        return
 
     op = torch.ops.torch_nn._linear_cross_entropy_batch_chunked
     if op in flop_counter.flop_registry:
