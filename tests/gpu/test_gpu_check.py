@@ -32,6 +32,7 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -90,9 +91,11 @@ def _git_commit() -> str:
 
 
 def _in_child(fn, *args, timeout_s: float = 1800.0):
-    """fn(*args) in a spawned process: its own CUDA context, memory statistics and process group."""
-    with mp.get_context("spawn").Pool(1) as pool:
-        return pool.apply_async(fn, args).get(timeout_s)
+    """fn(*args) in a spawned process: its own CUDA context, memory statistics and process group.
+    Not a multiprocessing.Pool: its workers are daemonic, and a daemonic process may not start the
+    data loader's worker processes (data.num_workers > 0 on CUDA)."""
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result(timeout_s)
 
 
 # -- runs through the real training loop, in a child -------------------------------------------------

@@ -148,8 +148,13 @@ def _launch_config(cfg: Config, nproc: int, max_restarts: int, rdzv: Rendezvous,
                    grace: Any, out: str, verbose: bool) -> Any:
     """torch's LaunchConfig for the agent: the rendezvous, restarts, the signals it forwards and
     how long it waits for the workers after one (the preemption grace), the workers' log files."""
+    import dataclasses
+
     from torch.distributed.launcher.api import LaunchConfig
 
+    # torch before 2.13 (a GPU image's build) has no shutdown_timeout: its agent waits its own default
+    waits = ({"shutdown_timeout": grace.grace_s if grace else 30}
+             if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)} else {})
     return LaunchConfig(
         min_nodes=rdzv.min_nodes, max_nodes=rdzv.max_nodes, nproc_per_node=nproc,
         run_id=run_id,
@@ -161,7 +166,7 @@ def _launch_config(cfg: Config, nproc: int, max_restarts: int, rdzv: Rendezvous,
         max_restarts=max_restarts, monitor_interval=0.2,
         # the agent forwards these to the workers; on one it waits shutdown_timeout, then SIGKILL
         signals_to_handle=preemption.AGENT_SIGNALS if grace else "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-        shutdown_timeout=grace.grace_s if grace else 30,
+        **waits,
         logs_specs=doctor.worker_logs(out, verbose),
     )
 
