@@ -15,7 +15,7 @@ What it runs (each in a fresh spawned process, so CUDA memory figures start from
 6. the compiled engines (train.compile=true) against eager `single`, last: compiling is the
    slowest part, and a lease that runs out there has every other section written already.
 SHARDLAB_GPU_CHECK_QUICK=1 fits a short lease (15 minutes of GPU time): compiled runs for `single`
-and `fsdp` only, the bench eager only.
+and `fsdp` only, the bench eager only and on single, ddp and fsdp.
 Then the report (tests/gpu/report.py) goes to docs/gpu-check/<date>-<gpu>.md, linked from
 docs/benchmarks.md; commit it.
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import multiprocessing as mp
 import os
 import subprocess
@@ -45,7 +46,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = Path(os.environ.get("SHARDLAB_GPU_CHECK_DOCS", ROOT / "docs"))
 ENGINES = ("ddp", "zero3", "fsdp", "torch-ddp", "torch-fsdp")
-#: a short lease: fewer compiles (each is tens of seconds), the bench eager only
+#: a short lease: fewer compiles (each is tens of seconds), the bench eager only on three engines
 QUICK = os.environ.get("SHARDLAB_GPU_CHECK_QUICK", "") not in ("", "0")
 COMPILED = ("single", "fsdp") if QUICK else ("single", *ENGINES)
 # Per-step losses against `single` on the same GPU, fp32 (matmuls without TF32, torch's default):
@@ -70,7 +71,7 @@ def report():
            f"compute capability {props.major}.{props.minor}",
            f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {_nccl_version()}",
            f"shardlab commit {_git_commit()}", "command: `make gpu-check` (pytest -m gpu tests/gpu)"
-           + (" with SHARDLAB_GPU_CHECK_QUICK=1 (compiled: single and fsdp only; bench eager only)" if QUICK else "")]
+           + (" with SHARDLAB_GPU_CHECK_QUICK=1 (compiled: single and fsdp only; bench eager only, single, ddp, fsdp)" if QUICK else "")]
     r = Report(torch.cuda.get_device_name(0), env, docs=DOCS)
     yield r
     print(f"\nGPU check report: {r.write(DOCS)}")
@@ -82,12 +83,15 @@ def _nccl_version() -> str:
 
 
 def _git_commit() -> str:
-    """HEAD's short hash; SHARDLAB_GPU_CHECK_COMMIT names it where the tree is a copy without .git."""
+    """HEAD's short hash; SHARDLAB_GPU_CHECK_COMMIT names it where the tree is a copy (its .git, if
+    any, may be older than the files)."""
+    if os.environ.get("SHARDLAB_GPU_CHECK_COMMIT"):
+        return os.environ["SHARDLAB_GPU_CHECK_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     except OSError:  # no git on the machine
         out = ""
-    return out.strip() or os.environ.get("SHARDLAB_GPU_CHECK_COMMIT", "unknown")
+    return out.strip() or "unknown"
 
 
 def _in_child(fn, *args, timeout_s: float = 1800.0):
@@ -192,15 +196,17 @@ def test_bf16_and_fp16_on_device(tiny_runs, report):
         m = tiny_runs[name]
         diff = _rel_diff(m["losses"], ref)
         fp16 = "fp16" in name
-        good = diff <= LOW_PRECISION_RTOL and m["losses"][-1] < m["losses"][0]
+        # no "the loss fell" bar: synthetic tokens are uniform, so fp32 itself does not learn in 8 steps
+        # (2026-11-28 on an H200: 5.569 -> 5.568); following fp32 step by step is the bar
+        good = diff <= LOW_PRECISION_RTOL and all(math.isfinite(x) for x in m["losses"])
         good &= not fp16 or (m["loss_scale"] is not None and m["skipped_steps"] <= 3)
         ok &= good
         rows.append(f"| {name} | {diff:.2e} | {m['skipped_steps'] if fp16 else ''} | "
                     f"{m['loss_scale'] if fp16 else ''} |")
     report.add("bf16 and fp16 on the device",
                ["autocast (train.precision) and the engines' own mixed precision (parallel.mixed_precision); fp16 "
-                f"with the gradient scaler. Bar: losses within {LOW_PRECISION_RTOL:g} relative of fp32 single, "
-                "learning, at most 3 steps skipped by the scaler.", "", *rows], ok)
+                f"with the gradient scaler. Bar: every step's loss finite and within {LOW_PRECISION_RTOL:g} "
+                "relative of fp32 single's, at most 3 steps skipped by the scaler.", "", *rows], ok)
     assert ok, "\n".join(rows)
 
 
@@ -322,8 +328,9 @@ def test_bench_gpt_mini_tokens_per_s_and_mfu(tmp_path, report):
     rows = ["| precision | engine | variant | tokens/s | MFU vs measured matmul | MFU vs data sheet (bf16) |",
             "|---|---|---|---|---|---|"]
     ok = True
+    # each cell is its own launch (about 20 s on an H200 machine): the quick check benches three engines
     compile_axis = "false" if QUICK else "false,true"
-    strategies = "single,ddp,zero3,fsdp,torch-ddp,torch-fsdp"
+    strategies = "single,ddp,fsdp" if QUICK else "single,ddp,zero3,fsdp,torch-ddp,torch-fsdp"
     clock = []
     for precision in ("fp32", "bf16"):
         out = tmp_path / precision
