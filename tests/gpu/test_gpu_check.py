@@ -275,7 +275,7 @@ def test_cuda_peak_memory_against_plan(tmp_path, report):
         f"Bar: measured / plan in [{PLAN_RATIO[0]}, {PLAN_RATIO[1]}].", "", *rows], ok)
     report.add("plan's clock vs the measured step, gpt2-small, N=1", [
         f"{command}'s `time.step_s` against the same runs' median step (metrics.json's step_time_median_s, "
-        "the first step left out). Measured only: the clock's check on a GPU (issue 47).", "",
+        "the first step left out). Measured only: the clock's check on a GPU (docs/plan.md).", "",
         *_clock_rows({e: plan[e] for e in engines}, {e: runs[e]["step_time_median_s"] for e in engines})], None)
     assert ok, "\n".join(rows)
 
@@ -368,7 +368,7 @@ def test_bench_gpt_mini_tokens_per_s_and_mfu(tmp_path, report):
         f"`shardlab plan configs/gpt-tiny.yaml model.preset=gpt-mini data.source=synthetic data.seq_len={seq} "
         "train.micro_batch_size=32 train.global_batch_size=32 train.precision={fp32,bf16} "
         f"--gpu {gpu} --nproc 1 --engines {strategies}` against the eager bench rows above. Measured only "
-        "(issue 47).", "", *clock], None)
+        "(docs/plan.md).", "", *clock], None)
     assert ok, "\n".join(rows)
 
 
