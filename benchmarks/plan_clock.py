@@ -2,7 +2,7 @@
 this machine, per model preset, engine and world size (docs/plan.md, "Step time, checked").
 
     OMP_NUM_THREADS=1 nice -n -15 .venv/bin/python benchmarks/plan_clock.py [--presets gpt-tiny,gpt-mini] \
-        [--nproc 1,2,4] [--engines ddp,zero3,fsdp,torch-ddp,torch-fsdp] [--steps 6] [--out plan_clock.json]
+        [--nproc 1,2,4] [--engines ddp,zero3,fsdp,torch-ddp,torch-fsdp] [--steps 10] [--out plan_clock.json]
 
 Per preset and world size: one `shardlab plan --json` for every engine (its predicted `step_s`), then
 one `shardlab train` per engine (metrics.json's `step_time_median_s`: the median step, the first left
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", default="1,2,4")
     p.add_argument("--engines", default="ddp,zero3,fsdp,torch-ddp,torch-fsdp",
                    help="distributed engines (at 1 rank `single` is added)")
-    p.add_argument("--steps", type=int, default=6, help="steps per run (the median leaves the first out)")
+    p.add_argument("--steps", type=int, default=10, help="steps per run (the median leaves the first out)")
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
     args = p.parse_args(argv)
     rows, started = [], time.time()

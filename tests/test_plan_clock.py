@@ -97,12 +97,22 @@ def test_the_census_sees_each_kind_of_operation():
 
 def test_cpu_host_work_is_measured_on_the_engines_own_step():
     """--gpu cpu's host part (plan/cpu.py, [Note: the host's work, measured]): the engine's own step at a
-    negligible width on a fake group of the real world size, in CPU seconds; a model it cannot narrow
-    falls back to one operator's dispatch per operator (None)."""
+    negligible width, at one rank in CPU seconds, beyond one on a real gloo group of the world's size in
+    wall seconds (each collective's fixed cost inside, so the link then prices bytes only); a model it
+    cannot narrow falls back to one operator's dispatch per operator (None)."""
+    from shardlab.plan.catalogue import INTERCONNECTS
     from shardlab.plan.cpu import _HostSteps
+    from shardlab.plan.traffic import collective_time
 
     cfg = load_config("configs/gpt-tiny.yaml", ["model.preset=gpt-nano", "data.seq_len=32"])
-    host = _HostSteps(2)
-    assert 0 < host(cfg, "fsdp") < 5.0 and host.cache == {"fsdp": host(cfg, "fsdp")}
+    for world in (1, 2):
+        host = _HostSteps(world)
+        assert 0 < host(cfg, "fsdp") < 5.0 and host.cache == {"fsdp": host(cfg, "fsdp")}, world
+    link = INTERCONNECTS["loopback"].bytes_only()
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce"):
+        assert collective_time(kind, 0, 4, link) == 0.0
+        assert collective_time(kind, 2**20, 4, link) == pytest.approx(
+            collective_time(kind, 2**20, 4, INTERCONNECTS["loopback"]) - collective_time(kind, 0, 4, INTERCONNECTS["loopback"]),
+            rel=1e-12)
     cfg.model.name = "resnet"
-    assert host(cfg, "ddp") is None
+    assert _HostSteps(2)(cfg, "ddp") is None

@@ -73,8 +73,12 @@ class Machine:
     assumed: set[str] = field(default_factory=set)
     rate: Callable[..., float | None] | None = None
     slowdown: float = 1.0                # more ranks than cores (a CPU): each takes ranks / cores as long
-    #: (config, engine) -> seconds of the host's work per step, measured (this machine), else None
+    #: (config, engine) -> seconds of the host's work per step, measured (this machine), else None;
+    #: already stretched by more ranks than cores where it is measured on the ranks themselves
     host_step: Callable[..., float | None] | None = None
+    #: host_step holds each collective's fixed cost too (measured on a real group, plan/cpu.py): where it
+    #: answers, the link prices the collectives' bytes only
+    collective_latency_measured: bool = False
 
     def ceiling(self, dtype: str) -> float:
         return self.ceilings.get(dtype) or self.ceilings["fp32"]
@@ -133,7 +137,7 @@ def operation_seconds(census: Census, m: Machine, cfg=None, engine: str | None =
         out[kind] += calls * seconds * m.slowdown
     measured = m.host_step(cfg, engine) if m.host_step and cfg is not None and engine else None
     if measured is not None:
-        out["host"] = measured * m.slowdown
+        out["host"] = measured if m.collective_latency_measured else measured * m.slowdown
     return out
 
 

@@ -165,9 +165,18 @@ class _Rates:
 # world size, as plan's probes run it) at a width of `_HOST_HEAD_DIM` per head and `_HOST_SEQ` tokens, where the
 # arithmetic is negligible and every call the step makes remains, each costing what it costs here. The
 # median step in the thread's CPU time is the host's work; the matmuls, attention and memory-bound
-# kernels of the real width are priced on top of it as before. Collectives return at once on the fake
-# group: the link model prices them. Only GPT models can be narrowed by a key (`model.n_embd`); others
-# fall back to one operator's dispatch per operator.
+# kernels of the real width are priced on top of it as before. Only GPT models can be narrowed by a key
+# (`model.n_embd`); others fall back to one operator's dispatch per operator.
+#
+# Beyond one rank the narrow step runs on a real gloo group of the world's size, one local process per
+# rank (`_real_group_step`), and its median wall time is what the step costs apart from its arithmetic
+# and the collectives' bytes: the host's work, and every collective's fixed cost as it is inside a step
+# (the call's latency, the hand-off to gloo's thread, waiting for the other ranks, and more ranks than
+# cores taking turns), which an alpha-beta fit of collectives timed alone missed by 2-8x (at 4 workers on
+# 2 cores a 4 KiB all-reduce took 6-8 ms, the fit said 1.4: `python -m shardlab.plan fit-loopback`,
+# 2026-11-28). The link then prices only the bytes (`Machine.collective_latency_measured`). Measured so,
+# gpt-tiny at 2 and 4 ranks moved from 0.47-0.91 of the measured step to 0.73-0.96 (docs/plan.md). Wall
+# time is stretched by other work on the machine; the sources say that this figure wants an idle one.
 _HOST_HEAD_DIM, _HOST_SEQ, _HOST_STEPS = 2, 8, 5
 
 
@@ -201,6 +210,15 @@ class _HostSteps:
 
     def _measure(self, cfg, engine: str) -> float | None:
         import torch.distributed as dist
+
+        if self.world > 1:
+            from shardlab.testing import run_workers  # local processes on a FileStore: nothing listens
+
+            cfg = _narrowed(self, cfg, engine)
+            try:
+                return max(run_workers(self.world, _real_group_step, cfg, timeout_s=300.0))
+            except RuntimeError:
+                return None  # a config the narrow step cannot run: the per-operator fallback
 
         from shardlab.engines import engine_class
         from shardlab.loop.run import build_run
@@ -247,8 +265,14 @@ def cpu_machine(world: int) -> Machine:
                "optimizer": "each kernel replayed here at its arguments",
                "host": "the engine's own step measured here at a negligible width (GPT models; others: "
                        f"{host * 1e6:.1f} us per operator, measured here)"}
+    if world > 1:
+        sources["host"] = ("the engine's own step measured here at a negligible width on a real gloo group of "
+                           f"{world} local processes, wall time: the host's work and each collective's fixed cost "
+                           "(an idle machine's figure; GPT models; others: "
+                           f"{host * 1e6:.1f} us per operator, measured here, and the link's latency)")
     return Machine("cpu", {"fp32": peak}, bandwidth, host, 1.0, False, sources, set(), _Rates(threads),
-                   slowdown=max(1.0, world / cores), host_step=_HostSteps(world))
+                   slowdown=max(1.0, world / cores), host_step=_HostSteps(world),
+                   collective_latency_measured=world > 1)
 
 
 def cpu_gpu() -> GPU:
@@ -257,3 +281,33 @@ def cpu_gpu() -> GPU:
     peak, source = measured_peak(torch.device("cpu"), torch.float32)
     return GPU("cpu", ram, True, {"fp32": peak}, 0.0, f"this machine: {source}", intra_node="loopback",
                inter_node="loopback")
+
+
+def _narrowed(steps: _HostSteps, cfg, engine: str):
+    """The narrow config (`_HostSteps._narrow`) at the real world size, as a plain dict's config: its
+    output directory is each worker's own."""
+    with tempfile.TemporaryDirectory(prefix="shardlab-host-") as tmp:
+        return steps._narrow(cfg, engine, tmp, steps.world)
+
+
+def _real_group_step(rank: int, world: int, cfg) -> float:
+    """One rank of the narrow step on the real group (run_workers' gloo group): the median wall time
+    of its steps after the optimizer's state exists ([Note: the host's work, measured])."""
+    import dataclasses
+
+    from shardlab.loop.run import build_run
+    from shardlab.loop.runtime import Runtime
+    from shardlab.loop.train import train_step
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="shardlab-host-") as tmp:
+        cfg = dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, dir=tmp))
+        run = build_run(cfg, Runtime(rank, rank, world, torch.device("cpu"), "gloo"))
+        run.model.train()
+        steps = []
+        for _ in range(3 + _HOST_STEPS):
+            start = time.perf_counter()
+            train_step(run)
+            run.state.step += 1
+            steps.append(time.perf_counter() - start)
+    return statistics.median(steps[3:])

@@ -124,6 +124,8 @@ def step_time(cfg: Config, engine: str, world: int, link: Link, gpu: GPU | None,
         source = f"{counted} at the {dtype} matmul ceiling {m.ceiling(dtype) / 1e12:.3g} TFLOP/s"
     compute = compute_seconds(parts, m)
     plan = comm_plan(cfg, engine, world)
+    if census and m.collective_latency_measured and m.host_step and m.host_step(cfg, engine) is not None:
+        link = link.bytes_only()  # each call's fixed cost is in the measured host part (plan/cpu.py)
     comm = sum(calls * collective_time(kind, b, ranks, link) for kind, b, calls, ranks in plan)
     step = step_seconds(compute, comm, exposed_seconds(plan, link), m)
     tokens_step = t.global_batch_size * tokens_per_sample
