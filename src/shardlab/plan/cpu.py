@@ -186,8 +186,9 @@ class _Rates:
 # cores taking turns), which an alpha-beta fit of collectives timed alone missed by 2-8x (at 4 workers on
 # 2 cores a 4 KiB all-reduce took 6-8 ms, the fit said 1.4: `python -m shardlab.plan fit-loopback`,
 # 2026-11-28). The link then prices only the bytes (`Machine.collective_latency_measured`). Measured so,
-# gpt-tiny at 2 and 4 ranks moved from 0.47-0.91 of the measured step to 0.73-0.96 (docs/plan.md). Wall
-# time is stretched by other work on the machine; the sources say that this figure wants an idle one.
+# the clock's check (benchmarks/plan_clock.py, idle) went from 17 to 29 of its 32 rows within 0.85-1.15
+# (docs/plan.md, "Step time, checked here"). Wall time is stretched by other work on the machine; the
+# sources say that this figure wants an idle one.
 _HOST_HEAD_DIM, _HOST_SEQ, _HOST_STEPS = 2, 8, 5
 
 
