@@ -116,3 +116,37 @@ def test_cpu_host_work_is_measured_on_the_engines_own_step():
             rel=1e-12)
     cfg.model.name = "resnet"
     assert _HostSteps(2)(cfg, "ddp") is None
+
+
+def test_replayed_kernels_get_operands_in_every_functions_domain():
+    """--gpu cpu replays each memory-bound kernel at its arguments (plan/cpu.py, `_build`): floats drawn from
+    [0.5, 1.5), where a step's values are when the domain matters (Adam's sqrt reads a second moment, never
+    negative). Normal draws sent half of a sqrt's inputs down its NaN path, 18 times slower on this VM."""
+    import torch
+
+    from shardlab.plan.cpu import _build
+
+    x = _build(("T", (4096,), "fp32"))
+    assert x.dtype == torch.float32 and x.shape == (4096,) and 0.5 <= x.min() and x.max() < 1.5
+    for fn in (torch.sqrt, torch.rsqrt, torch.log, torch.reciprocal):
+        assert torch.isfinite(fn(x)).all(), fn
+    assert _build(("T", (3,), "bf16")).dtype == torch.bfloat16
+    assert (_build(("T", (3,), "int64")) == 0).all()  # indices: valid for any table
+
+
+def test_more_ranks_than_cores_stretch_the_collectives_bytes_on_a_cpu():
+    """On a CPU the collectives' bytes are copied by the ranks' own cores; the loopback link was fitted with a
+    core per rank, so with more ranks than cores the clock stretches its time as it stretches the arithmetic
+    (`Machine.slowdown`); a GPU's collectives (slowdown 1) are not stretched."""
+    from shardlab.plan.clock import Machine
+
+    cfg = load_config("configs/gpt-tiny.yaml")
+    link = INTERCONNECTS["loopback"].bytes_only()
+
+    def cpu(slowdown: float) -> Machine:
+        return Machine("cpu", {"fp32": 1e11}, 1e10, 1e-6, 1.0, False, slowdown=slowdown)
+
+    own_core, shared = (step_time(cfg, "zero3", 4, link, None, step_flops=1e9, machine=cpu(s)) for s in (1.0, 2.0))
+    assert own_core["comm_s"] > 0 and shared["comm_s"] == pytest.approx(2 * own_core["comm_s"], rel=1e-12)
+    assert shared["step_s"] == pytest.approx(shared["compute_s"] + shared["comm_s"], rel=1e-12)
+    assert gpu_machine(GPUS["H100"]).slowdown == 1.0

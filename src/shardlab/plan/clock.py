@@ -28,7 +28,8 @@ count of operators at one operator's cost would miss the Python the sharded engi
 Communication is the link model over the engine's collectives (plan/traffic.py). On a GPU the
 collectives run beside compute on their own stream, except the first gather of a step (nothing to
 compute before it) and the last reduce (nothing left to compute after it): step = exposed + max(compute,
-rest of comm). On a CPU the collectives take the same cores as compute (gloo's threads), so they add.
+rest of comm). On a CPU the collectives take the same cores as compute (gloo's threads copy the bytes), so
+they add, and more ranks than cores stretch them as they stretch compute (`Machine.slowdown`).
 Without a probe at the real shape the compute is the FLOPs (6 x parameters x tokens, plus what
 checkpointing recomputes) at the matmul ceiling, and the report says so.
 """
@@ -72,7 +73,8 @@ class Machine:
     sources: dict[str, str] = field(default_factory=dict)
     assumed: set[str] = field(default_factory=set)
     rate: Callable[..., float | None] | None = None
-    slowdown: float = 1.0                # more ranks than cores (a CPU): each takes ranks / cores as long
+    slowdown: float = 1.0                # more ranks than cores (a CPU): compute and the collectives' bytes
+                                         # each take ranks / cores as long
     #: (config, engine) -> seconds of the host's work per step, measured (this machine), else None;
     #: already stretched by more ranks than cores where it is measured on the ranks themselves
     host_step: Callable[..., float | None] | None = None

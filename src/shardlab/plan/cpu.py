@@ -94,10 +94,16 @@ def _host_op_seconds() -> float:
 
 
 def _build(spec):
-    """A value of `arg_spec` made real: a tensor of its shape and dtype, the rest as it is."""
+    """A value of `arg_spec` made real: a tensor of its shape and dtype, the rest as it is. Floats are
+    drawn from [0.5, 1.5): in every elementwise function's domain, as a step's values are where it
+    matters (Adam's sqrt reads a second moment, never negative). Normal draws sent half of a sqrt's
+    inputs down its NaN path, 18 times slower on this VM's EPYC (131,072 floats: 1,042 us against 58,
+    2026-11-28), and priced gpt-tiny's AdamW step at about twice what it takes."""
     if isinstance(spec, tuple) and len(spec) == 3 and spec[0] == "T":
         dtype = _DTYPES.get(spec[2]) or getattr(torch, spec[2])
-        return torch.randn(spec[1], dtype=dtype) if dtype.is_floating_point else torch.zeros(spec[1], dtype=dtype)
+        if dtype.is_floating_point:
+            return torch.rand(spec[1], dtype=dtype) + 0.5
+        return torch.zeros(spec[1], dtype=dtype)
     if isinstance(spec, tuple) and len(spec) == 2 and spec[0] == "D":
         return _DTYPES.get(spec[1]) or getattr(torch, spec[1])
     if isinstance(spec, tuple):
@@ -180,7 +186,9 @@ class _Rates:
 # (`model.n_embd`); others fall back to one operator's dispatch per operator.
 #
 # Beyond one rank the narrow step runs on a real gloo group of the world's size, one local process per
-# rank (`_real_group_step`), and its median wall time is what the step costs apart from its arithmetic
+# rank (`_real_group_step`), trained by the loop's own `train` as `shardlab train` trains it (the hang
+# doctor's records of each collective, the step's measurements), and its median wall time is what the step
+# costs apart from its arithmetic
 # and the collectives' bytes: the host's work, and every collective's fixed cost as it is inside a step
 # (the call's latency, the hand-off to gloo's thread, waiting for the other ranks, and more ranks than
 # cores taking turns), which an alpha-beta fit of collectives timed alone missed by 2-8x (at 4 workers on
@@ -188,8 +196,12 @@ class _Rates:
 # 2026-11-28). The link then prices only the bytes (`Machine.collective_latency_measured`). Measured so,
 # the clock's check (benchmarks/plan_clock.py, idle) went from 17 to 29 of its 32 rows within 0.85-1.15
 # (docs/plan.md, "Step time, checked here"). Wall time is stretched by other work on the machine; the
-# sources say that this figure wants an idle one.
-_HOST_HEAD_DIM, _HOST_SEQ, _HOST_STEPS = 2, 8, 5
+# sources say that this figure wants an idle one. Spinning each rank's priced arithmetic in place inside
+# this narrow step (a spin at every nn.Linear's forward and backward, by its size) moved it less than its
+# own run-to-run spread at 4 ranks on 2 cores (zero3 on gpt-tiny, 2026-11-28: 183 ms with the spin against
+# 173-175 ms summed in two plans, while the narrow step alone ran 88-112 ms in ten), so the arithmetic is
+# added to it, not spent inside it (which would cost plan the step's whole time per engine).
+_HOST_HEAD_DIM, _HOST_SEQ, _HOST_STEPS = 2, 8, 9
 
 
 class _HostSteps:
@@ -303,26 +315,21 @@ def _narrowed(steps: _HostSteps, cfg, engine: str):
 
 
 def _real_group_step(rank: int, world: int, cfg) -> float:
-    """One rank of the narrow step on the real group (run_workers' gloo group): the median wall time
-    of its steps after the optimizer's state exists ([Note: the host's work, measured])."""
+    """One rank of the narrow step on the real group (run_workers' gloo group), trained as
+    `shardlab train` trains it (loop/train.py's `train`: the hang doctor's records, the step's own
+    measurements, releasing the gradients): the run's median step (the first left out), rank 0's
+    ([Note: the host's work, measured])."""
     import dataclasses
 
-    from shardlab.loop.run import build_run
     from shardlab.loop.runtime import Runtime
-    from shardlab.loop.train import train_step
+    from shardlab.loop.train import train
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="shardlab-host-") as tmp:
-        cfg = dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, dir=tmp))
-        run = build_run(cfg, Runtime(rank, rank, world, torch.device("cpu"), "gloo"))
-        run.model.train()
-        steps = []
-        for _ in range(3 + _HOST_STEPS):
-            start = time.perf_counter()
-            train_step(run)
-            run.state.step += 1
-            steps.append(time.perf_counter() - start)
-    return statistics.median(steps[3:])
+        cfg = dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, dir=tmp),
+                                  checkpoint=dataclasses.replace(cfg.checkpoint, final=False))
+        metrics = train(cfg, Runtime(rank, rank, world, torch.device("cpu"), "gloo"))
+    return metrics["step_time_median_s"] if rank == 0 else 0.0
 
 
 def _cycle(first, build, nbytes: float | None = None):

@@ -127,6 +127,10 @@ def step_time(cfg: Config, engine: str, world: int, link: Link, gpu: GPU | None,
     if census and m.collective_latency_measured and m.host_step and m.host_step(cfg, engine) is not None:
         link = link.bytes_only()  # each call's fixed cost is in the measured host part (plan/cpu.py)
     comm = sum(calls * collective_time(kind, b, ranks, link) for kind, b, calls, ranks in plan)
+    # on a CPU the bytes are moved by the ranks' own cores (gloo's threads copy them through the kernel's
+    # loopback); the link was fitted with a core per rank, so more ranks than cores stretch it as they
+    # stretch the arithmetic
+    comm *= m.slowdown
     step = step_seconds(compute, comm, exposed_seconds(plan, link), m)
     tokens_step = t.global_batch_size * tokens_per_sample
     return {"compute_s": compute, "comm_s": comm, "flops_per_token": flops / tokens_rank, "step_s": step,
