@@ -13,6 +13,7 @@ however busy it is when plan runs (a busy machine's run is slower by its share o
 from __future__ import annotations
 
 import contextlib
+import io
 import itertools
 import os
 import statistics
@@ -328,7 +329,8 @@ def _real_group_step(rank: int, world: int, cfg) -> float:
     with tempfile.TemporaryDirectory(prefix="shardlab-host-") as tmp:
         cfg = dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, dir=tmp),
                                   checkpoint=dataclasses.replace(cfg.checkpoint, final=False))
-        metrics = train(cfg, Runtime(rank, rank, world, torch.device("cpu"), "gloo"))
+        with contextlib.redirect_stdout(io.StringIO()):  # a run's opening lines are not plan's output (--json)
+            metrics = train(cfg, Runtime(rank, rank, world, torch.device("cpu"), "gloo"))
     return metrics["step_time_median_s"] if rank == 0 else 0.0
 
 
