@@ -2,7 +2,7 @@
 this machine, per model preset, engine and world size (docs/plan.md, "Step time, checked").
 
     OMP_NUM_THREADS=1 nice -n -15 .venv/bin/python benchmarks/plan_clock.py [--presets gpt-tiny,gpt-mini] \
-        [--nproc 1,2,4] [--engines ddp,zero3,fsdp,torch-ddp,torch-fsdp] [--steps 10] [--out plan_clock.json]
+        [--nproc 1,2,4] [--engines ddp,zero3,fsdp,torch-ddp,torch-fsdp] [--steps 10] [--repeats 1] [--out plan_clock.json]
 
 Per preset and world size: one `shardlab plan --json` for every engine (its predicted `step_s`), then
 one `shardlab train` per engine (metrics.json's `step_time_median_s`: the median step, the first left
@@ -12,7 +12,9 @@ about ten minutes on the idle 2-core VM, and it prints the wall time it took. Ru
 plan and the runs then use the same threads per rank, and no OpenMP thread spins waiting for a descheduled
 sibling. plan predicts the idle machine's step (its rates are measured in CPU time, plan/cpu.py), so on a
 busy machine the measured step is slower by the share of the cores the run gets: the load column says how
-busy it was; `nice -n -15` (as root) gives the runs a larger share.
+busy it was; `nice -n -15` (as root) gives the runs a larger share. With `--repeats N` each preset and world
+size is planned and run N times in turn, and a row gives the medians and each repeat's ratio: on this VM, whose
+speed moves by up to 10 % from one run to the next, that is the steadier check (N times as long).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,8 +47,8 @@ def planned(preset: str, engines: list[str], nproc: int, steps: int) -> dict[str
     return {e: r["time"]["step_s"] for e, r in report["engines"].items()}
 
 
-def measured(preset: str, engine: str, nproc: int, steps: int, out_dir: str) -> float:
-    name = f"{preset}-{engine}-{nproc}"
+def measured(preset: str, engine: str, nproc: int, steps: int, out_dir: str, repeat: int = 0) -> float:
+    name = f"{preset}-{engine}-{nproc}-{repeat}"
     cmd = [*SHARDLAB, "train", CONFIG, *_overrides(preset, steps), f"parallel.strategy={engine}",
            f"output.dir={out_dir}", f"output.run_name={name}", "checkpoint.resume=none"]
     if nproc > 1:
@@ -61,31 +64,45 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", default="ddp,zero3,fsdp,torch-ddp,torch-fsdp",
                    help="distributed engines (at 1 rank `single` is added)")
     p.add_argument("--steps", type=int, default=10, help="steps per run (the median leaves the first out)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="plan and run each row this many times, in turn (plan, the runs, plan, the runs, ...): "
+                        "a row's planned and measured figures are the medians")
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
     args = p.parse_args(argv)
     rows, started = [], time.time()
-    print("| preset | engine | ranks | planned ms | measured ms | planned / measured | load (1 min) |")
-    print("|---|---|---|---|---|---|---|")
+    each = " | ratio of each repeat" if args.repeats > 1 else ""
+    print(f"| preset | engine | ranks | planned ms | measured ms | planned / measured{each} | load (1 min) |")
+    print("|---|---|---|---|---|---|---|" + ("---|" if each else ""))
     with tempfile.TemporaryDirectory(prefix="plan-clock-") as tmp:
         for preset in args.presets.split(","):
             for nproc in (int(n) for n in args.nproc.split(",")):
                 engines = (["single"] if nproc == 1 else []) + args.engines.split(",")
-                plan = planned(preset, engines, nproc, args.steps)
+                plans: dict[str, list[float]] = {e: [] for e in engines}
+                runs: dict[str, list[float]] = {e: [] for e in engines}
+                loads: dict[str, list[float]] = {e: [] for e in engines}
+                t0 = time.time()
+                for repeat in range(args.repeats):
+                    for engine, planned_s in planned(preset, engines, nproc, args.steps).items():
+                        plans[engine].append(planned_s)
+                    for engine in engines:
+                        runs[engine].append(measured(preset, engine, nproc, args.steps, tmp, repeat))
+                        loads[engine].append(os.getloadavg()[0])
                 for engine in engines:
-                    t0 = time.time()
-                    got = measured(preset, engine, nproc, args.steps, tmp)
-                    load = os.getloadavg()[0]
-                    row = {"preset": preset, "engine": engine, "nproc": nproc, "planned_s": plan[engine],
-                           "measured_s": got, "ratio": plan[engine] / got, "load_1min": load,
-                           "run_s": time.time() - t0}
+                    plan, got = statistics.median(plans[engine]), statistics.median(runs[engine])
+                    row = {"preset": preset, "engine": engine, "nproc": nproc, "planned_s": plan, "measured_s": got,
+                           "ratio": plan / got, "load_1min": max(loads[engine]),
+                           "planned_each_s": plans[engine], "measured_each_s": runs[engine],
+                           "run_s": (time.time() - t0) / len(engines)}
                     rows.append(row)
-                    print(f"| {preset} | {engine} | {nproc} | {plan[engine] * 1e3:.1f} | {got * 1e3:.1f} | "
-                          f"{row['ratio']:.2f} | {load:.1f} |", flush=True)
+                    ratios = " | " + ", ".join(f"{a / b:.2f}" for a, b in zip(plans[engine], runs[engine])) if each else ""
+                    print(f"| {preset} | {engine} | {nproc} | {plan * 1e3:.1f} | {got * 1e3:.1f} | "
+                          f"{row['ratio']:.2f}{ratios} | {row['load_1min']:.1f} |", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     ratios = [r["ratio"] for r in rows]
-    print(f"\nplanned / measured {min(ratios):.2f}-{max(ratios):.2f} over {len(rows)} runs, "
-          f"{(time.time() - started) / 60:.1f} min, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"\nplanned / measured {min(ratios):.2f}-{max(ratios):.2f} over {len(rows)} rows"
+          + (f" (medians of {args.repeats} repeats)" if args.repeats > 1 else "")
+          + f", {(time.time() - started) / 60:.1f} min, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     return 0
 
 
