@@ -12,6 +12,7 @@ however busy it is when plan runs (a busy machine's run is slower by its share o
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import itertools
@@ -40,6 +41,13 @@ LARGEST_TIMED_BYTES = 2e9
 #: before). Operands hot in L2 ran gpt-tiny's matmul shapes 7-26 % faster than cycled ones (this VM's EPYC,
 #: 2 MiB of L2 per core, 2026-11-28), and the 1-rank steps came out 10-14 % above the clock.
 COLD_BYTES = 16 * 2**20
+# A memory-bound kernel also writes its output where a step's lands: memory last touched several operations
+# before, not the block the allocator hands straight back when the previous call's output is dropped. So
+# its replay keeps as many outputs alive as it cycles copies of its operands. GELU at (4, 128, 512), one
+# thread: 149-162 us with its output block reused, 180-229 us with the outputs kept, 220 us a call inside
+# gpt-tiny's step (the thread's CPU time per operator, 2026-11-28). The matmuls keep the reused block: inside
+# the step gpt-tiny's mm and addmm took 74.8 and 37.2 ms against 76.4 and 38.7 priced so, and kept outputs
+# raised a (512, 128) x (128, 512) product by 16-20 %.
 #: and through no more copies than this (a tiny kernel's would be many thousands)
 MOST_COPIES = 64
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
@@ -134,7 +142,7 @@ class _Rates:
             func = {"mm": torch.mm, "bmm": torch.bmm, "addmm": torch.addmm, "baddbmm": torch.baddbmm}.get(op)
             if func is None or len(t) < (3 if op in ("addmm", "baddbmm") else 2):
                 return None
-            operands = _cycle(t, lambda: [torch.randn(s, dtype=dtype) for s in shape])
+            operands = itertools.cycle(_copies(t, lambda: [torch.randn(s, dtype=dtype) for s in shape]))
             with _threads(self.threads):
                 return flops / _mean_call(lambda: func(*next(operands)))
         return self._attention(op, t, flops)
@@ -150,10 +158,11 @@ class _Rates:
             def build():
                 return _build(spec[0]), {k: _build(v) for k, v in spec[1]}
 
-            first = build()
-            calls = _cycle(first, build, moved)
+            copies = _copies(build(), build, moved)
+            calls, outputs = itertools.cycle(copies), collections.deque(maxlen=len(copies))
             with _threads(self.threads):
-                return moved / _mean_call(lambda: (lambda a, kw: func(*a, **kw))(*next(calls)), KERNEL_MEASURE_S)
+                return moved / _mean_call(lambda: outputs.append((lambda a, kw: func(*a, **kw))(*next(calls))),
+                                          KERNEL_MEASURE_S)
         except Exception:  # an argument the spec cannot rebuild (a value the kernel checks): its bytes price it
             return None
 
@@ -334,10 +343,9 @@ def _real_group_step(rank: int, world: int, cfg) -> float:
     return metrics["step_time_median_s"] if rank == 0 else 0.0
 
 
-def _cycle(first, build, nbytes: float | None = None):
-    """An endless cycle over `first` and more copies from `build()`, COLD_BYTES of them together (at most
-    MOST_COPIES): each call of a timed operation then reads operands beyond the core's own cache."""
+def _copies(first, build, nbytes: float | None = None) -> list:
+    """`first` and more copies from `build()`, COLD_BYTES of them together (at most MOST_COPIES): a timed
+    operation cycling through them reads operands beyond the core's own cache."""
     if nbytes is None:
         nbytes = sum(x.nbytes for x in first if isinstance(x, torch.Tensor))
-    copies = [first] + [build() for _ in range(min(MOST_COPIES, int(COLD_BYTES // max(nbytes, 1))) - 1)]
-    return itertools.cycle(copies)
+    return [first] + [build() for _ in range(min(MOST_COPIES, int(COLD_BYTES // max(nbytes, 1))) - 1)]
