@@ -3,6 +3,8 @@ the GPU, without running a probe (cheap: the meta model and arithmetic only)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from shardlab.config import load_config
@@ -96,26 +98,47 @@ def test_the_census_sees_each_kind_of_operation():
 
 
 def test_cpu_host_work_is_measured_on_the_engines_own_step():
-    """--gpu cpu's host part (plan/cpu.py, [Note: the host's work, measured]): the engine's own step at a
-    negligible width, at one rank in CPU seconds, beyond one on a real gloo group of the world's size in
-    wall seconds (each collective's fixed cost inside, so the link then prices bytes only); a model it
-    cannot narrow falls back to one operator's dispatch per operator (None)."""
-    from shardlab.plan.catalogue import INTERCONNECTS
-    from shardlab.plan.cpu import _HostSteps
-    from shardlab.plan.traffic import collective_time
+    """--gpu cpu's narrow step (plan/cpu.py, [Note: the host's work, measured]): at one rank the engine's own
+    step at a negligible width in CPU seconds; beyond one its step at the real width and a few tokens on a
+    real gloo group of the world's size, in wall seconds less its own arithmetic, with every collective whole
+    inside (so the link prices none) and the share of the cores the ranks kept busy; a model it cannot narrow
+    falls back to one operator's dispatch per operator (None)."""
+    from shardlab.plan.cpu import cpu_machine
 
     cfg = load_config("configs/gpt-tiny.yaml", ["model.preset=gpt-nano", "data.seq_len=32"])
     for world in (1, 2):
-        host = _HostSteps(world)
-        assert 0 < host(cfg, "fsdp") < 5.0 and host.cache == {"fsdp": host(cfg, "fsdp")}, world
-    link = INTERCONNECTS["loopback"].bytes_only()
-    for kind in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce"):
-        assert collective_time(kind, 0, 4, link) == 0.0
-        assert collective_time(kind, 2**20, 4, link) == pytest.approx(
-            collective_time(kind, 2**20, 4, INTERCONNECTS["loopback"]) - collective_time(kind, 0, 4, INTERCONNECTS["loopback"]),
-            rel=1e-12)
+        narrow = cpu_machine(world).host_step
+        step = narrow(cfg, "fsdp")
+        assert 0 < step.seconds < 5.0 and 0 < step.busy <= 1.0 and narrow.cache == {"fsdp": step}, world
+        assert step.collectives == (world > 1), world
+        if world * int(os.environ.get("OMP_NUM_THREADS") or 1) <= (os.cpu_count() or 1):
+            assert step.busy == 1.0, "each rank has a core of its own: nothing stretches its arithmetic"
     cfg.model.name = "resnet"
-    assert _HostSteps(2)(cfg, "ddp") is None
+    assert cpu_machine(2).host_step(cfg, "ddp") is None
+
+
+def test_a_narrow_step_on_a_real_group_holds_the_collectives_and_stretches_the_arithmetic():
+    """Where the narrow step holds the collectives (`NarrowStep.collectives`), the link prices none of them;
+    where the ranks share cores, each kind of arithmetic takes 1 / busy as long ([Note: ranks sharing cores]
+    in plan/cpu.py); the step is the narrow step's seconds plus the stretched arithmetic."""
+    from shardlab.plan.clock import Machine, NarrowStep
+    from shardlab.plan.ops import Census
+
+    cfg = load_config("configs/gpt-tiny.yaml")
+    census: Census = {("matmul", "mm", "fp32", ((64, 64), (64, 64)), 2 * 64**3, 3 * 64 * 64 * 4): 10.0,
+                      ("memory", "aten.gelu.default", "fp32", (), 0, 2 * 64 * 64 * 4): 10.0}
+
+    def cpu(narrow: NarrowStep | None) -> Machine:
+        return Machine("cpu", {"fp32": 1e11}, 1e10, 1e-6, 1.0, False, slowdown=2.0,
+                       host_step=lambda c, e: narrow)
+
+    link = INTERCONNECTS["loopback"]
+    alone = step_time(cfg, "zero3", 4, link, None, census=census, machine=cpu(None))
+    whole = step_time(cfg, "zero3", 4, link, None, census=census, machine=cpu(NarrowStep(0.05, 0.5, True)))
+    assert alone["comm_s"] > 0 and whole["comm_s"] == 0.0
+    for kind in ("matmul", "memory"):
+        assert whole["parts_s"][kind] == pytest.approx(2 * alone["parts_s"][kind], rel=1e-12)
+    assert whole["step_s"] == pytest.approx(0.05 + whole["parts_s"]["matmul"] + whole["parts_s"]["memory"], rel=1e-12)
 
 
 def test_replayed_kernels_get_operands_in_every_functions_domain():
@@ -174,7 +197,7 @@ def test_more_ranks_than_cores_stretch_the_collectives_bytes_on_a_cpu():
     from shardlab.plan.clock import Machine
 
     cfg = load_config("configs/gpt-tiny.yaml")
-    link = INTERCONNECTS["loopback"].bytes_only()
+    link = INTERCONNECTS["loopback"]
 
     def cpu(slowdown: float) -> Machine:
         return Machine("cpu", {"fp32": 1e11}, 1e10, 1e-6, 1.0, False, slowdown=slowdown)

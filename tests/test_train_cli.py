@@ -70,6 +70,9 @@ def test_two_worker_run_learns_and_reports(tmp_path, strategy, request):
     assert len(m["peak_memory_bytes"]) == 2 and all(2**20 < b < 8 * 2**30 for b in m["peak_memory_bytes"])
     assert m["samples_per_s"] > 0 and m["tokens_per_s"] == pytest.approx(m["samples_per_s"] * 64)
     assert 0 < m["step_time_median_s"] < m["wall_clock_s"]
+    # each rank's process CPU seconds a step, aligned with the steps' wall times (plan/cpu.py reads them)
+    assert [len(c) for c in m["cpu_seconds_per_step"]] == [steps, steps]
+    assert all(0 < c for rank in m["cpu_seconds_per_step"] for c in rank)
     assert args["world_size"] == 2 and len(args["hostnames"]) == 2
     assert args["config"]["parallel"]["strategy"] == strategy
     assert args["torch_version"] and args["shardlab_version"]

@@ -219,6 +219,7 @@ class RunMeasurements:
         self.timer = M.StepTimer(warmup=1)
         self.val_losses: dict[int, Evaluation] = {}
         self.step_comm_seconds: list[dict[str, float] | None] = []  # per step: seconds per collective kind
+        self.step_cpu_seconds: list[float] = []  # per step: this process's CPU seconds, every thread
         self.state_bytes: dict[str, int] | None = None
         self.run: Any = None
         self.logger: StepLogger | None = None
@@ -251,12 +252,13 @@ class RunMeasurements:
         place in the profiler's trace; the first one's FLOPs (MFU)."""
         if self.profiler is not None:
             self.profiler.before_step(step)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         before = self.run.engine.comm_seconds()
         with self.flops.count():
             yield
         self.step_comm_seconds.append(_seconds_since(before, self.run.engine.comm_seconds()))
         self.timer.add(time.perf_counter() - start)
+        self.step_cpu_seconds.append(time.process_time() - cpu)
         if self.profiler is not None:
             self.profiler.after_step(step)
 
@@ -317,7 +319,7 @@ class RunMeasurements:
             peak = max(peak, tracker.allocator_peak_seen)
         live = tracker.summary() if tracker is not None and tracker.steps_tracked else None
         mine = {"peak_memory_bytes": peak, "model_state_bytes": self.state_bytes, "comm": self.train_comm,
-                "comm_seconds": _per_kind(self.step_comm_seconds), "live": live,
+                "comm_seconds": _per_kind(self.step_comm_seconds), "cpu_seconds": self.step_cpu_seconds, "live": live,
                 "compile": (self.compile_clock.seconds(), self.compile_clock.graphs())}
         result = None
         try:

@@ -128,6 +128,10 @@ def _gathered(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         # per rank: collective kind -> seconds in each step of this run (as step_times_s), as the
         # caller saw them (engines/collectives.py; docs/benchmarks.md); null: not timed
         "comm_seconds_per_step": [r["comm_seconds"] for r in per_rank],
+        # per rank: the worker process's CPU seconds in each step (every thread, user and system: compute,
+        # the collectives' threads, the kernel's copies), aligned with step_times_s; on a CPU the wall time
+        # beyond it is what the rank waited (plan/cpu.py reads it)
+        "cpu_seconds_per_step": [r["cpu_seconds"] for r in per_rank],
     }
 
 

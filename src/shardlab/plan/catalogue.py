@@ -3,7 +3,6 @@ links between ranks (alpha-beta constants per collective kind), each with its so
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 
@@ -131,10 +130,6 @@ class Link:
     #: kinds are implemented very differently (its reduce_scatter copies and all-reduces), so one
     #: pair cannot describe them all (docs/memory.md, "Step time").
     per_kind: tuple[tuple[str, float, float], ...] = ()
-
-    def bytes_only(self) -> Link:
-        """This link without its latency: where a step's collectives' fixed costs are measured elsewhere."""
-        return dataclasses.replace(self, alpha_s=0.0, per_kind=tuple((k, 0.0, b) for k, _a, b in self.per_kind))
 
     def constants(self, kind: str) -> tuple[float, float]:
         for k, a, b in self.per_kind:

@@ -25,7 +25,10 @@ the step timed as it is, attention timed at its shape, bandwidth measured, and t
 bookkeeping, each collective's launch, the optimizer's per-tensor loop, autograd's graph) measured on the
 engine's own step at a negligible width ([Note: the host's work, measured] in plan/cpu.py), where a
 count of operators at one operator's cost would miss the Python the sharded engines run between them.
-Communication is the link model over the engine's collectives (plan/traffic.py). On a GPU the
+Beyond one rank that step runs on a real group at the real width, so it holds the collectives whole, bytes
+included, and their waits; where ranks share cores, their arithmetic stretches by the share of the cores that
+step left idle ([Note: ranks sharing cores] in plan/cpu.py).
+Communication is otherwise the link model over the engine's collectives (plan/traffic.py). On a GPU the
 collectives run beside compute on their own stream, except the first gather of a step (nothing to
 compute before it) and the last reduce (nothing left to compute after it): step = exposed + max(compute,
 rest of comm). On a CPU the collectives take the same cores as compute (gloo's threads copy the bytes), so
@@ -57,6 +60,18 @@ ATTENTION_SOURCE = {"A100-40": "FlashAttention-2 paper (arXiv:2307.08691): 50-73
                     "H200": "FlashAttention-3 paper (arXiv:2407.08608): FA-2 at ~35 % of H100's peak"}
 
 
+@dataclass(frozen=True)
+class NarrowStep:
+    """What a machine measured of an engine's own step apart from its arithmetic (plan/cpu.py, [Note: the
+    host's work, measured]): `seconds`, the step less its arithmetic (the host's work; with `collectives`,
+    every collective whole too: latency, bytes, waiting for the other ranks); `busy`, the share of the cores
+    the ranks kept busy where they share them (1: each rank has cores of its own), by which their arithmetic
+    stretches too ([Note: ranks sharing cores] in plan/cpu.py)."""
+    seconds: float
+    busy: float = 1.0
+    collectives: bool = False
+
+
 @dataclass
 class Machine:
     """What the clock knows of one rank's device: the matmul ceiling per dtype, memory bandwidth, the
@@ -75,12 +90,8 @@ class Machine:
     rate: Callable[..., float | None] | None = None
     slowdown: float = 1.0                # more ranks than cores (a CPU): compute and the collectives' bytes
                                          # each take ranks / cores as long
-    #: (config, engine) -> seconds of the host's work per step, measured (this machine), else None;
-    #: already stretched by more ranks than cores where it is measured on the ranks themselves
-    host_step: Callable[..., float | None] | None = None
-    #: host_step holds each collective's fixed cost too (measured on a real group, plan/cpu.py): where it
-    #: answers, the link prices the collectives' bytes only
-    collective_latency_measured: bool = False
+    #: (config, engine) -> the engine's step measured apart from its arithmetic (this machine), else None
+    host_step: Callable[..., NarrowStep | None] | None = None
 
     def ceiling(self, dtype: str) -> float:
         return self.ceilings.get(dtype) or self.ceilings["fp32"]
@@ -137,10 +148,18 @@ def operation_seconds(census: Census, m: Machine, cfg=None, engine: str | None =
             measured = m.rate(kind, op, dtype, shape, moved) if m.rate and shape and moved else None
             seconds = moved / measured if measured else by_bytes
         out[kind] += calls * seconds * m.slowdown
-    measured = m.host_step(cfg, engine) if m.host_step and cfg is not None and engine else None
-    if measured is not None:
-        out["host"] = measured if m.collective_latency_measured else measured * m.slowdown
+    narrow = narrow_step(m, cfg, engine)
+    if narrow is not None:
+        for kind in ("matmul", "attention", "memory", "optimizer"):
+            out[kind] /= narrow.busy
+        # measured on the ranks themselves (collectives), else in one rank's CPU time: stretched as above
+        out["host"] = narrow.seconds if narrow.collectives else narrow.seconds * m.slowdown
     return out
+
+
+def narrow_step(m: Machine, cfg=None, engine: str | None = None) -> NarrowStep | None:
+    """The machine's measurement of `engine`'s step apart from its arithmetic, where it makes one."""
+    return m.host_step(cfg, engine) if m.host_step and cfg is not None and engine else None
 
 
 def compute_seconds(parts: dict[str, float], m: Machine) -> float:

@@ -20,6 +20,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,8 @@ from torch.utils import flop_counter
 
 from shardlab.observe.flops import measured_peak
 from shardlab.plan.catalogue import GPU
-from shardlab.plan.clock import Machine
+from shardlab.plan.clock import Machine, NarrowStep, operation_seconds
+from shardlab.plan.ops import Census
 
 #: A measurement repeats its operation until this many seconds have passed (at least 3 calls): its mean.
 MEASURE_S = 0.05
@@ -195,39 +197,56 @@ class _Rates:
 # kernels of the real width are priced on top of it as before. Only GPT models can be narrowed by a key
 # (`model.n_embd`); others fall back to one operator's dispatch per operator.
 #
-# Beyond one rank the narrow step runs on a real gloo group of the world's size, one local process per
-# rank (`_real_group_step`), trained by the loop's own `train` as `shardlab train` trains it (the hang
-# doctor's records of each collective, the step's measurements), and its median wall time is what the step
-# costs apart from its arithmetic
-# and the collectives' bytes: the host's work, and every collective's fixed cost as it is inside a step
-# (the call's latency, the hand-off to gloo's thread, waiting for the other ranks, and more ranks than
-# cores taking turns), which an alpha-beta fit of collectives timed alone missed by 2-8x (at 4 workers on
-# 2 cores a 4 KiB all-reduce took 6-8 ms, the fit said 1.4: `python -m shardlab.plan fit-loopback`,
-# 2026-11-28). The link then prices only the bytes (`Machine.collective_latency_measured`). Measured so,
-# the clock's check (benchmarks/plan_clock.py, idle) went from 17 to 29 of its 32 rows within 0.85-1.15
-# (docs/plan.md, "Step time, checked here"). Wall time is stretched by other work on the machine; the
-# sources say that this figure wants an idle one. Spinning each rank's priced arithmetic in place inside
-# this narrow step (a spin at every nn.Linear's forward and backward, by its size) moved it less than its
-# own run-to-run spread at 4 ranks on 2 cores (zero3 on gpt-tiny, 2026-11-28: 183 ms with the spin against
-# 173-175 ms summed in two plans, while the narrow step alone ran 88-112 ms in ten), so the arithmetic is
-# added to it, not spent inside it (which would cost plan the step's whole time per engine).
+# Beyond one rank the narrow step keeps the real width, so that its collectives carry the real bytes, and
+# narrows only the tokens (`_HOST_SEQ` a sample): it runs on a real gloo group of the world's size, one
+# local process per rank (`_real_group_step`), trained by the loop's own `train` as `shardlab train` trains
+# it (the hang doctor's records of each collective, the step's measurements). Its median wall time holds
+# the host's work, every collective whole as it runs inside a step (the call's latency, the hand-off to
+# gloo's thread, the bytes copied through loopback, waiting for the other ranks, more ranks than cores
+# taking turns) and the arithmetic of its few tokens, which plan prices from the same step's census taken
+# on one process (`_HostSteps._one_rank`) and subtracts; the real width's arithmetic is priced on top, and
+# the link prices nothing (`NarrowStep.collectives`). Collectives timed alone missed their cost inside a
+# step both ways: a fit at 2 workers stretched by ranks / cores priced gpt-mini's fsdp bytes at 4 ranks on 2
+# cores at 337 ms a step against about 140 inside it (its plan 1.11-1.16 of the measured step), while inside
+# a 2-rank step torch-fsdp's and zero3's collectives cost 46-70 ms more than the fit said (2026-11-28).
+# Wall time is stretched by other work on the machine; the sources say that this figure wants an idle
+# one. Spinning each rank's priced arithmetic in place inside the narrow step (a CPU-time spin at every
+# nn.Linear's forward and backward) does not stand for it: a spin touches no memory and fills the cores
+# the ranks leave idle, so at 4 ranks on 2 cores it came out below the sum (zero3 on gpt-tiny: 178 ms
+# against 194 summed and 220 measured, 2026-11-28).
+#
+# [Note: ranks sharing cores]
+# With more ranks than cores the ranks take turns, and the cores sit idle only while fewer ranks than cores
+# can run (the rest wait at a collective). Measured per rank (the process's CPU seconds a step, every
+# thread, against the step's wall time), that idle share stays with a step as its arithmetic grows: gpt-
+# tiny's zero3 at 4 ranks on 2 cores kept the cores 79 % busy in the 8-token step and 82 % in the real one,
+# torch-fsdp 80 and 85 %, gpt-mini's four sharded and ddp engines 90-93 % in the 8-token step (2026-11-28).
+# So the arithmetic added on top stretches by 1 / busy as well as by ranks / cores (`NarrowStep.busy`:
+# the narrow step's CPU seconds, all ranks', over cores x wall). Summed instead (the idle left as it was in
+# the narrow step), gpt-tiny's 4-rank sharded engines came out at 0.80-0.91 of the measured step. Where
+# each rank has cores of its own the idle is a rank waiting for the others, which more arithmetic between
+# the same collectives does not lengthen much: busy is 1 there (stretched, the 2-rank steps came out at
+# 1.05-1.17 of the measured ones).
 _HOST_HEAD_DIM, _HOST_SEQ, _HOST_STEPS = 2, 8, 9
 
 
 class _HostSteps:
-    """(config, engine) -> seconds of the host's work in one step ([Note: the host's work, measured])."""
+    """(config, engine) -> the engine's step measured apart from its arithmetic ([Note: the host's work,
+    measured]). `price`: a census -> seconds of its arithmetic at this machine's rates (set by cpu_machine)."""
 
     def __init__(self, world: int):
         self.world, self.cache = world, {}
+        self.price: Callable[[Census], float] | None = None
 
-    def __call__(self, cfg, engine: str) -> float | None:
+    def __call__(self, cfg, engine: str) -> NarrowStep | None:
         if cfg.model.name != "gpt":
             return None
         if engine not in self.cache:
             self.cache[engine] = self._measure(cfg, engine)
         return self.cache[engine]
 
-    def _narrow(self, cfg, engine: str, tmp: str, world: int):
+    def _narrow(self, cfg, engine: str, tmp: str, world: int, width: bool = True):
+        """The config at `_HOST_SEQ` tokens a sample and, with `width`, `_HOST_HEAD_DIM` a head."""
         from shardlab.config import config_from_dict
         from shardlab.models.gpt import GPT_PRESETS
         from shardlab.plan.probe import probe_config
@@ -236,32 +255,47 @@ class _HostSteps:
         accumulation = max(1, t.global_batch_size // (t.micro_batch_size * self.world))
         raw = probe_config(cfg, None, t.micro_batch_size, _HOST_SEQ, world, 3 + _HOST_STEPS, accumulation,
                            tmp).to_dict()
-        heads = raw["model"].get("n_head") or GPT_PRESETS[raw["model"]["preset"]].n_head
-        raw["model"]["n_embd"] = heads * _HOST_HEAD_DIM
+        if width:
+            heads = raw["model"].get("n_head") or GPT_PRESETS[raw["model"]["preset"]].n_head
+            raw["model"]["n_embd"] = heads * _HOST_HEAD_DIM
         raw["parallel"]["strategy"] = engine
         raw["output"]["dir"] = tmp
         return config_from_dict(raw)
 
-    def _measure(self, cfg, engine: str) -> float | None:
+    def _measure(self, cfg, engine: str) -> NarrowStep | None:
+        if self.world == 1:
+            seconds, _ = self._one_rank(cfg, engine, width=True)
+            return None if seconds is None else NarrowStep(seconds)
+        from shardlab.testing import run_workers  # local processes on a FileStore: nothing listens
+
+        narrow = _narrowed(self, cfg, engine)
+        try:
+            wall, cpu = run_workers(self.world, _real_group_step, narrow, timeout_s=300.0)[0]
+        except RuntimeError:
+            return None  # a config the narrow step cannot run: the per-operator fallback
+        _, census = self._one_rank(cfg, engine, width=False, census=True)
+        if census is None or self.price is None:
+            return None
+        cores = os.cpu_count() or 1
+        shared = self.world * threads_per_rank(self.world) > cores
+        busy = min(1.0, sum(cpu) / (cores * wall)) if shared and wall > 0 else 1.0
+        return NarrowStep(max(0.0, wall - self.price(census) / busy), busy, collectives=True)
+
+    def _one_rank(self, cfg, engine: str, width: bool, census: bool = False) -> tuple[float | None, Census | None]:
+        """The narrow step on one process (a fake group of the world's size, or a real one-rank group for an
+        engine that needs one): its median in the thread's CPU time, and with `census` one more step's
+        operations (plan/ops.py)."""
         import torch.distributed as dist
-
-        if self.world > 1:
-            from shardlab.testing import run_workers  # local processes on a FileStore: nothing listens
-
-            cfg = _narrowed(self, cfg, engine)
-            try:
-                return max(run_workers(self.world, _real_group_step, cfg, timeout_s=300.0))
-            except RuntimeError:
-                return None  # a config the narrow step cannot run: the per-operator fallback
 
         from shardlab.engines import engine_class
         from shardlab.loop.run import build_run
         from shardlab.loop.runtime import Runtime
         from shardlab.loop.train import train_step
         from shardlab.plan.model import init_fake_group
+        from shardlab.plan.ops import OpCensus
 
         if dist.is_initialized():
-            return None
+            return None, None
         fake = engine_class(engine).fake_group_probe
         with tempfile.TemporaryDirectory(prefix="shardlab-host-") as tmp, _threads(1):
             if fake:
@@ -271,15 +305,19 @@ class _HostSteps:
             try:
                 world = self.world if fake else 1   # the real run's micro batches per rank either way
                 rt = Runtime(0, 0, world, torch.device("cpu"), "fake" if fake else "gloo")
-                run = build_run(self._narrow(cfg, engine, tmp, world), rt)
+                run = build_run(self._narrow(cfg, engine, tmp, world, width), rt)
                 run.model.train()
                 steps = []
-                for _ in range(3 + _HOST_STEPS):  # the first steps create the optimizer's state
+                for _ in range(3 if census else 3 + _HOST_STEPS):  # the first steps create the optimizer's state
                     start = time.thread_time()
                     train_step(run)
                     run.state.step += 1
                     steps.append(time.thread_time() - start)
-                return statistics.median(steps[3:])
+                if not census:
+                    return statistics.median(steps[3:]), None
+                with OpCensus() as counted:
+                    train_step(run)
+                return None, counted.census
             finally:
                 dist.destroy_process_group()
 
@@ -304,9 +342,11 @@ def cpu_machine(world: int) -> Machine:
                            f"{world} local processes, wall time: the host's work and each collective's fixed cost "
                            "(an idle machine's figure; GPT models; others: "
                            f"{host * 1e6:.1f} us per operator, measured here, and the link's latency)")
-    return Machine("cpu", {"fp32": peak}, bandwidth, host, 1.0, False, sources, set(), _Rates(threads),
-                   slowdown=max(1.0, world / cores), host_step=_HostSteps(world),
-                   collective_latency_measured=world > 1)
+    steps = _HostSteps(world)
+    machine = Machine("cpu", {"fp32": peak}, bandwidth, host, 1.0, False, sources, set(), _Rates(threads),
+                      slowdown=max(1.0, world / cores), host_step=steps)
+    steps.price = lambda census: sum(v for k, v in operation_seconds(census, machine).items() if k != "host")
+    return machine
 
 
 def cpu_gpu() -> GPU:
@@ -318,17 +358,18 @@ def cpu_gpu() -> GPU:
 
 
 def _narrowed(steps: _HostSteps, cfg, engine: str):
-    """The narrow config (`_HostSteps._narrow`) at the real world size, as a plain dict's config: its
-    output directory is each worker's own."""
+    """The config at the real width and `_HOST_SEQ` tokens a sample (`_HostSteps._narrow`), at the real world
+    size: its output directory is each worker's own."""
     with tempfile.TemporaryDirectory(prefix="shardlab-host-") as tmp:
-        return steps._narrow(cfg, engine, tmp, steps.world)
+        return steps._narrow(cfg, engine, tmp, steps.world, width=False)
 
 
-def _real_group_step(rank: int, world: int, cfg) -> float:
+def _real_group_step(rank: int, world: int, cfg) -> tuple[float, list[float]] | None:
     """One rank of the narrow step on the real group (run_workers' gloo group), trained as
     `shardlab train` trains it (loop/train.py's `train`: the hang doctor's records, the step's own
-    measurements, releasing the gradients): the run's median step (the first left out), rank 0's
-    ([Note: the host's work, measured])."""
+    measurements, releasing the gradients): rank 0's median step (the first left out), and each rank's
+    median CPU seconds a step over the same steps (metrics.json's `cpu_seconds_per_step`: every thread of
+    its process) ([Note: the host's work, measured])."""
     import dataclasses
 
     from shardlab.loop.runtime import Runtime
@@ -340,7 +381,9 @@ def _real_group_step(rank: int, world: int, cfg) -> float:
                                   checkpoint=dataclasses.replace(cfg.checkpoint, final=False))
         with contextlib.redirect_stdout(io.StringIO()):  # a run's opening lines are not plan's output (--json)
             metrics = train(cfg, Runtime(rank, rank, world, torch.device("cpu"), "gloo"))
-    return metrics["step_time_median_s"] if rank == 0 else 0.0
+    if rank != 0:
+        return None
+    return metrics["step_time_median_s"], [statistics.median(c[1:] or c) for c in metrics["cpu_seconds_per_step"]]
 
 
 def _copies(first, build, nbytes: float | None = None) -> list:

@@ -24,6 +24,7 @@ from shardlab.plan.clock import (
     gpu_machine,
     least_sure,
     main_dtype,
+    narrow_step,
     operation_seconds,
     step_seconds,
 )
@@ -124,13 +125,15 @@ def step_time(cfg: Config, engine: str, world: int, link: Link, gpu: GPU | None,
         source = f"{counted} at the {dtype} matmul ceiling {m.ceiling(dtype) / 1e12:.3g} TFLOP/s"
     compute = compute_seconds(parts, m)
     plan = comm_plan(cfg, engine, world)
-    if census and m.collective_latency_measured and m.host_step and m.host_step(cfg, engine) is not None:
-        link = link.bytes_only()  # each call's fixed cost is in the measured host part (plan/cpu.py)
-    comm = sum(calls * collective_time(kind, b, ranks, link) for kind, b, calls, ranks in plan)
-    # on a CPU the bytes are moved by the ranks' own cores (gloo's threads copy them through the kernel's
-    # loopback); the link was fitted with a core per rank, so more ranks than cores stretch it as they
-    # stretch the arithmetic
-    comm *= m.slowdown
+    narrow = narrow_step(m, cfg, engine) if census else None
+    if narrow is not None and narrow.collectives:
+        comm = 0.0  # every collective, bytes and waits, is in the step measured on a real group (plan/cpu.py)
+    else:
+        comm = sum(calls * collective_time(kind, b, ranks, link) for kind, b, calls, ranks in plan)
+        # on a CPU the bytes are moved by the ranks' own cores (gloo's threads copy them through the kernel's
+        # loopback); the link was fitted with a core per rank, so more ranks than cores stretch it as they
+        # stretch the arithmetic
+        comm *= m.slowdown
     step = step_seconds(compute, comm, exposed_seconds(plan, link), m)
     tokens_step = t.global_batch_size * tokens_per_sample
     return {"compute_s": compute, "comm_s": comm, "flops_per_token": flops / tokens_rank, "step_s": step,
