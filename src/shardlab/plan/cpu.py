@@ -338,10 +338,10 @@ def cpu_machine(world: int) -> Machine:
                "host": "the engine's own step measured here at a negligible width (GPT models; others: "
                        f"{host * 1e6:.1f} us per operator, measured here)"}
     if world > 1:
-        sources["host"] = ("the engine's own step measured here at a negligible width on a real gloo group of "
-                           f"{world} local processes, wall time: the host's work and each collective's fixed cost "
-                           "(an idle machine's figure; GPT models; others: "
-                           f"{host * 1e6:.1f} us per operator, measured here, and the link's latency)")
+        sources["host"] = (f"the engine's own step measured here at the real width and {_HOST_SEQ} tokens a sample on "
+                           f"a real gloo group of {world} local processes, wall time less its own arithmetic: the "
+                           "host's work and every collective whole (an idle machine's figure; GPT models; others: "
+                           f"{host * 1e6:.1f} us per operator, measured here, and the link)")
     steps = _HostSteps(world)
     machine = Machine("cpu", {"fp32": peak}, bandwidth, host, 1.0, False, sources, set(), _Rates(threads),
                       slowdown=max(1.0, world / cores), host_step=steps)
