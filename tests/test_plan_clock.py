@@ -206,3 +206,14 @@ def test_more_ranks_than_cores_stretch_the_collectives_bytes_on_a_cpu():
     assert own_core["comm_s"] > 0 and shared["comm_s"] == pytest.approx(2 * own_core["comm_s"], rel=1e-12)
     assert shared["step_s"] == pytest.approx(shared["compute_s"] + shared["comm_s"], rel=1e-12)
     assert gpu_machine(GPUS["H100"]).slowdown == 1.0
+
+
+def test_only_engines_whose_ranks_meet_between_blocks_stretch_by_the_idle_cores():
+    """[Note: ranks sharing cores]: the engines that gather parameters unit by unit meet before every unit's
+    forward and backward, so their arithmetic stretches by the narrow step's idle cores; data-parallel ones
+    meet once after it (the design's own collectives, `Plannable.step_traffic`)."""
+    from shardlab.plan.cpu import _meets_between_blocks
+
+    cfg = load_config("configs/gpt-tiny.yaml")
+    assert {e: _meets_between_blocks(cfg, e, 4) for e in ("ddp", "torch-ddp", "zero3", "fsdp", "torch-fsdp")} == {
+        "ddp": False, "torch-ddp": False, "zero3": True, "fsdp": True, "torch-fsdp": True}

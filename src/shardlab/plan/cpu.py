@@ -217,16 +217,21 @@ class _Rates:
 #
 # [Note: ranks sharing cores]
 # With more ranks than cores the ranks take turns, and the cores sit idle only while fewer ranks than cores
-# can run (the rest wait at a collective). Measured per rank (the process's CPU seconds a step, every
-# thread, against the step's wall time), that idle share stays with a step as its arithmetic grows: gpt-
-# tiny's zero3 at 4 ranks on 2 cores kept the cores 79 % busy in the 8-token step and 82 % in the real one,
-# torch-fsdp 80 and 85 %, gpt-mini's four sharded and ddp engines 90-93 % in the 8-token step (2026-11-28).
-# So the arithmetic added on top stretches by 1 / busy as well as by ranks / cores (`NarrowStep.busy`:
-# the narrow step's CPU seconds, all ranks', over cores x wall). Summed instead (the idle left as it was in
-# the narrow step), gpt-tiny's 4-rank sharded engines came out at 0.80-0.91 of the measured step. Where
-# each rank has cores of its own the idle is a rank waiting for the others, which more arithmetic between
-# the same collectives does not lengthen much: busy is 1 there (stretched, the 2-rank steps came out at
-# 1.05-1.17 of the measured ones).
+# can run (the rest wait at a collective). An engine that gathers its parameters unit by unit (zero3, fsdp,
+# torch-fsdp) has its ranks meet before every unit's forward and backward; ranks taking turns arrive at each
+# meeting apart by more as there is more arithmetic between meetings, so the idle share of the cores stays
+# with the step as its arithmetic grows. Measured per rank (the process's CPU seconds a step, every thread,
+# against the step's wall time): gpt-tiny's zero3 at 4 ranks on 2 cores kept the cores 79 % busy in the
+# 8-token step and 82 % in the real one, torch-fsdp 80 and 85 % (2026-11-28). So for those engines the
+# arithmetic added on top stretches by 1 / busy as well as by ranks / cores (`NarrowStep.busy`: the narrow
+# step's CPU seconds, all ranks', over cores x wall); summed instead (the idle left as it was in the narrow
+# step), their 4-rank rows came out at 0.80-0.91 of the measured step. A data-parallel engine's ranks meet
+# once, at the gradients' all-reduce after all the arithmetic, where the idle is how far apart they arrive,
+# which does not grow with the arithmetic before: gpt-tiny's ddp kept 79 % of the cores busy in the 8-token
+# step and 92 % in the real one, and stretched by 1 / busy its 4-rank row came out at 1.15 of the measured step
+# (torch-ddp 1.08), summed at 0.98-1.00. Where each rank has cores of its own the idle is a rank waiting for
+# the others, which more arithmetic between the same meetings does not lengthen much: busy is 1 there
+# (stretched, the 2-rank steps came out at 1.05-1.17 of the measured ones).
 _HOST_HEAD_DIM, _HOST_SEQ, _HOST_STEPS = 2, 8, 9
 
 
@@ -278,7 +283,8 @@ class _HostSteps:
             return None
         cores = os.cpu_count() or 1
         shared = self.world * threads_per_rank(self.world) > cores
-        busy = min(1.0, sum(cpu) / (cores * wall)) if shared and wall > 0 else 1.0
+        stretches = shared and _meets_between_blocks(cfg, engine, self.world) and wall > 0
+        busy = min(1.0, sum(cpu) / (cores * wall)) if stretches else 1.0
         return NarrowStep(max(0.0, wall - self.price(census) / busy), busy, collectives=True)
 
     def _one_rank(self, cfg, engine: str, width: bool, census: bool = False) -> tuple[float | None, Census | None]:
@@ -355,6 +361,15 @@ def cpu_gpu() -> GPU:
     peak, source = measured_peak(torch.device("cpu"), torch.float32)
     return GPU("cpu", ram, True, {"fp32": peak}, 0.0, f"this machine: {source}", intra_node="loopback",
                inter_node="loopback")
+
+
+def _meets_between_blocks(cfg, engine: str, world: int) -> bool:
+    """Whether the engine's ranks meet between its blocks: its step gathers parameters (an all-gather or a
+    broadcast in `Plannable.step_traffic`) before each unit's forward and backward ([Note: ranks sharing
+    cores]); data-parallel engines meet only at the gradients' all-reduce, after the arithmetic."""
+    from shardlab.plan.traffic import comm_plan
+
+    return any(calls and kind in ("all_gather", "broadcast") for kind, _b, calls, _r in comm_plan(cfg, engine, world))
 
 
 def _narrowed(steps: _HostSteps, cfg, engine: str):
