@@ -136,6 +136,7 @@ def test_a_narrow_step_on_a_real_group_holds_the_collectives_and_stretches_the_a
     alone = step_time(cfg, "zero3", 4, link, None, census=census, machine=cpu(None))
     whole = step_time(cfg, "zero3", 4, link, None, census=census, machine=cpu(NarrowStep(0.05, 0.5, True)))
     assert alone["comm_s"] > 0 and whole["comm_s"] == 0.0
+    assert whole["comm_in_host"] and not alone["comm_in_host"], "the report must say where the collectives went"
     for kind in ("matmul", "memory"):
         assert whole["parts_s"][kind] == pytest.approx(2 * alone["parts_s"][kind], rel=1e-12)
     assert whole["step_s"] == pytest.approx(0.05 + whole["parts_s"]["matmul"] + whole["parts_s"]["memory"], rel=1e-12)

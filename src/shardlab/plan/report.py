@@ -287,11 +287,15 @@ def print_report(cfg: Config, report: dict[str, Any]) -> None:
     for e, r in report["engines"].items():
         t = r["time"]
         lim = t["comm_stops_hiding_at_nodes"]
-        print(f"  {e:{w}s} compute {t['compute_s'] * 1e3:9.1f} ms  comm {t['comm_s'] * 1e3:9.1f} ms  step "
+        # with --gpu cpu beyond one rank the collectives are timed inside the measured narrow step (plan/cpu.py):
+        # they are part of `host`, and the link prices none of them
+        in_host = t.get("comm_in_host", False)
+        comm = f"{'in host':>9s}   " if in_host else f"{t['comm_s'] * 1e3:9.1f} ms"
+        verdict = "measured in host" if in_host else ("hidden" if t["comm_hidden"] else "EXPOSED")
+        print(f"  {e:{w}s} compute {t['compute_s'] * 1e3:9.1f} ms  comm {comm}  step "
               f"{t['step_s'] * 1e3:9.1f} ms  {t['tokens_per_s'] or 0:12.0f} tokens/s "
               f"({(t['tokens_per_s'] or 0) / report['world']:.0f} per rank, {t['flops_per_token']:.3g} FLOP/token)  comm "
-              f"{'hidden' if t['comm_hidden'] else 'EXPOSED'}"
-              + (f"; stops hiding at {lim} node(s)" if lim else "; hidden up to 1024 nodes"))
+              f"{verdict}" + (f"; stops hiding at {lim} node(s)" if lim else "; hidden up to 1024 nodes"))
     for e, r in report["engines"].items():
         parts = r["time"]["parts_s"]
         print(f"  {e}: compute by kind, ms: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items())

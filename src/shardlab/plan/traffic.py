@@ -139,6 +139,7 @@ def step_time(cfg: Config, engine: str, world: int, link: Link, gpu: GPU | None,
     return {"compute_s": compute, "comm_s": comm, "flops_per_token": flops / tokens_rank, "step_s": step,
             "step_serial_s": compute + comm, "tokens_per_s": tokens_step / step if step else None,
             "compute_source": source, "comm_hidden": m.overlaps and comm <= compute, "link": link.name,
+            "comm_in_host": bool(narrow is not None and narrow.collectives),
             "parts_s": parts, "least_sure": least_sure(parts, comm, m, bool(census), main_dtype(census) if census else None),
             "operations": totals(census) if census else None, "machine_sources": m.sources}
 
